@@ -1,0 +1,184 @@
+"""Model hyperparameters: one frozen record for Qwen2/Qwen2.5, Qwen3 and Llama 3, with HF config.json conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# HF `architectures[0]` / `model_type` for each family we implement.
+FAMILIES = {
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "llama": ("LlamaForCausalLM", "llama"),
+}
+_ARCH_TO_FAMILY = {arch: fam for fam, (arch, _) in FAMILIES.items()}
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  family: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs of HF rope_scaling; () = none
+  rms_norm_eps: float = 1e-6
+  max_position_embeddings: int = 32768
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+  qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  remat: str = "none"  # none | full | dots
+
+  def __post_init__(self):
+    def bad(field, why):
+      raise ValueError(f"model.{field}={getattr(self, field)!r}: {why}")
+
+    if self.family not in FAMILIES:
+      bad("family", f"unknown model family; supported: {sorted(FAMILIES)}")
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim"):
+      if getattr(self, f) <= 0:
+        bad(f, "must be positive")
+    if self.num_heads % self.num_kv_heads:
+      bad("num_heads", f"must be a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      bad("head_dim", "must be even for rotary embeddings")
+    if self.dtype not in DTYPES:
+      bad("dtype", f"choose one of {sorted(DTYPES)}")
+    if self.param_dtype not in DTYPES:
+      bad("param_dtype", f"choose one of {sorted(DTYPES)}")
+    if self.remat not in ("none", "full", "dots"):
+      bad("remat", "choose one of none, full, dots")
+    if self.rope_type not in ROPE_TYPES:
+      bad("rope_scaling", f"rope_type {self.rope_type!r} not supported; supported: {ROPE_TYPES}")
+
+  @property
+  def rope(self) -> dict[str, Any]:
+    return dict(self.rope_scaling)
+
+  @property
+  def rope_type(self) -> str:
+    return self.rope.get("rope_type", self.rope.get("type", "default")) or "default"
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def replace(self, **kw) -> ModelConfig:
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_config(cls, c) -> ModelConfig:
+    """From the `model` group of an ml_collections config."""
+    rope = {}
+    if c.rope_scaling.rope_type:
+      rope = dict(c.rope_scaling)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in c.items() if k in names and k != "rope_scaling"}
+    return cls(rope_scaling=tuple(sorted(rope.items())), **kw)
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json", **overrides) -> ModelConfig:
+    """From a HF `config.json` dict. `source` names the file in error messages."""
+    archs = hf.get("architectures") or []
+    family = next((_ARCH_TO_FAMILY[a] for a in archs if a in _ARCH_TO_FAMILY), None)
+    if family is None:
+      family = hf.get("model_type") if hf.get("model_type") in FAMILIES else None
+    if family is None:
+      raise ValueError(
+          f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+          f"{sorted(_ARCH_TO_FAMILY)}")
+    try:
+      num_heads = hf["num_attention_heads"]
+      rope = hf.get("rope_scaling") or {}
+      if rope and "rope_theta" in rope:  # transformers 5 keeps rope_theta inside rope_parameters
+        rope = {k: v for k, v in rope.items() if k != "rope_theta"}
+      rope_params = hf.get("rope_parameters") or {}
+      theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+      if not rope and rope_params.get("rope_type", "default") != "default":
+        rope = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+      if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = {}
+      kw = dict(
+          family=family,
+          vocab_size=hf["vocab_size"],
+          hidden_size=hf["hidden_size"],
+          intermediate_size=hf["intermediate_size"],
+          num_layers=hf["num_hidden_layers"],
+          num_heads=num_heads,
+          num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+          head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+          rope_theta=float(theta),
+          rope_scaling=tuple(sorted(rope.items())),
+          rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+          max_position_embeddings=hf.get("max_position_embeddings", 32768),
+          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+          attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+          qk_norm=family == "qwen3",
+      )
+    except KeyError as e:
+      raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+    if hf.get("mlp_bias"):
+      raise ValueError(f"{source}: mlp_bias=true is not supported")
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_hf(self) -> dict[str, Any]:
+    """A HF `config.json` dict that `transformers` loads into the matching *ForCausalLM."""
+    arch, model_type = FAMILIES[self.family]
+    hf = dict(
+        architectures=[arch],
+        model_type=model_type,
+        vocab_size=self.vocab_size,
+        hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size,
+        num_hidden_layers=self.num_layers,
+        num_attention_heads=self.num_heads,
+        num_key_value_heads=self.num_kv_heads,
+        head_dim=self.head_dim,
+        hidden_act="silu",
+        rope_theta=self.rope_theta,
+        rope_scaling=dict(self.rope_scaling) or None,
+        rms_norm_eps=self.rms_norm_eps,
+        max_position_embeddings=self.max_position_embeddings,
+        tie_word_embeddings=self.tie_word_embeddings,
+        torch_dtype=self.param_dtype,
+        use_cache=True,
+    )
+    if self.family == "llama":
+      hf.update(attention_bias=self.attention_bias, mlp_bias=False)
+    if self.family == "qwen3":
+      hf.update(attention_bias=False)
+    if self.family in ("qwen2", "qwen3"):
+      hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+    return hf
+
+  def num_params(self) -> int:
+    d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+    attn = d * hd * (h + 2 * k) + h * hd * d + (hd * (h + 2 * k) if self.attention_bias else 0)
+    attn += 2 * hd if self.qk_norm else 0
+    per_layer = attn + 3 * d * f + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+    return self.num_layers * per_layer + emb + d
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (matmuls + attention scores), for MFU. Training is 3x this."""
+    d, h, hd = self.hidden_size, self.num_heads, self.head_dim
+    # 2 FLOPs per weight; the embedding lookup is a gather, the (possibly tied) output head a matmul.
+    dense = 2 * self.num_params() - (0 if self.tie_word_embeddings else 2 * self.vocab_size * d)
+    attn = 2 * 2 * self.num_layers * h * hd * seq_len / 2  # causal: half of q.k and p.v on average
+    return float(dense + attn)

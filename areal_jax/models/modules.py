@@ -1,0 +1,175 @@
+"""Transformer layers shared by the learner (packed training forward) and the sampler (prefill, paged decode).
+
+Attention is split so callers can plug in how keys and values are stored and attended: `Attention.__call__` projects
+q/k/v (with RoPE and optional q/k norms), calls `attend(q, k, v) -> (out, aux)`, and projects the output. The learner
+passes `dense_attention` over packed segments; the sampler passes a function that writes the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.sharding import constrain
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+_NEG = float(np.finfo(np.float32).min)
+
+
+def _param(rngs: nnx.Rngs | None, shape, names, dtype, init: str = "normal") -> nnx.Param:
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  else:
+    value = 0.02 * jax.random.normal(rngs.params(), shape, dtype)
+  return nnx.Param(value, logical_axes=tuple(names))
+
+
+class RMSNorm(nnx.Module):
+  """y = w * x / rms(x), computed in float32 (as HF does) and cast back."""
+
+  def __init__(self, dim: int, *, eps: float, dtype, names=("norm",)):
+    self.scale = _param(None, (dim,), names, dtype, init="ones")
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.scale.value.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [head_dim // 2] in float32, with HF's "linear" and "llama3" scaling."""
+  d = cfg.head_dim
+  inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)))
+  inv = inv.astype(np.float32)
+  r = cfg.rope
+  if cfg.rope_type == "linear":
+    inv = inv / np.float32(r["factor"])
+  elif cfg.rope_type == "llama3":
+    factor, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+    old = r["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    inv = np.where(medium, smoothed, scaled).astype(np.float32)
+  return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotary embedding (HF "rotate_half" layout). x: [B, T, N, D]; positions: [B, T]."""
+  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+  cos = jnp.cos(freqs)[:, :, None, :].astype(x.dtype)
+  sin = jnp.sin(freqs)[:, :, None, :].astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax attention with grouped KV heads. q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] (True = attend).
+
+  Rows with no visible key (padding) return zeros rather than NaN.
+  """
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  qg = q.reshape(b, t, kh, h // kh, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
+  m = mask[:, None, None, :, :]
+  scores = jnp.where(m, scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(m, probs, 0.0).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, d)
+
+
+def packed_mask(segment_ids: jax.Array) -> jax.Array:
+  """[B, T, T] causal mask within segments; segment id 0 is padding and attends to nothing."""
+  t = segment_ids.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal[None] & same & (segment_ids[:, :, None] != 0)
+
+
+def dense_attention(segment_ids: jax.Array) -> Attend:
+  """The training-time `attend`: causal attention within packed segments."""
+  mask = packed_mask(segment_ids)
+  return lambda q, k, v: (gqa_attention(q, k, v, mask), None)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, k, hd, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
+    self.q = _param(rngs, (d, h, hd), ("embed", "q_heads", "head_dim"), pd)
+    self.k = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pd)
+    self.v = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), pd)
+    self.o = _param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"), pd)
+    if cfg.attention_bias:
+      self.q_bias = _param(rngs, (h, hd), ("q_heads", "head_dim"), pd, init="zeros")
+      self.k_bias = _param(rngs, (k, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+      self.v_bias = _param(rngs, (k, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pd, names=("head_dim",))
+      self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pd, names=("head_dim",))
+    self.cfg = cfg
+
+  def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Projected q [B, T, H, D] and k, v [B, T, K, D], RoPE applied."""
+    dt, inv_freq = x.dtype, rope_inv_freq(self.cfg)
+    q = jnp.einsum("btd,dhk->bthk", x, self.q.value.astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k.value.astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v.value.astype(dt))
+    if self.cfg.attention_bias:
+      q, k, v = q + self.q_bias.value.astype(dt), k + self.k_bias.value.astype(dt), v + self.v_bias.value.astype(dt)
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = constrain(apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
+    k = constrain(apply_rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
+    v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+    return q, k, v
+
+  def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
+    q, k, v = self.qkv(x, positions)
+    out, aux = attend(q, k, v)
+    return jnp.einsum("bthk,hkd->btd", out, self.o.value.astype(x.dtype)), aux
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, pd = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
+    self.gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
+    self.up = _param(rngs, (d, f), ("embed", "mlp"), pd)
+    self.down = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    g = jax.nn.silu(x @ self.gate.value.astype(dt)) * (x @ self.up.value.astype(dt))
+    g = constrain(g, ("batch", "seq", "act_mlp"))
+    return g @ self.down.value.astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.weight_dtype)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.weight_dtype)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
+    a, aux = self.attn(self.attn_norm(x), positions, attend)
+    x = constrain(x + a, ("batch", "seq", None))
+    x = constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", None))
+    return x, aux

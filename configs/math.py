@@ -1,0 +1,177 @@
+r"""Asynchronous RL on math problems (AReaL, arXiv 2505.24298).
+
+Presets (`--config=configs/math.py:PRESET`):
+
+* `tiny` (default): a ~3M-parameter Qwen2-style model with a character vocabulary, trained from scratch on synthetic
+  arithmetic. Runs on a 2-core CPU with 8 emulated devices (4 sampler, 4 learner); no downloads.
+
+      python launch/tpu_run.py --config=configs/math.py --workdir=/tmp/areal_tiny
+
+  A short supervised warm-start on worked solutions comes first (cached in the workdir), then asynchronous RL.
+
+* `qwen2.5-1.5b`: DeepSeek-R1-Distill-Qwen-1.5B / Qwen2.5-1.5B shapes with the paper's Table 3 hyperparameters
+  (Adam 2e-5, wd 0.05, betas (0.9, 0.95), eps 1e-5, clip 1.0, PPO eps 0.2, temperature 1.0, 512 prompts x 16 answers,
+  4 minibatches, eta = 8). Set `--config.model.init_from=/path/to/hf_dir` and `--config.data.path=...jsonl`.
+
+      python launch/tpu_run.py --config=configs/math.py:qwen2.5-1.5b --workdir=gs://bucket/run \
+          --config.model.init_from=/ckpt/DeepSeek-R1-Distill-Qwen-1.5B --config.data.path=/data/math.jsonl
+
+* `r1-distill-qwen-7b`: DeepSeek-R1-Distill-Qwen-7B shapes, same hyperparameters.
+
+Any field can be overridden: `--config.learner.lr=1e-5`. Unknown keys raise.
+"""
+
+import ml_collections
+
+PRESETS = ("tiny", "qwen2.5-1.5b", "r1-distill-qwen-7b")
+
+
+def _model(preset: str) -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()
+  m.family = "qwen2"  # qwen2 | qwen3 | llama
+  m.init_from = ""  # HF model directory; "" = random init (+ supervised warm-start for `tiny`)
+  m.tokenizer = "char"  # "char" (built-in character vocabulary) or a path (tokenizer.json dir / .model file)
+  m.rope_scaling = ml_collections.ConfigDict(
+      {"rope_type": "", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+       "original_max_position_embeddings": 8192})
+  m.rms_norm_eps = 1e-6
+  m.dtype = "float32"  # compute dtype: float32 | bfloat16 (parameters stay param_dtype)
+  m.param_dtype = "float32"
+  m.remat = "none"  # none | full | dots
+  if preset == "tiny":
+    m.vocab_size = 64
+    m.hidden_size = 256
+    m.intermediate_size = 768
+    m.num_layers = 4
+    m.num_heads = 4
+    m.num_kv_heads = 2
+    m.head_dim = 64
+    m.rope_theta = 10000.0
+    m.max_position_embeddings = 512
+    m.tie_word_embeddings = True
+    m.attention_bias = True
+    m.qk_norm = False
+  elif preset == "qwen2.5-1.5b":
+    m.vocab_size = 151936
+    m.hidden_size = 1536
+    m.intermediate_size = 8960
+    m.num_layers = 28
+    m.num_heads = 12
+    m.num_kv_heads = 2
+    m.head_dim = 128
+    m.rope_theta = 10000.0
+    m.max_position_embeddings = 131072
+    m.tie_word_embeddings = False
+    m.attention_bias = True
+    m.qk_norm = False
+    m.dtype = "bfloat16"
+    m.remat = "full"
+  elif preset == "r1-distill-qwen-7b":
+    m.vocab_size = 152064
+    m.hidden_size = 3584
+    m.intermediate_size = 18944
+    m.num_layers = 28
+    m.num_heads = 28
+    m.num_kv_heads = 4
+    m.head_dim = 128
+    m.rope_theta = 10000.0
+    m.max_position_embeddings = 131072
+    m.tie_word_embeddings = False
+    m.attention_bias = True
+    m.qk_norm = False
+    m.dtype = "bfloat16"
+    m.remat = "full"
+  return m
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  preset = preset or "tiny"
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r} in configs/math.py; choose one of {PRESETS}")
+  tiny = preset == "tiny"
+  c = ml_collections.ConfigDict()
+  c.preset = preset
+  c.seed = 0
+  c.total_steps = 60 if tiny else 1000
+
+  c.model = _model(preset)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "synthetic" if tiny else "jsonl"  # synthetic | jsonl | tfds
+  c.data.path = ""  # jsonl file (source=jsonl)
+  c.data.eval_path = ""  # held-out jsonl; "" = held-out split of the synthetic generator
+  c.data.tfds_name = ""
+  c.data.tfds_data_dir = ""
+  c.data.split = "train"
+  c.data.prompt_template = "plain" if tiny else "chat"  # plain | chat
+  c.data.max_prompt_len = 48 if tiny else 1024
+  c.data.skip_bad_rows = False
+  c.data.shuffle_seed = 0
+  c.data.synthetic_difficulty = 1  # 1..4: number of operations in the synthetic problems
+  c.data.synthetic_size = 20000
+  c.data.eval_size = 128
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.num_slots = 64 if tiny else 256
+  c.sampler.page_size = 16 if tiny else 64
+  c.sampler.num_pages = 512 if tiny else 0  # 0 = fill `memory_fraction` of free device memory
+  c.sampler.memory_fraction = 0.8
+  c.sampler.max_seq_len = 128 if tiny else 28672  # prompt + answer (cache length per sequence)
+  c.sampler.max_new_tokens = 64 if tiny else 27648
+  c.sampler.temperature = 1.0
+  c.sampler.top_p = 1.0
+  c.sampler.top_k = -1
+  c.sampler.attention = "auto"  # auto | jax | pallas_tpu
+
+  c.learner = ml_collections.ConfigDict()
+  c.learner.lr = 1e-4 if tiny else 2e-5
+  c.learner.weight_decay = 0.05
+  c.learner.b1 = 0.9
+  c.learner.b2 = 0.95
+  c.learner.adam_eps = 1e-5
+  c.learner.grad_clip = 1.0
+  c.learner.warmup_steps = 2
+  c.learner.eps_clip = 0.2
+  c.learner.eps_clip_higher = 0.0  # 0 = symmetric clip
+  c.learner.c_clip = 0.0  # 0 = no dual clip
+  c.learner.behav_imp_weight_cap = 0.0  # 0 = no cap
+  c.learner.use_decoupled_loss = True
+  c.learner.ppo_n_minibatches = 4
+  c.learner.max_tokens_per_mb = 2048 if tiny else 32768
+  c.learner.kl_coef = 0.0
+  c.learner.kl_estimator = "k3"  # k1 | k2 | k3
+  c.learner.entropy_coef = 0.0
+  c.learner.reward_scale = 5.0  # r in {0,1} -> (r - 0.5) * 2 * scale
+  c.learner.adv_norm = "group"  # group | batch | none
+  c.learner.filter_uniform_groups = True
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.batch_size = 16 if tiny else 512  # B: prompt groups per learner step
+  c.rollout.group_size = 8 if tiny else 16  # G: answers per prompt
+  c.rollout.max_head_offpolicyness = 4 if tiny else 8  # eta; 0 = synchronous RL
+  c.rollout.max_concurrent_rollouts = 16 if tiny else 256  # groups in flight
+  c.rollout.queue_size = 64 if tiny else 2048  # bounded trajectory queue (groups)
+
+  c.reward = ml_collections.ConfigDict()
+  c.reward.kind = "math"  # math | code
+  c.reward.num_workers = 2 if tiny else 16
+  c.reward.timeout_s = 5.0
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.cpu_devices = 8  # emulated devices when running on CPU
+  c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
+  c.mesh.sampler_tensor = 1  # sampler mesh: data x tensor (data = devices / tensor)
+  c.mesh.learner_tensor = 1  # learner mesh: fsdp x tensor (fsdp = devices / tensor)
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 20 if tiny else 50
+  c.checkpoint.max_to_keep = 3
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 10 if tiny else 50
+  c.eval.num_samples = 1  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
+  c.eval.temperature = 0.6
+
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.tensorboard = True
+  return c

@@ -1,0 +1,36 @@
+"""areal_jax: fully asynchronous RL for language reasoning (AReaL) in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="areal_jax",
+    version="0.1.0",
+    description="Asynchronous reinforcement learning for language reasoning models, in JAX/Flax NNX.",
+    packages=find_packages(include=["areal_jax", "areal_jax.*"]),
+    python_requires=">=3.11,<3.12",
+    install_requires=[
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "ml-collections==1.1.0",
+        "absl-py==2.5.1",
+        "numpy==2.4.6",
+        "sentencepiece==0.2.3",
+        "tokenizers==0.23.3",
+        "safetensors==0.8.0",
+        "jinja2==3.1.6",
+        "math-verify==0.9.0",
+        "tensorboardX==2.6.5",
+        "tensorflow-datasets==4.9.10",
+        "array-record==0.8.6",
+        "etils==1.15.0",
+    ],
+    extras_require={
+        # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.
+        "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "torch==2.13.0", "transformers==5.23.0"],
+        "gcs": ["gcsfs==2026.10.1"],
+        "tpu": ["libtpu==0.0.42.1"],
+    },
+)
