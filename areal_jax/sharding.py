@@ -108,7 +108,7 @@ def logical_axes(state: nnx.State):
   def names(v):
     ax = v.get_metadata().get("logical_axes")
     if ax is None:
-      raise ValueError(f"parameter of shape {v.value.shape} has no logical_axes metadata")
+      raise ValueError(f"parameter of shape {v.get_value().shape} has no logical_axes metadata")
     return ax
 
   return jax.tree.map(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -119,7 +119,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
   def one(v):
     if isinstance(v, nnx.Variable):
       ax = v.get_metadata().get("logical_axes")
-      shape = v.value.shape
+      shape = v.get_value().shape
       return v.replace(NamedSharding(mesh, spec(shape, ax, mesh, rules) if ax else P()))
     return NamedSharding(mesh, P())
 

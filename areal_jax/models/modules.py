@@ -42,7 +42,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.scale.value.astype(x.dtype) * xf.astype(x.dtype)
+    return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -125,11 +125,11 @@ class Attention(nnx.Module):
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Projected q [B, T, H, D] and k, v [B, T, K, D], RoPE applied."""
     dt, inv_freq = x.dtype, rope_inv_freq(self.cfg)
-    q = jnp.einsum("btd,dhk->bthk", x, self.q.value.astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k.value.astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v.value.astype(dt))
+    q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dt))
     if self.cfg.attention_bias:
-      q, k, v = q + self.q_bias.value.astype(dt), k + self.k_bias.value.astype(dt), v + self.v_bias.value.astype(dt)
+      q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = constrain(apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
@@ -140,7 +140,7 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
     q, k, v = self.qkv(x, positions)
     out, aux = attend(q, k, v)
-    return jnp.einsum("bthk,hkd->btd", out, self.o.value.astype(x.dtype)), aux
+    return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(x.dtype)), aux
 
 
 class MLP(nnx.Module):
@@ -154,9 +154,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = x.dtype
-    g = jax.nn.silu(x @ self.gate.value.astype(dt)) * (x @ self.up.value.astype(dt))
+    g = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
     g = constrain(g, ("batch", "seq", "act_mlp"))
-    return g @ self.down.value.astype(dt)
+    return g @ self.down[...].astype(dt)
 
 
 class Block(nnx.Module):

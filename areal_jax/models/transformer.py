@@ -35,7 +35,7 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.weight_dtype)
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    x = jnp.take(self.embed.value, tokens, axis=0).astype(self.cfg.compute_dtype)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
     return constrain(x, ("batch", "seq", None))
 
   def run_layers(self, x: jax.Array, positions: jax.Array,
@@ -55,7 +55,7 @@ class Transformer(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Float32 logits [..., vocab] from final hidden states."""
-    w = self.embed.value.T if self.cfg.tie_word_embeddings else self.lm_head.value
+    w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
     out = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
     return constrain(out, ("batch", "seq", "act_vocab")) if out.ndim == 3 else out
 

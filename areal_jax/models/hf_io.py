@@ -1,0 +1,143 @@
+"""Exact import/export of HF checkpoints (config.json + safetensors, single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from areal_jax import sharding as shd
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import Transformer
+
+# HF tensors we ignore on import (buffers, not parameters).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, str, Callable, Callable]]:
+  """(our state path, HF name, hf→ours, ours→hf) for every parameter."""
+  h, k, hd, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+  ident = lambda x: x
+  t = lambda x: x.T
+
+  def heads_in(n):  # HF [n*hd, d] <-> ours [d, n, hd]
+    return (lambda x: x.T.reshape(d, n, hd)), (lambda x: x.reshape(d, n * hd).T)
+
+  def bias(n):  # HF [n*hd] <-> ours [n, hd]
+    return (lambda x: x.reshape(n, hd)), (lambda x: x.reshape(n * hd))
+
+  yield ("embed",), "model.embed_tokens.weight", ident, ident
+  for i in range(cfg.num_layers):
+    p, hf = ("layers", i), f"model.layers.{i}"
+    yield p + ("attn_norm", "scale"), f"{hf}.input_layernorm.weight", ident, ident
+    yield p + ("mlp_norm", "scale"), f"{hf}.post_attention_layernorm.weight", ident, ident
+    for name, n in (("q", h), ("k", k), ("v", k)):
+      yield (p + ("attn", name), f"{hf}.self_attn.{name}_proj.weight", *heads_in(n))
+      if cfg.attention_bias:
+        yield (p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", *bias(n))
+    yield (p + ("attn", "o"), f"{hf}.self_attn.o_proj.weight",
+           lambda x: x.T.reshape(h, hd, d), lambda x: x.reshape(h * hd, d).T)
+    if cfg.qk_norm:
+      yield p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", ident, ident
+      yield p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", ident, ident
+    yield p + ("mlp", "gate"), f"{hf}.mlp.gate_proj.weight", t, t
+    yield p + ("mlp", "up"), f"{hf}.mlp.up_proj.weight", t, t
+    yield p + ("mlp", "down"), f"{hf}.mlp.down_proj.weight", t, t
+  yield ("final_norm", "scale"), "model.norm.weight", ident, ident
+  if not cfg.tie_word_embeddings:
+    yield ("lm_head",), "lm_head.weight", t, t
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+  """HF tensor name → safetensors file, from the index or the single file."""
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+  single = os.path.join(path, "model.safetensors")
+  if not os.path.exists(single):
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+  with safe_open(single, framework="flax") as f:
+    return {name: single for name in f.keys()}
+
+
+def _abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+
+def read_config(path: str, **overrides) -> ModelConfig:
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{path}: no config.json (not a HF model directory)")
+  with open(cfg_path) as f:
+    return ModelConfig.from_hf(json.load(f), source=cfg_path, **overrides)
+
+
+def load_hf(path: str, dtype=jnp.float32, *, param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+            rules: shd.Rules = shd.LEARNER_RULES) -> Transformer:
+  """Reads a local HF model directory into an NNX `Transformer` with compute `dtype` and `param_dtype` parameters.
+
+  With `mesh`, each parameter is placed straight onto its sharding (logical `rules`) as it is read.
+  """
+  cfg = read_config(path, dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name)
+  graphdef, state = _abstract_model(cfg)
+  files = _tensor_files(path)
+  flat = dict(nnx.to_flat_state(state))
+  used = set()
+  with contextlib.ExitStack() as stack:
+    handles = {}
+    for our_path, hf_name, to_ours, _ in _param_map(cfg):
+      if hf_name not in files:
+        raise ValueError(f"{path}: tensor {hf_name!r} is missing (architecture {cfg.family})")
+      fname = files[hf_name]
+      if fname not in handles:
+        handles[fname] = stack.enter_context(safe_open(fname, framework="flax"))
+      raw = handles[fname].get_tensor(hf_name)
+      var = flat[our_path]
+      try:
+        value = to_ours(raw)
+      except (ValueError, TypeError):
+        value = None
+      if value is None or value.shape != var.get_value().shape:
+        raise ValueError(f"{path}: tensor {hf_name!r} in {os.path.basename(fname)} has shape {tuple(raw.shape)}, "
+                         f"which does not fit parameter {'.'.join(map(str, our_path))} of shape "
+                         f"{var.get_value().shape} ({cfg.family}, hidden_size {cfg.hidden_size})")
+      value = value.astype(param_dtype)
+      if mesh is not None:
+        names = var.get_metadata()["logical_axes"]
+        value = jax.device_put(value, jax.sharding.NamedSharding(mesh, shd.spec(value.shape, names, mesh, rules)))
+      var.set_value(value)
+      used.add(hf_name)
+  extra = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+           and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+  if extra:
+    logging.warning("%s: ignoring %d unexpected tensors, e.g. %s", path, len(extra), extra[:5])
+  return nnx.merge(graphdef, state)
+
+
+def save_hf(model: Transformer, path: str, *, dtype=None) -> None:
+  """Writes `config.json` and `model.safetensors` that `transformers.AutoModelForCausalLM` loads."""
+  cfg = model.cfg
+  os.makedirs(path, exist_ok=True)
+  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  tensors = {}
+  for our_path, hf_name, _, to_hf in _param_map(cfg):
+    value = jnp.asarray(jax.device_get(flat[our_path].get_value()))
+    if dtype is not None:
+      value = value.astype(dtype)
+    tensors[hf_name] = to_hf(value)
+  hf_cfg = cfg.to_hf()
+  if dtype is not None:
+    hf_cfg["torch_dtype"] = jnp.dtype(dtype).name
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_cfg, f, indent=2)

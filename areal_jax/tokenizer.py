@@ -1,0 +1,160 @@
+"""Tokenizers behind one small protocol: HF `tokenizer.json`, sentencepiece, and a built-in character vocabulary.
+
+`load_tokenizer("char")` is the tiny default's own vocabulary (no files); `load_tokenizer(path)` reads a HF tokenizer
+directory (`tokenizer.json`, `tokenizer_config.json` with its `chat_template`) or a sentencepiece `.model` file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Protocol, Sequence
+
+import jinja2.sandbox
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+  eos_id: int
+  pad_id: int
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+  def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
+
+
+def _render_chat(template: str | None, messages, *, add_generation_prompt: bool, source: str, **special) -> str:
+  """Renders a HF chat template the way `transformers` does (sandboxed jinja2, trim/lstrip blocks)."""
+  if not template:
+    raise ValueError(f"tokenizer {source} has no chat template; use data.prompt_template='plain'")
+
+  def raise_exception(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                      extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+  env.globals.update(raise_exception=raise_exception,
+                     strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+
+
+class CharTokenizer:
+  """A fixed character vocabulary for the tiny default model: ids 0 <pad>, 1 <eos>, then one id per character."""
+
+  CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=().,:?\\{}\n^#$QA"
+  SPECIALS = ("<pad>", "<eos>")
+
+  def __init__(self):
+    self.vocab_size = len(self.SPECIALS) + len(self.CHARS)
+    self.pad_id, self.eos_id = 0, 1
+    self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(self.CHARS)}
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [self._ids[c] for c in text]
+    except KeyError as e:
+      raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary (text {text[:60]!r})") from None
+
+  def decode(self, ids: Sequence[int]) -> str:
+    n = len(self.SPECIALS)
+    return "".join(self.CHARS[i - n] for i in ids if n <= i < self.vocab_size)
+
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+    """A minimal "Q: ...\\nA:" format (the char vocabulary has no chat markup)."""
+    parts = []
+    for m in messages:
+      parts.append(("Q: " if m["role"] == "user" else "A: ") + m["content"])
+    return "\n".join(parts) + ("\nA:" if add_generation_prompt else "")
+
+
+class HFTokenizer:
+  """A HF tokenizer directory through the `tokenizers` library; chat templates rendered with jinja2."""
+
+  def __init__(self, path: str):
+    import tokenizers  # pylint: disable=g-import-not-at-top
+
+    self.path = path
+    self._tok = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    cfg = {}
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(cfg_path):
+      with open(cfg_path) as f:
+        cfg = json.load(f)
+    self._cfg = cfg
+    self.chat_template = cfg.get("chat_template")
+    if isinstance(self.chat_template, list):  # named templates: take "default"
+      self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self.eos_token = self._token_str(cfg.get("eos_token"))
+    gen_cfg = os.path.join(path, "generation_config.json")
+    eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+    if eos is None and os.path.exists(gen_cfg):
+      with open(gen_cfg) as f:
+        e = json.load(f).get("eos_token_id")
+      eos = e[0] if isinstance(e, list) else e
+    if eos is None:
+      raise ValueError(f"{path}: no eos token (tokenizer_config.json eos_token / generation_config.json)")
+    self.eos_id = int(eos)
+    pad = self._token_str(cfg.get("pad_token"))
+    pad_id = self._tok.token_to_id(pad) if pad else None
+    self.pad_id = self.eos_id if pad_id is None else pad_id
+    self.bos_token = self._token_str(cfg.get("bos_token"))
+
+  @staticmethod
+  def _token_str(t):
+    return t.get("content") if isinstance(t, dict) else t
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode(list(ids), skip_special_tokens=True)
+
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+    return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                        source=self.path, eos_token=self.eos_token or "", bos_token=self.bos_token or "")
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece `.model` file. Pad falls back to eos when the model has no pad piece."""
+
+  def __init__(self, path: str, *, chat_template: str | None = None):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+
+    self.path = path
+    self._sp = spm.SentencePieceProcessor(model_file=path)
+    self.vocab_size = self._sp.get_piece_size()
+    self.eos_id = self._sp.eos_id()
+    if self.eos_id < 0:
+      raise ValueError(f"{path}: sentencepiece model has no eos piece")
+    self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+    self.chat_template = chat_template
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._sp.decode([int(i) for i in ids])
+
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+    return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, source=self.path,
+                        eos_token=self._sp.id_to_piece(self.eos_id), bos_token="")
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """"char", a HF tokenizer directory, a sentencepiece `.model` file, or a directory holding `tokenizer.model`."""
+  if spec == "char":
+    return CharTokenizer()
+  if os.path.isdir(spec):
+    if os.path.exists(os.path.join(spec, "tokenizer.json")):
+      return HFTokenizer(spec)
+    if os.path.exists(os.path.join(spec, "tokenizer.model")):
+      return SentencePieceTokenizer(os.path.join(spec, "tokenizer.model"))
+    raise ValueError(f"model.tokenizer={spec!r}: directory has neither tokenizer.json nor tokenizer.model")
+  if spec.endswith(".model") and os.path.exists(spec):
+    return SentencePieceTokenizer(spec)
+  raise ValueError(f"model.tokenizer={spec!r}: not 'char', a tokenizer directory or an existing .model file")
