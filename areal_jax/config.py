@@ -1,0 +1,142 @@
+"""Loading and validating run configs (`configs/*.py` files with `get_config(preset)`).
+
+Unknown keys are caught by the locked ConfigDict itself; `validate` checks what depends on several fields and names
+the field at fault.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import ml_collections
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.tokenizer import CharTokenizer
+
+_CHOICES = {
+    "data.source": ("synthetic", "jsonl", "tfds"),
+    "data.prompt_template": ("plain", "chat"),
+    "sampler.attention": ("auto", "jax", "pallas_tpu"),
+    "learner.kl_estimator": ("k1", "k2", "k3"),
+    "learner.adv_norm": ("group", "batch", "none"),
+    "reward.kind": ("math", "code"),
+}
+
+
+def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
+  """`load_config("configs/math.py:tiny", **{"learner.lr": 1e-5})`: the programmatic twin of `--config=...`."""
+  path, _, preset = spec.partition(":")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config file {path!r} does not exist")
+  module_spec = importlib.util.spec_from_file_location("_areal_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(preset or None)
+  config.lock()
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = getattr(node, p)
+    setattr(node, leaf, value)  # a locked ConfigDict raises on unknown keys, naming them
+  return config
+
+
+def _fail(field: str, value, why: str):
+  raise ValueError(f"config.{field}={value!r}: {why}")
+
+
+def _positive(c, *fields):
+  for f in fields:
+    group, name = f.split(".")
+    v = c[group][name]
+    if not v > 0:
+      _fail(f, v, "must be positive")
+
+
+def split_devices(num_devices: int, sampler_devices: int | float) -> tuple[int, int]:
+  """(sampler, learner) device counts; with one device both roles share it (returns (1, 1))."""
+  if num_devices == 1:
+    return 1, 1
+  if isinstance(sampler_devices, float) and not sampler_devices.is_integer():
+    if not 0 < sampler_devices < 1:
+      _fail("mesh.sampler_devices", sampler_devices, "a fraction must lie in (0, 1)")
+    n = max(1, min(num_devices - 1, round(num_devices * sampler_devices)))
+  else:
+    n = int(sampler_devices)
+    if not 0 < n < num_devices:
+      _fail("mesh.sampler_devices", sampler_devices, f"must leave at least one of {num_devices} devices to the learner")
+  return n, num_devices - n
+
+
+def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
+  """Raises ValueError naming the first inconsistent field. With `num_devices`, also checks the device split."""
+  for field, choices in _CHOICES.items():
+    group, name = field.split(".")
+    if c[group][name] not in choices:
+      _fail(field, c[group][name], f"choose one of {choices}")
+  model = ModelConfig.from_config(c.model)  # checks heads, dims, dtypes, rope type
+  if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
+    _fail("model.vocab_size", model.vocab_size, f"smaller than the char tokenizer's {CharTokenizer().vocab_size} ids")
+
+  if c.data.source == "jsonl" and not c.data.path:
+    _fail("data.path", c.data.path, "data.source='jsonl' needs a path to a .jsonl file")
+  if c.data.source == "tfds" and not c.data.tfds_name:
+    _fail("data.tfds_name", c.data.tfds_name, "data.source='tfds' needs a dataset name")
+  _positive(c, "data.max_prompt_len", "sampler.num_slots", "sampler.page_size", "sampler.max_seq_len",
+            "sampler.max_new_tokens", "learner.lr", "learner.ppo_n_minibatches", "learner.max_tokens_per_mb",
+            "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts", "rollout.queue_size",
+            "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps", "eval.every_steps",
+            "eval.num_samples")
+
+  s = c.sampler
+  if c.data.max_prompt_len + s.max_new_tokens > s.max_seq_len:
+    _fail("sampler.max_seq_len", s.max_seq_len,
+          f"must hold data.max_prompt_len={c.data.max_prompt_len} + sampler.max_new_tokens={s.max_new_tokens}")
+  if s.max_seq_len > model.max_position_embeddings:
+    _fail("sampler.max_seq_len", s.max_seq_len, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
+  if s.num_pages and s.num_pages < math.ceil(s.max_seq_len / s.page_size):
+    _fail("sampler.num_pages", s.num_pages, f"cannot hold one sequence of sampler.max_seq_len={s.max_seq_len}")
+  if s.temperature < 0:
+    _fail("sampler.temperature", s.temperature, "must be >= 0 (0 = greedy)")
+  if not 0 < s.top_p <= 1:
+    _fail("sampler.top_p", s.top_p, "must lie in (0, 1]")
+  if not 0 < s.memory_fraction <= 1:
+    _fail("sampler.memory_fraction", s.memory_fraction, "must lie in (0, 1]")
+
+  lr = c.learner
+  if not 0 < lr.eps_clip < 1:
+    _fail("learner.eps_clip", lr.eps_clip, "must lie in (0, 1)")
+  if lr.c_clip and lr.c_clip <= 1:
+    _fail("learner.c_clip", lr.c_clip, "the dual clip must be > 1 (or 0 to disable)")
+  if lr.max_tokens_per_mb < s.max_seq_len:
+    _fail("learner.max_tokens_per_mb", lr.max_tokens_per_mb,
+          f"must hold one whole sequence (sampler.max_seq_len={s.max_seq_len})")
+  groups = c.rollout.batch_size
+  if groups % lr.ppo_n_minibatches:
+    _fail("learner.ppo_n_minibatches", lr.ppo_n_minibatches,
+          f"must divide rollout.batch_size={groups} (minibatches hold whole prompt groups)")
+  r = c.rollout
+  if r.max_head_offpolicyness < 0:
+    _fail("rollout.max_head_offpolicyness", r.max_head_offpolicyness, "must be >= 0 (0 = synchronous RL)")
+  if r.queue_size < r.batch_size:
+    _fail("rollout.queue_size", r.queue_size, f"must hold one batch (rollout.batch_size={r.batch_size})")
+  if r.group_size > s.num_slots:
+    _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
+
+  m = c.mesh
+  for role in ("sampler", "learner"):
+    t = m[f"{role}_tensor"]
+    if t < 1 or model.num_heads % t:
+      _fail(f"mesh.{role}_tensor", t, f"must divide model.num_heads={model.num_heads}")
+  if num_devices is not None:
+    n_sampler, n_learner = split_devices(num_devices, m.sampler_devices)
+    if n_sampler % m.sampler_tensor:
+      _fail("mesh.sampler_tensor", m.sampler_tensor, f"must divide the {n_sampler} sampler devices")
+    if n_learner % m.learner_tensor:
+      _fail("mesh.learner_tensor", m.learner_tensor, f"must divide the {n_learner} learner devices")
+    data = n_sampler // m.sampler_tensor
+    if s.num_slots % data:
+      _fail("sampler.num_slots", s.num_slots, f"not divisible by the sampler's data axis ({data} devices)")

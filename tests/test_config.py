@@ -1,0 +1,86 @@
+"""Every preset builds and validates; command-line overrides work and typos fail naming the key."""
+
+import os
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from areal_jax.config import load_config, split_devices, validate
+from areal_jax.models import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "math.py")
+
+
+def _parse(*args):
+  argv = ["prog", *args]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", default=CONFIG, lock_config=True, flag_values=fv, sys_argv=argv)
+  fv(argv)
+  return fv.config
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-1.5b", "r1-distill-qwen-7b"])
+def test_every_preset_validates(preset):
+  data = {} if preset == "tiny" else {"data.path": "math.jsonl"}  # real presets read the user's data
+  c = load_config(f"{CONFIG}:{preset}", **data)
+  validate(c, num_devices=8)
+  m = ModelConfig.from_config(c.model)
+  if preset == "tiny":
+    assert 1e6 < m.num_params() < 1e7
+  else:  # Table 3 of the paper
+    assert (c.learner.lr, c.learner.weight_decay, c.learner.b1, c.learner.b2) == (2e-5, 0.05, 0.9, 0.95)
+    assert (c.learner.adam_eps, c.learner.grad_clip, c.learner.eps_clip) == (1e-5, 1.0, 0.2)
+    assert (c.rollout.batch_size, c.rollout.group_size, c.learner.ppo_n_minibatches) == (512, 16, 4)
+    assert c.rollout.max_head_offpolicyness == 8 and c.sampler.temperature == 1.0
+  expected = {"tiny": 3e6, "qwen2.5-1.5b": 1.78e9, "r1-distill-qwen-7b": 7.6e9}[preset]
+  assert abs(m.num_params() / expected - 1) < 0.1, m.num_params()
+
+
+def test_flag_overrides_and_presets():
+  c = _parse(f"--config={CONFIG}:qwen2.5-1.5b", "--config.learner.lr=1e-5", "--config.rollout.max_head_offpolicyness=4")
+  assert c.preset == "qwen2.5-1.5b" and c.learner.lr == 1e-5 and c.rollout.max_head_offpolicyness == 4
+  assert _parse().preset == "tiny"
+
+
+def test_unknown_key_names_it():
+  with pytest.raises(AttributeError, match="lrr"):
+    _parse(f"--config={CONFIG}", "--config.learner.lrr=1")
+  with pytest.raises(AttributeError, match="lrr"):
+    load_config(CONFIG, **{"learner.lrr": 1})
+
+
+def test_unknown_preset():
+  with pytest.raises(ValueError, match="qwen9"):
+    load_config(f"{CONFIG}:qwen9")
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"model.num_kv_heads": 3}, "model.num_heads"),
+    ({"model.family": "mistral"}, "model.family"),
+    ({"model.rope_scaling.rope_type": "yarn"}, "model.rope_scaling"),
+    ({"sampler.max_new_tokens": 4096}, "sampler.max_seq_len"),
+    ({"learner.ppo_n_minibatches": 3}, "learner.ppo_n_minibatches"),
+    ({"learner.eps_clip": 1.5}, "learner.eps_clip"),
+    ({"data.source": "parquet"}, "data.source"),
+    ({"data.source": "jsonl"}, "data.path"),
+    ({"rollout.max_head_offpolicyness": -1}, "rollout.max_head_offpolicyness"),
+    ({"mesh.learner_tensor": 3}, "mesh.learner_tensor"),
+    ({"sampler.num_slots": 66}, "sampler.num_slots"),
+    ({"mesh.sampler_devices": 8}, "mesh.sampler_devices"),
+    ({"model.vocab_size": 32}, "model.vocab_size"),
+])
+def test_validation_names_the_field(override, field):
+  c = load_config(CONFIG, **override)
+  with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    validate(c, num_devices=8)
+
+
+def test_split_devices():
+  assert split_devices(8, 0.5) == (4, 4)
+  assert split_devices(8, 6) == (6, 2)
+  assert split_devices(8, 0.25) == (2, 6)
+  assert split_devices(1, 0.5) == (1, 1)
+  with pytest.raises(ValueError, match="sampler_devices"):
+    split_devices(4, 1.5)

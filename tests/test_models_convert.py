@@ -1,0 +1,36 @@
+"""HF -> Orbax -> HF through tools/convert_hf.py gives back the same logits in transformers."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+from areal_jax.models import orbax_io
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_convert_roundtrip(tmp_path):
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  hf = transformers.AutoModelForCausalLM.from_config(cfg)
+  with torch.no_grad():
+    for p in hf.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  hf.save_pretrained(tmp_path / "hf")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), *a], env=env,
+                                  check=True, capture_output=True, text=True)
+  run(f"--hf_dir={tmp_path / 'hf'}", f"--orbax_dir={tmp_path / 'orbax'}")
+  assert (tmp_path / "orbax" / "model_config.json").exists()
+  model = orbax_io.load_orbax(str(tmp_path / "orbax"))
+  assert model.cfg.family == "qwen3" and model.cfg.head_dim == 16
+  run(f"--hf_dir={tmp_path / 'back'}", f"--orbax_dir={tmp_path / 'orbax'}", "--to=hf")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+  tokens = torch.tensor(np.arange(20)[None] % 80)
+  with torch.no_grad():
+    np.testing.assert_allclose(back(tokens).logits.numpy(), hf(tokens).logits.numpy(), atol=1e-6)
