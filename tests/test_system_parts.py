@@ -1,0 +1,148 @@
+"""Controller parts: admission rule, trajectory queue, weight sync, slices, checkpoints, metrics."""
+
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from areal_jax import sharding as shd
+from areal_jax.config import load_config
+from areal_jax.models import ModelConfig, create
+from areal_jax.system import weight_sync
+from areal_jax.system.checkpoint import Checkpointer
+from areal_jax.system.metrics import MetricsWriter, read_metrics
+from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.slices import build_slices
+from areal_jax.types import Trajectory
+from flax import nnx
+
+
+def _capacity_reference(max_concurrent, eta, v, b, accepted, running):
+  return max(0, min(max_concurrent - running, (eta + v + 1) * b - (accepted + running)))
+
+
+def test_admission_matches_eq3_under_random_events():
+  rng = np.random.default_rng(0)
+  for eta in (0, 1, 4):
+    ctl = StalenessControl(batch_size=4, max_offpolicyness=eta, max_concurrent=10)
+    accepted = running = v = 0
+    for _ in range(500):
+      assert ctl.capacity() == _capacity_reference(10, eta, v, 4, accepted, running)
+      event = rng.integers(3)
+      if event == 0 and ctl.capacity() > 0:
+        ctl.started()
+        running += 1
+      elif event == 1 and running:
+        kept = bool(rng.integers(2))
+        ctl.finished(kept=kept)
+        running, accepted = running - 1, accepted + kept
+      elif event == 2 and accepted >= (v + 1) * 4:
+        v += 1
+        ctl.set_version(v)
+      # Never more generated (kept or in flight) than the staleness bound allows.
+      assert accepted + running <= (eta + v + 1) * 4
+
+
+def test_eta_zero_is_synchronous():
+  ctl = StalenessControl(batch_size=3, max_offpolicyness=0, max_concurrent=100)
+  assert ctl.capacity() == 3
+  ctl.started(3)
+  for _ in range(3):
+    ctl.finished(kept=True)
+  assert ctl.capacity() == 0  # the whole batch is done: nothing more until the learner steps
+  ctl.set_version(1)
+  assert ctl.capacity() == 3
+
+
+def _traj(version, group=0):
+  return Trajectory(prompt_ids=np.zeros(2, np.int32), response_ids=np.ones(3, np.int32),
+                    logprobs=np.zeros(3, np.float32), versions=np.full(3, version, np.int32), finish_reason="eos",
+                    group_id=group)
+
+
+def test_queue_oldest_first_and_bounded():
+  q = TrajectoryQueue(maxsize=3)
+  for i, v in enumerate([2, 0, 1]):
+    q.put([_traj(v, i)])
+  stop = threading.Event()
+  blocked = threading.Thread(target=lambda: q.put([_traj(5, 9)], stop=stop))
+  blocked.start()
+  blocked.join(0.3)
+  assert blocked.is_alive() and len(q) == 3  # full: the producer waits
+  batch = q.get_batch(2)
+  assert [g[0].version_start for g in batch] == [0, 1]
+  blocked.join(2)
+  assert not blocked.is_alive() and len(q) == 2
+  assert q.get_batch(3, timeout=0.2) is None
+
+
+def test_weight_sync_is_device_to_device_and_exact():
+  cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8)
+  slices = build_slices(load_config("configs/math.py", **{"mesh.sampler_devices": 3, "mesh.learner_tensor": 1}).mesh)
+  model = create(cfg, seed=1)
+  state = nnx.state(model, nnx.Param)
+  learner_shardings = shd.state_shardings(state, slices.learner, shd.LEARNER_RULES)
+  sampler_shardings = shd.state_shardings(state, slices.sampler, shd.SAMPLER_RULES)
+  on_learner = jax.device_put(state, learner_shardings)
+  moved = weight_sync.transfer(on_learner, sampler_shardings)
+  for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(moved), jax.tree.leaves(sampler_shardings)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert b.sharding.device_set == set(slices.sampler.devices.flat) and b.sharding.is_equivalent_to(s, a.ndim)
+  # A host array cannot sneak through the guard.
+  with pytest.raises(Exception, match="[Dd]isallowed host-to-device"):
+    weight_sync.transfer(np.ones(4, np.float32), NamedSharding(slices.sampler, P()))
+
+
+def test_check_compatible_names_the_leaf():
+  ref = {"a": {"w": jnp.zeros((2, 3))}, "b": jnp.zeros(4)}
+  weight_sync.check_compatible({"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(4)}, ref)
+  with pytest.raises(ValueError, match=r"\['a'\]\['w'\].*float32\[3, 2\]"):
+    weight_sync.check_compatible({"a": {"w": jnp.ones((3, 2))}, "b": jnp.ones(4)}, ref)
+  with pytest.raises(ValueError, match=r"\['b'\].*bfloat16"):
+    weight_sync.check_compatible({"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(4, jnp.bfloat16)}, ref)
+  with pytest.raises(ValueError, match=r"\['b'\] is missing"):
+    weight_sync.check_compatible({"a": {"w": jnp.ones((2, 3))}}, ref)
+
+
+def test_slices_split_devices():
+  c = load_config("configs/math.py", **{"mesh.sampler_devices": 0.25, "mesh.learner_tensor": 2})
+  s = build_slices(c.mesh)
+  assert dict(s.sampler.shape) == {"data": 2, "tensor": 1} and dict(s.learner.shape) == {"fsdp": 3, "tensor": 2}
+  assert not set(s.sampler.devices.flat) & set(s.learner.devices.flat)
+  one = build_slices(c.mesh, devices=jax.devices()[:1])
+  assert one.shared and one.sampler.devices.size == one.learner.devices.size == 1
+
+
+def test_checkpoint_roundtrip_onto_shardings(tmp_path):
+  mesh = shd.make_mesh(jax.devices()[:4], {"fsdp": 4, "tensor": 1})
+  params = {"w": jax.device_put(jnp.arange(32.).reshape(8, 4), NamedSharding(mesh, P("fsdp")))}
+  opt = {"mu": jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("fsdp"))), "count": jnp.array(3)}
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=2)
+  assert not ckpt.save(1, params=params, opt_state=opt, meta={"step": 1})
+  assert ckpt.save(2, params=params, opt_state=opt, meta={"step": 2, "data": {"epoch": 0, "index": 7}})
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=2)
+  assert ckpt.latest_step() == 2
+  p2, o2, meta = ckpt.restore(2, params=params, opt_state=opt)
+  np.testing.assert_array_equal(np.asarray(p2["w"]), np.asarray(params["w"]))
+  assert p2["w"].sharding.is_equivalent_to(params["w"].sharding, 2) and int(o2["count"]) == 3
+  assert meta == {"step": 2, "data": {"epoch": 0, "index": 7}}
+  ckpt.close()
+
+
+def test_metrics_jsonl_appends(tmp_path):
+  w = MetricsWriter(str(tmp_path), total_steps=10, tensorboard=True)
+  w.write(1, {"reward/mean": np.float32(0.25), "learner/loss": 1.5})
+  w.close()
+  w = MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False, start_step=1)
+  w.write(2, {"reward/mean": 0.5})
+  rows = read_metrics(str(tmp_path))
+  assert rows == [{"step": 1, "reward/mean": 0.25, "learner/loss": 1.5}, {"step": 2, "reward/mean": 0.5}]
+  assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+  assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
+  assert "step 2/10" in w.progress_line(2, rows[1]) and "eta" in w.progress_line(2, rows[1])
