@@ -19,6 +19,9 @@ class Trajectory:
   group_id: int = 0  # the G answers of one prompt share a group id
   reward: float = 0.0  # verifier score in [0, 1]
   response_text: str = ""
+  t_submit: float = 0.0  # time.monotonic() of the sampler receiving the prompt, its first token, this answer's end
+  t_first_token: float = 0.0
+  t_finish: float = 0.0
 
   @property
   def version_start(self) -> int:
