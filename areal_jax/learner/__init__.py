@@ -1,0 +1,1 @@
+"""The learner: decoupled PPO on packed dynamic micro-batches, sharded over an fsdp × tensor mesh."""

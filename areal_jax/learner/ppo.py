@@ -1,0 +1,109 @@
+"""The decoupled PPO objective (AReaL, paper Eq. 5), plus the optional KL-to-reference and entropy terms.
+
+Per response token, with behaviour logprob `lb` (sampler), proximal logprob `lp` (learner, start of step) and current
+logprob `lθ`: `u = exp(lθ - lp)`, `w = exp(lp - lb)` (no gradient), and
+
+    L = -(1 / Σ m) Σ m · w · min(u·A, clip(u, 1 - ε, 1 + ε_high)·A)
+
+Tokens with `w > behav_imp_weight_cap` weigh 0 but stay in the denominator. With a dual clip `c > 1`, a token with
+A < 0 contributes at most `-c·A` to the loss. Passing `proximal_logprobs = behavior_logprobs` gives standard PPO.
+
+`ppo_token_terms` returns per-token losses and statistics so a caller can sum them over micro-batches and divide by
+the token count of the whole (mini)batch; `decoupled_ppo_loss` is the token-level mean over its own arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
+                    advantages: jax.Array, loss_mask: jax.Array, *, eps_clip: float,
+                    eps_clip_higher: float | None = None, behav_imp_weight_cap: float | None = None,
+                    c_clip: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-token loss `m · w · -min(...)` [..] and per-token statistics (already zero where `loss_mask` is 0).
+
+  Statistics: `clipped` (the clipped branch is the active one), `dual_clipped`, `importance_weight` (w, before the
+  cap), `capped` (w > cap), `approx_kl` (k3 estimate of KL(π_prox‖π_θ)), `tokens` (the mask itself).
+  """
+  if c_clip is not None and c_clip <= 1.0:
+    raise ValueError(f"c_clip={c_clip}: the dual clip must be > 1 (or None to disable it)")
+  mask = loss_mask.astype(bool)
+  eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+  proximal_logprobs = jax.lax.stop_gradient(proximal_logprobs)
+  behavior_logprobs = jax.lax.stop_gradient(behavior_logprobs)
+  advantages = jax.lax.stop_gradient(advantages)
+
+  log_u = jnp.where(mask, logprobs - proximal_logprobs, 0.0)
+  u = jnp.exp(log_u)
+  loss_unclipped = -advantages * u
+  loss_clipped = -advantages * jnp.clip(u, 1.0 - eps_clip, 1.0 + eps_high)
+  clipped = loss_clipped > loss_unclipped
+  loss = jnp.maximum(loss_unclipped, loss_clipped)
+  if c_clip is not None:
+    dual_bound = -c_clip * advantages  # only binds where A < 0
+    dual_clipped = (advantages < 0) & (loss > dual_bound)
+    loss = jnp.where(dual_clipped, dual_bound, loss)
+  else:
+    dual_clipped = jnp.zeros_like(mask)
+
+  w = jnp.exp(jnp.where(mask, proximal_logprobs - behavior_logprobs, 0.0))
+  if behav_imp_weight_cap is not None:
+    capped = w > behav_imp_weight_cap
+    weight = jnp.where(capped, 0.0, w)
+  else:
+    capped = jnp.zeros_like(mask)
+    weight = w
+  loss = jnp.where(mask, weight * loss, 0.0)
+
+  zero = lambda x: jnp.where(mask, x, 0.0).astype(jnp.float32)
+  stats = {
+      "clipped": zero(clipped),
+      "dual_clipped": zero(dual_clipped),
+      "importance_weight": zero(w),
+      "capped": zero(capped),
+      "approx_kl": zero(kl_estimate(proximal_logprobs, jax.lax.stop_gradient(logprobs), "k3")),  # KL(prox‖θ)
+      "tokens": zero(jnp.ones_like(w)),
+  }
+  return loss, stats
+
+
+def decoupled_ppo_loss(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
+                       advantages: jax.Array, loss_mask: jax.Array, *, eps_clip: float,
+                       eps_clip_higher: float | None = None, behav_imp_weight_cap: float | None = None,
+                       c_clip: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Paper Eq. 5 on [batch, time] arrays: the token-level mean loss over `loss_mask`, and its statistics.
+
+  Stats (means over masked tokens unless named otherwise): `clip_fraction`, `dual_clip_fraction`,
+  `importance_weight_mean`, `importance_weight_max` (w = π_prox/π_behav), `capped_fraction`, `approx_kl`.
+  """
+  loss, terms = ppo_token_terms(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
+                                eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
+                                behav_imp_weight_cap=behav_imp_weight_cap, c_clip=c_clip)
+  n = jnp.maximum(terms["tokens"].sum(), 1.0)
+  mask = loss_mask.astype(bool)
+  stats = {
+      "clip_fraction": terms["clipped"].sum() / n,
+      "dual_clip_fraction": terms["dual_clipped"].sum() / n,
+      "importance_weight_mean": terms["importance_weight"].sum() / n,
+      "importance_weight_max": jnp.max(jnp.where(mask, terms["importance_weight"], 0.0)),
+      "capped_fraction": terms["capped"].sum() / n,
+      "approx_kl": terms["approx_kl"].sum() / n,
+  }
+  return loss.sum() / n, stats
+
+
+def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str) -> jax.Array:
+  """Per-token estimate of KL(p‖q) (Schulman's k1, k2, k3) from `logprobs` = log p and `ref_logprobs` = log q of
+  the sampled tokens. The penalty to a reference policy is `kl_estimate(logprobs_θ, logprobs_ref, ...)`."""
+  log_ratio = ref_logprobs - logprobs
+  if estimator == "k1":
+    return -log_ratio
+  if estimator == "k2":
+    return 0.5 * jnp.square(log_ratio)
+  if estimator == "k3":
+    return jnp.expm1(log_ratio) - log_ratio
+  raise ValueError(f"kl_estimator={estimator!r}: choose one of {KL_ESTIMATORS}")
