@@ -130,14 +130,16 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.b2 = 0.95
   c.learner.adam_eps = 1e-5
   c.learner.grad_clip = 1.0
-  c.learner.warmup_steps = 2
+  c.learner.warmup_steps = 2  # learner steps of linear warmup (x ppo_n_minibatches optimizer updates)
   c.learner.eps_clip = 0.2
   c.learner.eps_clip_higher = 0.0  # 0 = symmetric clip
   c.learner.c_clip = 0.0  # 0 = no dual clip
   c.learner.behav_imp_weight_cap = 0.0  # 0 = no cap
   c.learner.use_decoupled_loss = True
   c.learner.ppo_n_minibatches = 4
-  c.learner.max_tokens_per_mb = 2048 if tiny else 32768
+  c.learner.max_tokens_per_mb = 2048 if tiny else 32768  # per row (device) of a micro-batch; >= max sequence length
+  c.learner.min_bucket = 128  # packed row lengths: powers of two from this, and max_tokens_per_mb (one compile each)
+  c.learner.logits_chunk = 4096  # positions per vocab-projection chunk (remat); 0 = whole rows at once
   c.learner.kl_coef = 0.0
   c.learner.kl_estimator = "k3"  # k1 | k2 | k3
   c.learner.entropy_coef = 0.0

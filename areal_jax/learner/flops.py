@@ -1,0 +1,63 @@
+"""Peak FLOP/s of devices, for model FLOP utilisation: a datasheet table for accelerators, else a measured matmul."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Dense bf16 peak per device (chip for TPUs), from vendor datasheets.
+_PEAK_BF16 = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p reports "TPU v5"
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def datasheet_peak(device: jax.Device) -> float | None:
+  """Dense bf16 FLOP/s of one device from the table, or None when unknown (e.g. CPU)."""
+  kind = device.device_kind
+  matches = [k for k in _PEAK_BF16 if kind == k or kind.startswith(k + " ")]
+  return _PEAK_BF16[max(matches, key=len)] if matches else None
+
+
+def measure_matmul_peak(devices: Sequence[jax.Device], *, dtype=jnp.float32, size: int = 1024,
+                        repeats: int = 5) -> float:
+  """Achieved FLOP/s of all `devices` together on a square matmul per device (best of `repeats`)."""
+  mesh = Mesh(np.asarray(devices, dtype=object), ("d",))
+  sharding = NamedSharding(mesh, P("d"))
+  a = jax.device_put(np.ones((len(devices), size, size), np.float32), sharding).astype(dtype)
+  f = jax.jit(lambda x: jnp.einsum("nij,njk->nik", x, x), out_shardings=sharding)
+  f(a).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2.0 * size**3 * len(devices) / best
+
+
+@functools.cache
+def _measured(device_ids: tuple[int, ...], dtype_name: str) -> float:
+  devices = [d for d in jax.devices() if d.id in device_ids]
+  return measure_matmul_peak(devices, dtype=jnp.dtype(dtype_name))
+
+
+def peak_flops(devices: Sequence[jax.Device], dtype=jnp.bfloat16) -> float:
+  """Total peak FLOP/s of `devices`: the datasheet when every device is known, else measured once and cached."""
+  table = [datasheet_peak(d) for d in devices]
+  if all(p is not None for p in table):
+    return float(sum(table))
+  return _measured(tuple(sorted(d.id for d in devices)), jnp.dtype(dtype).name)

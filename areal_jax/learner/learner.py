@@ -1,0 +1,186 @@
+"""The learner: holds sharded parameters and optimizer state and turns a batch of trajectories into one PPO step.
+
+One `train_step` (= one policy version):
+
+1. advantages on the host (shaped rewards, group/batch normalisation, uniform groups filtered);
+2. the batch is split into `ppo_n_minibatches` token-balanced minibatches, each packed into bucketed micro-batches
+   (`microbatch.plan_packed`);
+3. proximal logprobs: one forward pass over every micro-batch with the parameters at the start of the step, before
+   any update (skipped with `use_decoupled_loss=False`, where π_prox := π_behav); reference logprobs likewise when
+   `kl_coef > 0`;
+4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
+   then one AdamW update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax.learner import flops as flops_lib
+from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.microbatch import MicroBatch, assemble, balanced_split, plan_packed
+from areal_jax.learner.optimizer import learning_rate
+from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, StepFns, build_step
+from areal_jax.models.config import ModelConfig
+from areal_jax.sharding import LEARNER_RULES, Rules
+from areal_jax.types import Trajectory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepPlan:
+  """A learner step's host-side input: minibatches of packed micro-batches and what went into them."""
+
+  minibatches: tuple[tuple[MicroBatch, ...], ...]
+  loss_tokens: tuple[int, ...]  # response tokens per minibatch (the loss denominator of each update)
+  seq_lengths: tuple[int, ...]  # prompt + response tokens of every sequence trained on
+  num_filtered: int  # answers dropped with their uniform-reward groups
+  host_stats: dict[str, float]
+
+
+class Learner:
+  """Sharded PPO learner on `mesh`. `params` / `opt_state` are its live state; `version` counts completed steps."""
+
+  def __init__(self, *, model_cfg: ModelConfig, config: LearnerConfig, mesh: Mesh, temperature: float = 1.0,
+               params: nnx.State | None = None, seed: int = 0, rules: Rules = LEARNER_RULES,
+               peak_flops: float | None = None):
+    """`params`: initial parameter state (e.g. `nnx.split(model)[1]`), copied onto the mesh; None = random init.
+
+    `peak_flops`: total FLOP/s of the mesh for `learner/mfu`; None = datasheet, or a measured matmul on CPU.
+    """
+    self.model_cfg, self.config, self.temperature = model_cfg, config, temperature
+    self.fns: StepFns = build_step(model_cfg, config, mesh, temperature=temperature, rules=rules)
+    if params is None:
+      self.params = self.fns.init_params(seed)
+    else:
+      # device_put may alias the caller's buffers (and `apply` donates), so copy on the mesh.
+      self.params = self.fns.copy_params(jax.device_put(params, self.fns.param_shardings))
+    self.opt_state = self.fns.init_opt_state(self.params)
+    self.ref_params = None
+    if config.kl_coef:
+      self.ref_params = self.fns.copy_params(self.params)
+    self.version = 0
+    self._updates = 0
+    self._peak_flops = peak_flops
+    self._lr = learning_rate(config)
+
+  @property
+  def mesh(self) -> Mesh:
+    return self.fns.mesh
+
+  def model(self) -> nnx.Module:
+    """A module view of the current parameters (shares their arrays; do not keep it across steps)."""
+    return nnx.merge(self.fns.graphdef, self.params)
+
+  def prepare(self, trajectories: Sequence[Trajectory]) -> StepPlan:
+    """Advantages, filtering, minibatches and packed micro-batches, all on the host."""
+    cfg = self.config
+    trajectories = list(trajectories)
+    if not trajectories:
+      raise ValueError("train_step got no trajectories")
+    rewards = np.array([t.reward for t in trajectories], np.float64)
+    groups = np.array([t.group_id for t in trajectories])
+    keep = uniform_group_mask(rewards, groups) if cfg.filter_uniform_groups else np.ones(len(rewards), bool)
+    kept = [t for t, k in zip(trajectories, keep) if k]
+    host_stats = {"reward_mean": float(rewards.mean()),
+                  "staleness_mean": float(np.mean([self.version - t.version_start for t in trajectories])),
+                  "staleness_max": float(max(self.version - t.version_start for t in trajectories))}
+    minibatches, loss_tokens = [], []
+    if kept:
+      adv = sequence_advantages(rewards[keep], groups[keep], scale=cfg.reward_scale, norm=cfg.adv_norm)
+      tok_adv = token_advantages(adv, [len(t.response_ids) for t in kept])
+      lengths = [t.num_tokens for t in kept]
+      for idx in balanced_split(lengths, min(cfg.ppo_n_minibatches, len(kept))):
+        sub, sub_adv = [kept[i] for i in idx], [tok_adv[i] for i in idx]
+        layouts = plan_packed([lengths[i] for i in idx], max_tokens=cfg.max_tokens_per_mb, rows=self.fns.rows,
+                              min_bucket=cfg.min_bucket)
+        minibatches.append(tuple(assemble(layout, sub, sub_adv) for layout in layouts))
+        loss_tokens.append(sum(len(t.response_ids) for t in sub))
+      host_stats["advantage_abs_mean"] = float(np.abs(adv).mean())
+    return StepPlan(minibatches=tuple(minibatches), loss_tokens=tuple(loss_tokens),
+                    seq_lengths=tuple(t.num_tokens for t in kept), num_filtered=len(trajectories) - len(kept),
+                    host_stats=host_stats)
+
+  def update(self, plan: StepPlan) -> dict[str, float]:
+    """Runs a prepared step on the devices: proximal pass, then one optimizer update per minibatch."""
+    cfg, fns = self.config, self.fns
+    start = time.perf_counter()
+    batches = [[jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
+                for mb in minibatch] for minibatch in plan.minibatches]
+    # Forward-only passes with the parameters at the start of the step, all dispatched before any update.
+    for b in (b for minibatch in batches for b in minibatch):
+      inputs = {k: b[k] for k in BATCH_INT_KEYS}
+      if cfg.use_decoupled_loss:
+        b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
+      if cfg.kl_coef:
+        b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
+    sums, grad_norms = [], []
+    for minibatch, n in zip(batches, plan.loss_tokens):
+      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1)), fns.replicated)
+      grads, stats = fns.zero_accumulators()
+      for b in minibatch:
+        grads, stats = fns.accumulate(self.params, grads, stats, b, inv_tokens)
+      self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
+      sums.append(stats)
+      grad_norms.append(grad_norm)
+    sums, grad_norms = jax.device_get((sums, grad_norms))
+    elapsed = time.perf_counter() - start
+    lr = float(self._lr(max(self._updates + len(sums) - 1, 0)))
+    self._updates += len(sums)
+    self.version += 1
+    return self._stats(plan, sums, grad_norms, elapsed, lr)
+
+  def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """One learner step (one new policy version) on a batch of scored trajectories; returns `learner/*` stats.
+
+    A batch whose groups are all filtered out still counts as a step (the version advances; parameters do not move).
+    """
+    return self.update(self.prepare(trajectories))
+
+  def _stats(self, plan: StepPlan, sums: list[dict], grad_norms: list, elapsed: float, lr: float) -> dict[str, float]:
+    cfg = self.config
+    total = {k: float(sum(s[k] for s in sums)) for k in self.fns.stat_keys}
+    n = max(total["tokens"], 1.0)
+    out = {f"learner/{k}": v for k, v in plan.host_stats.items()}
+    tokens = sum(plan.seq_lengths)
+    slots = sum(mb.tokens.size for minibatch in plan.minibatches for mb in minibatch)
+    passes = 3 + int(cfg.use_decoupled_loss) + int(bool(cfg.kl_coef))  # fwd+bwd, proximal, reference
+    model_flops = passes * sum(n_tok * self.model_cfg.flops_per_token(n_tok) for n_tok in plan.seq_lengths)
+    out |= {
+        "learner/version": float(self.version),
+        "learner/loss": total["loss"] / n,
+        "learner/clip_fraction": total["clipped"] / n,
+        "learner/dual_clip_fraction": total["dual_clipped"] / n,
+        "learner/importance_weight_mean": total["importance_weight"] / n,
+        "learner/importance_weight_max": max((float(s["importance_weight_max"]) for s in sums), default=0.0),
+        "learner/capped_fraction": total["capped"] / n,
+        "learner/approx_kl": total["approx_kl"] / n,
+        "learner/entropy": total["entropy"] / n,
+        "learner/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+        "learner/lr": lr,
+        "learner/num_sequences": float(len(plan.seq_lengths)),
+        "learner/num_filtered": float(plan.num_filtered),
+        "learner/loss_tokens": total["tokens"],
+        "learner/micro_batches": float(sum(map(len, plan.minibatches))),
+        "learner/padding_fraction": 1.0 - tokens / slots if slots else 0.0,
+        "learner/tokens_per_s": tokens / elapsed,
+        "learner/step_time_s": elapsed,
+        "learner/mfu": model_flops / elapsed / self.peak_flops() if tokens else 0.0,
+    }
+    if cfg.kl_coef:
+      out["learner/ref_kl"] = total["ref_kl"] / n
+    if not np.isfinite(out["learner/loss"]):
+      raise FloatingPointError(f"learner step {self.version}: loss is {out['learner/loss']}")
+    return out
+
+  def peak_flops(self) -> float:
+    if self._peak_flops is None:
+      self._peak_flops = flops_lib.peak_flops(list(self.mesh.devices.flat), self.model_cfg.compute_dtype)
+    return self._peak_flops

@@ -1,0 +1,238 @@
+"""The learner's jitted programs and their shardings, built from (model config, learner config, mesh) alone.
+
+Nothing here materialises parameters: `build_step` works from `nnx.eval_shape`, so every program can be AOT-lowered
+from abstract shapes (`StepFns.lower`) for a topology that is not attached. The programs are pure functions of
+(parameters, optimizer state, micro-batch arrays) with explicit in/out shardings and donated state:
+
+* `logprobs(params, batch) -> [rows, length]`: forward only (proximal or reference logprobs).
+* `accumulate(params, grads, stats, batch, inv_tokens) -> (grads, stats)`: adds one micro-batch's gradient of
+  `Σ m·loss / minibatch tokens` (so the sum over micro-batches is the token-level mean) and its statistic sums.
+* `apply(params, opt_state, grads) -> (params, opt_state, grad_norm)`: one optimizer update.
+
+Each compiles once per row length (bucket); `apply` and the initialisers compile once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.optimizer import make_optimizer
+from areal_jax.learner.ppo import kl_estimate, ppo_token_terms
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.logprobs import entropy_of, logprobs_of
+from areal_jax.models.transformer import create
+from areal_jax.sharding import LEARNER_RULES, Rules, make_mesh, spec, state_shardings, use_rules
+
+# Micro-batch arrays fed to `accumulate`; `logprobs` reads the first three.
+BATCH_INT_KEYS = ("tokens", "positions", "segment_ids")
+BATCH_FLOAT_KEYS = ("loss_mask", "behavior_logprobs", "advantages")
+# Statistic sums over loss tokens returned by `accumulate` (`importance_weight_max` is a max).
+SUM_STATS = ("loss", "clipped", "dual_clipped", "importance_weight", "capped", "approx_kl", "entropy", "tokens")
+
+
+def make_learner_mesh(devices, *, tensor: int = 1, data: int = 1) -> Mesh:
+  """The learner mesh (data × fsdp × tensor); fsdp takes the devices left over."""
+  return make_mesh(devices, {"data": data, "fsdp": -1, "tensor": tensor})
+
+
+def batch_rows(mesh: Mesh, rules: Rules = LEARNER_RULES) -> int:
+  """Rows per micro-batch: the number of shards the `batch` logical axis has on `mesh`."""
+  target = dict(rules).get("batch")
+  axes = (target,) if isinstance(target, str) else tuple(target or ())
+  return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+
+
+def packed_logprobs(model, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, temperature: float,
+                    chunk: int = 0, with_entropy: bool = False) -> tuple[jax.Array, ...]:
+  """(logprob of token t + 1 at t, [entropy at t]) over packed rows, each [rows, length].
+
+  Values where t + 1 is not in t's segment are meaningless; callers mask them. With `chunk`, the vocabulary
+  projection runs `chunk` positions at a time under rematerialisation, so the [tokens, vocab] logits never exist whole.
+  """
+  h = model.hidden(tokens, positions=positions, segment_ids=segment_ids)
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+
+  def head(h, t):
+    logits = model.logits(h)
+    lp = logprobs_of(logits, t, temperature)
+    return (lp, entropy_of(logits, temperature)) if with_entropy else (lp,)
+
+  rows, length = tokens.shape
+  if not chunk or length <= chunk:
+    return head(h, targets)
+  n = -(-length // chunk)
+  pad = n * chunk - length
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(rows, n, chunk, -1).swapaxes(0, 1)
+  t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(rows, n, chunk).swapaxes(0, 1)
+  outs = jax.lax.map(jax.checkpoint(lambda xs: head(*xs)), (h, t))
+  return tuple(o.swapaxes(0, 1).reshape(rows, n * chunk)[:, :length] for o in outs)
+
+
+def stat_keys(cfg: LearnerConfig) -> tuple[str, ...]:
+  return SUM_STATS + (("ref_kl",) if cfg.kl_coef else ()) + ("importance_weight_max",)
+
+
+def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
+  extra = (("proximal_logprobs",) if cfg.use_decoupled_loss else ()) + (("ref_logprobs",) if cfg.kl_coef else ())
+  return BATCH_INT_KEYS + BATCH_FLOAT_KEYS + extra
+
+
+def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, cfg: LearnerConfig,
+                    temperature: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`Σ m·ℓ · inv_tokens` of one micro-batch (PPO + optional KL and entropy terms) and its statistic sums."""
+  lp, ent = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
+                            temperature=temperature, chunk=cfg.logits_chunk, with_entropy=True)
+  mask = batch["loss_mask"] > 0
+  behavior = batch["behavior_logprobs"]
+  proximal = batch["proximal_logprobs"] if cfg.use_decoupled_loss else behavior
+  token_loss, terms = ppo_token_terms(lp, proximal, behavior, batch["advantages"], mask, **cfg.loss_kwargs)
+  if cfg.kl_coef:
+    kl = jnp.where(mask, kl_estimate(lp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
+    token_loss = token_loss + cfg.kl_coef * kl
+    terms["ref_kl"] = jax.lax.stop_gradient(kl)
+  ent = jnp.where(mask, ent, 0.0)
+  if cfg.entropy_coef:
+    token_loss = token_loss - cfg.entropy_coef * ent
+  terms["entropy"] = jax.lax.stop_gradient(ent)
+  terms["loss"] = jax.lax.stop_gradient(token_loss)
+  stats = {k: v.sum() for k, v in terms.items()}
+  stats["importance_weight_max"] = terms["importance_weight"].max()
+  return token_loss.sum() * inv_tokens, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+  """The learner's compiled-on-demand programs, the shardings they use, and the abstract parameter state."""
+
+  mesh: Mesh
+  rows: int
+  graphdef: Any
+  abstract_params: nnx.State  # ShapeDtypeStructs
+  param_shardings: Any
+  opt_shardings: Any
+  batch_sharding: NamedSharding  # every [rows, length] array
+  replicated: NamedSharding
+  optimizer: optax.GradientTransformation
+  batch_keys: tuple[str, ...]
+  stat_keys: tuple[str, ...]
+  init_params: Callable[[int], nnx.State]
+  init_opt_state: Callable
+  copy_params: Callable  # fresh buffers (safe to donate) with the parameter shardings
+  zero_accumulators: Callable
+  logprobs: Callable
+  accumulate: Callable
+  apply: Callable
+
+  def abstract_batch(self, length: int, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    keys = self.batch_keys if keys is None else keys
+    dtype = lambda k: jnp.int32 if k in BATCH_INT_KEYS else jnp.float32
+    return {k: jax.ShapeDtypeStruct((self.rows, length), dtype(k), sharding=self.batch_sharding) for k in keys}
+
+  def abstract_state(self) -> tuple[nnx.State, Any]:
+    """(params, optimizer state) as sharded ShapeDtypeStructs."""
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    params = jax.tree.map(sds, self.abstract_params, self.param_shardings)
+    opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
+    return params, jax.tree.map(sds, opt, self.opt_shardings)
+
+  def lower(self, length: int) -> dict[str, jax.stages.Lowered]:
+    """AOT-lowers the three per-step programs for rows of `length` tokens, from abstract shapes only."""
+    params, opt = self.abstract_state()
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
+    stats = {k: scalar for k in self.stat_keys}
+    return {
+        "logprobs": self.logprobs.lower(params, self.abstract_batch(length, BATCH_INT_KEYS)),
+        "accumulate": self.accumulate.lower(params, grads, stats, self.abstract_batch(length), scalar),
+        "apply": self.apply.lower(params, opt, grads),
+    }
+
+
+def _opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicated: NamedSharding):
+  """Each optimizer-state leaf that mirrors a parameter (same key path suffix and shape) takes its sharding."""
+  by_path = {}
+  shapes = dict(jax.tree_util.tree_flatten_with_path(abstract_params)[0])
+  for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
+    by_path[path] = (s, shapes[path].shape)
+
+  def pick(path, leaf):
+    for i in range(len(path)):
+      hit = by_path.get(path[i:])
+      if hit is not None and hit[1] == leaf.shape:
+        return hit[0]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
+def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temperature: float = 1.0,
+               rules: Rules = LEARNER_RULES) -> StepFns:
+  """The learner's programs for `model_cfg` on `mesh`, sharded by `rules`; no parameters are created."""
+  abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
+  graphdef, abstract_params = nnx.split(abstract_model)
+  param_sh = state_shardings(abstract_params, mesh, rules)
+  replicated = NamedSharding(mesh, P())
+  tx = make_optimizer(cfg)
+  opt_sh = _opt_state_shardings(jax.eval_shape(tx.init, abstract_params), abstract_params, param_sh, replicated)
+  rows = batch_rows(mesh, rules)
+  batch_sh = NamedSharding(mesh, spec((rows, 1), ("batch", None), mesh, rules))
+  skeys = stat_keys(cfg)
+
+  def ruled(fn):
+    def wrapped(*args):
+      with use_rules(mesh, rules):
+        return fn(*args)
+    return wrapped
+
+  def init_params(seed: int):
+    return jax.jit(lambda: nnx.split(create(model_cfg, seed))[1], out_shardings=param_sh)()
+
+  def zeros():
+    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_params)
+    return grads, {k: jnp.zeros((), jnp.float32) for k in skeys}
+
+  def logprobs(params, batch):
+    model = nnx.merge(graphdef, params)
+    (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
+                            temperature=temperature, chunk=cfg.logits_chunk)
+    return lp
+
+  def accumulate(params, grads, stats, batch, inv_tokens):
+    def loss_fn(params):
+      return microbatch_loss(nnx.merge(graphdef, params), batch, inv_tokens, cfg, temperature)
+
+    (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+    stats = {k: jnp.maximum(stats[k], s[k]) if k.endswith("_max") else stats[k] + s[k] for k in skeys}
+    return grads, stats
+
+  def apply(params, opt_state, grads):
+    grad_norm = optax.tree.norm(grads)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, grad_norm
+
+  return StepFns(
+      mesh=mesh, rows=rows, graphdef=graphdef, abstract_params=abstract_params, param_shardings=param_sh,
+      opt_shardings=opt_sh, batch_sharding=batch_sh, replicated=replicated, optimizer=tx,
+      batch_keys=batch_keys(cfg), stat_keys=skeys, init_params=init_params,
+      init_opt_state=jax.jit(tx.init, in_shardings=(param_sh,), out_shardings=opt_sh),
+      copy_params=jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(param_sh,), out_shardings=param_sh),
+      zero_accumulators=jax.jit(zeros, out_shardings=(param_sh, replicated)),
+      logprobs=jax.jit(ruled(logprobs), in_shardings=(param_sh, batch_sh), out_shardings=batch_sh),
+      accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, param_sh, replicated, batch_sh, replicated),
+                         out_shardings=(param_sh, replicated), donate_argnums=(1, 2)),
+      apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh),
+                    out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1)),
+  )
+

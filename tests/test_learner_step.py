@@ -1,0 +1,221 @@
+"""The learner's jitted step: packed = padded gradients, sharded = single-device updates, bounded compiles."""
+
+import gc
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.learner import Learner
+from areal_jax.learner.microbatch import assemble, bucket_lengths, plan_packed
+from areal_jax.learner.ppo import decoupled_ppo_loss
+from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, build_step, make_learner_mesh, packed_logprobs
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.logprobs import logprobs_of
+from areal_jax.models.transformer import create
+from areal_jax.types import Trajectory
+
+CFG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, attention_bias=True)
+
+
+def one_device_mesh():
+  return make_learner_mesh(jax.devices()[:1])
+
+
+def make_trajectories(seed, n=16, group_size=4, max_prompt=10, max_response=40):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    p, r = int(rng.integers(2, max_prompt)), int(rng.integers(1, max_response))
+    out.append(Trajectory(
+        prompt_ids=rng.integers(0, CFG.vocab_size, p).astype(np.int32),
+        response_ids=rng.integers(0, CFG.vocab_size, r).astype(np.int32),
+        logprobs=(np.log(1 / CFG.vocab_size) + rng.normal(0, 0.5, r)).astype(np.float32),
+        versions=np.zeros(r, np.int32), finish_reason="eos", group_id=i // group_size,
+        reward=float(i % 2 if i // group_size != 1 else 1)))  # group 1 is uniform
+  return out
+
+
+def test_packed_microbatch_gradients_equal_one_padded_batch():
+  cfg = LearnerConfig(max_tokens_per_mb=64, min_bucket=64, eps_clip_higher=0.28, behav_imp_weight_cap=1.3)
+  temperature = 0.7
+  fns = build_step(CFG, cfg, one_device_mesh(), temperature=temperature)
+  params = fns.init_params(3)
+  trajs = make_trajectories(0, n=12)
+  adv = np.random.default_rng(1).normal(size=len(trajs)).astype(np.float32)
+  tok_adv = [np.full(len(t.response_ids), a, np.float32) for t, a in zip(trajs, adv)]
+  n_loss = sum(len(t.response_ids) for t in trajs)
+
+  layouts = plan_packed([t.num_tokens for t in trajs], max_tokens=64, rows=1, min_bucket=64)
+  assert len(layouts) >= 4
+  grads, stats = fns.zero_accumulators()
+  inv = jax.device_put(np.float32(1 / n_loss), fns.replicated)
+  for layout in layouts:
+    mb = assemble(layout, trajs, tok_adv)
+    b = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
+    b["proximal_logprobs"] = fns.logprobs(params, {k: b[k] for k in BATCH_INT_KEYS})
+    grads, stats = fns.accumulate(params, grads, stats, b, inv)
+
+  # Reference: one sequence per row, right-padded, the loss straight from Eq. 5 on [batch, time].
+  t_max = max(t.num_tokens for t in trajs)
+  tokens, valid = np.zeros((len(trajs), t_max), np.int32), np.zeros((len(trajs), t_max), np.int32)
+  mask, behav, adv_bt = (np.zeros((len(trajs), t_max - 1), np.float32) for _ in range(3))
+  for i, t in enumerate(trajs):
+    p, r = len(t.prompt_ids), len(t.response_ids)
+    tokens[i, :p + r] = np.concatenate([t.prompt_ids, t.response_ids])
+    valid[i, :p + r] = 1
+    mask[i, p - 1:p + r - 1], behav[i, p - 1:p + r - 1], adv_bt[i, p - 1:p + r - 1] = 1, t.logprobs, adv[i]
+
+  def padded_loss(params):
+    logits = nnx.merge(fns.graphdef, params)(tokens, segment_ids=valid)
+    lp = logprobs_of(logits[:, :-1], tokens[:, 1:], temperature)
+    loss, _ = decoupled_ppo_loss(lp, jax.lax.stop_gradient(lp), behav, adv_bt, mask, eps_clip=0.2,
+                                 eps_clip_higher=0.28, behav_imp_weight_cap=1.3)
+    return loss
+
+  loss, want = jax.jit(jax.value_and_grad(padded_loss))(params)
+  got, want = jax.tree.leaves(grads), jax.tree.leaves(want)
+  num = np.sqrt(sum(np.sum((np.asarray(g) - np.asarray(w)) ** 2) for g, w in zip(got, want)))
+  den = np.sqrt(sum(np.sum(np.asarray(w) ** 2) for w in want))
+  assert den > 0 and num / den <= 1e-5, num / den
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+  np.testing.assert_allclose(stats["loss"] / stats["tokens"], loss, rtol=1e-5)
+  assert 0 < stats["capped"] < stats["tokens"]
+
+
+def test_sharded_step_matches_single_device():
+  cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=2, warmup_steps=0)
+  init = nnx.split(create(CFG, 5))[1]
+  trajs = make_trajectories(2)
+  one = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), params=init)
+  mesh8 = make_learner_mesh(jax.devices(), tensor=2)
+  assert dict(mesh8.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+  eight = Learner(model_cfg=CFG, config=cfg, mesh=mesh8, params=init)
+  q = eight.params["layers"][0]["attn"]["q"][...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  assert eight.fns.rows == 4
+
+  s1, s8 = one.train_step(trajs), eight.train_step(trajs)
+  moved = 0.0
+  for p0, p1, p8 in zip(jax.tree.leaves(init), jax.tree.leaves(one.params), jax.tree.leaves(eight.params)):
+    np.testing.assert_allclose(p8, p1, rtol=0, atol=2e-6)
+    moved = max(moved, float(np.abs(np.asarray(p1) - np.asarray(p0)).max()))
+  assert moved > 1e-3  # two Adam updates of lr 1e-3 happened
+  for k in ("learner/loss", "learner/importance_weight_max", "learner/grad_norm", "learner/entropy"):
+    np.testing.assert_allclose(s8[k], s1[k], rtol=1e-4, err_msg=k)
+
+
+def test_compiles_once_per_bucket_and_no_implicit_transfers():
+  cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=128, min_bucket=32, ppo_n_minibatches=2)
+  learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), peak_flops=1e9)
+  seen = set()
+  for step, (n, max_response) in enumerate([(2, 8), (20, 90), (4, 30), (12, 40), (3, 60), (24, 60)]):
+    plan = learner.prepare(make_trajectories(step, n=n, max_response=max_response))
+    seen |= {mb.layout.length for minibatch in plan.minibatches for mb in minibatch}
+    with jax.transfer_guard("disallow"):
+      stats = learner.update(plan)
+    assert stats["learner/version"] == step + 1 == learner.version
+  assert seen == set(bucket_lengths(128, 32)) == {32, 64, 128}
+  assert learner.fns.accumulate._cache_size() == len(seen)
+  assert learner.fns.logprobs._cache_size() == len(seen)
+  assert learner.fns.apply._cache_size() == 1
+  for k in ("loss", "clip_fraction", "importance_weight_mean", "importance_weight_max", "capped_fraction",
+            "approx_kl", "entropy", "grad_norm", "tokens_per_s", "mfu"):
+    assert np.isfinite(stats[f"learner/{k}"]), k
+  assert stats["learner/tokens_per_s"] > 0 and stats["learner/mfu"] > 0
+
+
+def test_training_moves_probability_towards_positive_advantages():
+  cfg = LearnerConfig(lr=3e-3, max_tokens_per_mb=128, min_bucket=128, ppo_n_minibatches=1, weight_decay=0.0)
+  learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh())
+  trajs = [t for t in make_trajectories(7) if t.group_id != 1]
+
+  def mean_logprob(sign):
+    plan = learner.prepare(trajs)
+    out = []
+    for mb in plan.minibatches[0]:
+      lp = np.asarray(learner.fns.logprobs(learner.params, {k: getattr(mb, k) for k in BATCH_INT_KEYS}))
+      sel = (mb.loss_mask > 0) & (np.sign(mb.advantages) == sign)
+      out.append(lp[sel])
+    return np.concatenate(out).mean()
+
+  before = mean_logprob(1), mean_logprob(-1)
+  for _ in range(3):
+    stats = learner.train_step(trajs)
+  after = mean_logprob(1), mean_logprob(-1)
+  assert after[0] > before[0] + 0.05 and after[1] < before[1] - 0.05, (before, after)
+  # One minibatch: the update sees the parameters the proximal pass used, so u = 1 on every token.
+  assert abs(stats["learner/approx_kl"]) < 1e-6 and stats["learner/clip_fraction"] == 0.0
+
+
+def test_kl_entropy_standard_ppo_and_bf16_compute():
+  cfg = LearnerConfig(lr=1e-2, max_tokens_per_mb=128, min_bucket=64, ppo_n_minibatches=1, use_decoupled_loss=False,
+                      kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01)
+  model_cfg = CFG.replace(dtype="bfloat16")
+  learner = Learner(model_cfg=model_cfg, config=cfg, mesh=one_device_mesh(), peak_flops=1e9)
+  trajs = make_trajectories(3)
+  first, second = learner.train_step(trajs), learner.train_step(trajs)
+  assert first["learner/ref_kl"] < 1e-4 < second["learner/ref_kl"]
+  assert first["learner/importance_weight_mean"] == 1.0  # π_prox := π_behav
+  assert learner.fns.logprobs._cache_size() == 1  # the reference pass only; no proximal pass
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(learner.params))  # fp32 master weights
+
+
+def test_batch_of_uniform_groups_advances_version_without_update():
+  learner = Learner(model_cfg=CFG, config=LearnerConfig(max_tokens_per_mb=128), mesh=one_device_mesh(),
+                    peak_flops=1e9)
+  before = jax.tree.map(np.asarray, learner.params)
+  trajs = [t.replace(reward=1.0) for t in make_trajectories(0, n=8)]
+  stats = learner.train_step(trajs)
+  assert learner.version == 1 and stats["learner/num_filtered"] == 8 and stats["learner/micro_batches"] == 0
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(learner.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_chunked_vocab_projection_matches_whole():
+  model = create(CFG, 1)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 40)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
+  seg = jnp.ones((2, 40), jnp.int32)
+
+  def f(model, chunk):
+    lp, ent = packed_logprobs(model, tokens, pos, seg, temperature=1.3, chunk=chunk, with_entropy=True)
+    return lp.sum() + 0.1 * ent.sum(), (lp, ent)
+
+  (_, whole), g_whole = nnx.jit(nnx.value_and_grad(lambda m: f(m, 0), has_aux=True))(model)
+  (_, chunked), g_chunked = nnx.jit(nnx.value_and_grad(lambda m: f(m, 16), has_aux=True))(model)
+  for a, b in zip(whole + tuple(jax.tree.leaves(g_whole)), chunked + tuple(jax.tree.leaves(g_chunked))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_aot_lowering_from_abstract_shapes():
+  cfg = LearnerConfig(max_tokens_per_mb=256, kl_coef=0.05)
+  fns = build_step(CFG.replace(num_layers=3), cfg, make_learner_mesh(jax.devices(), tensor=2))
+  gc.collect()
+  before = {id(a) for a in jax.live_arrays()}
+  compiled = {k: v.compile() for k, v in fns.lower(256).items()}
+  assert not {id(a) for a in jax.live_arrays()} - before  # nothing materialised
+  assert set(compiled) == {"logprobs", "accumulate", "apply"}
+  assert compiled["accumulate"].memory_analysis() is not None
+  with pytest.raises(ValueError, match="learner.c_clip=0.5"):
+    LearnerConfig(c_clip=0.5)
+
+
+def test_config_presets_give_valid_learner_configs():
+  path = pathlib.Path(__file__).parent.parent / "configs" / "math.py"
+  spec = importlib.util.spec_from_file_location("math_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for preset in module.PRESETS:
+    cfg = LearnerConfig.from_config(module.get_config(preset).learner)
+    assert cfg.max_tokens_per_mb in bucket_lengths(cfg.max_tokens_per_mb, cfg.min_bucket)
+  with pytest.raises(ValueError, match="unknown learner config keys \\['typo'\\]"):
+    LearnerConfig.from_config({"typo": 1})
