@@ -157,7 +157,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.reward = ml_collections.ConfigDict()
   c.reward.kind = "math"  # math | code
   c.reward.num_workers = 2 if tiny else 16
-  c.reward.timeout_s = 5.0
+  c.reward.timeout_s = 5.0  # per item on a worker; it scores 0 past this
+  c.reward.code_test_timeout_s = 2.0  # wall and CPU seconds per sandboxed code test
+  c.reward.code_memory_mb = 1024  # address-space cap per sandboxed code test
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.cpu_devices = 8  # emulated devices when running on CPU
