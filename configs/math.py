@@ -99,13 +99,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic" if tiny else "jsonl"  # synthetic | jsonl | tfds
   c.data.path = ""  # jsonl file (source=jsonl)
-  c.data.eval_path = ""  # held-out jsonl; "" = held-out split of the synthetic generator
+  c.data.eval_path = ""  # held-out jsonl (source=jsonl); "" = data.eval_size problems held out of the training data
   c.data.tfds_name = ""
-  c.data.tfds_data_dir = ""
-  c.data.split = "train"
+  c.data.tfds_data_dir = ""  # local directory holding the prepared (array_record) dataset
+  c.data.split = "train"  # tfds split to train on
+  c.data.eval_split = ""  # tfds split to evaluate on; "" = data.eval_size problems held out of data.split
   c.data.prompt_template = "plain" if tiny else "chat"  # plain | chat
   c.data.max_prompt_len = 48 if tiny else 1024
-  c.data.skip_bad_rows = False
+  c.data.skip_bad_rows = False  # False: a bad row raises, naming file, line and field; True: skipped and counted
   c.data.shuffle_seed = 0
   c.data.synthetic_difficulty = 1  # 1..4: number of operations in the synthetic problems
   c.data.synthetic_size = 20000

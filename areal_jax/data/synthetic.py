@@ -1,0 +1,77 @@
+r"""Seeded synthetic arithmetic with worked solutions: what the tiny CPU default trains on.
+
+Difficulty d is the number of operations: 1 `a+b`; 2 adds `-`; 3 and 4 add `*` (single-digit factors; products
+are worked out first). Questions and solutions use only `CharTokenizer.CHARS` and stay short (question <= 23
+characters, solution <= 56) so that the tiny model's 48-token prompts and 64-token answers hold them:
+
+    what is 12+7*3?        ->   7*3=21
+                                12+21=33
+                                \boxed{33}
+
+The answer is `\boxed{}`ed like real math data, and the reference is checked by `verify_math` like any other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from areal_jax.data.records import DataError, Problem
+
+# difficulty -> (operators, +/- operand bound); factors of `*` are drawn from [2, 10)
+LEVELS = {1: ("+", 50), 2: ("+-", 50), 3: ("+-*", 30), 4: ("+-*", 30)}
+_SPLITS = {"train": 0, "eval": 1}
+
+
+def make_problem(rng: np.random.Generator, difficulty: int) -> tuple[str, str, int]:
+  """(expression, worked solution, answer) for one random problem."""
+  ops, bound = LEVELS[difficulty]
+  chosen = [str(rng.choice(list(ops))) for _ in range(difficulty)]
+  nums = []
+  for i in range(difficulty + 1):
+    near_mul = (i > 0 and chosen[i - 1] == "*") or (i < difficulty and chosen[i] == "*")
+    nums.append(int(rng.integers(2, 10)) if near_mul else int(rng.integers(0, bound)))
+  expr = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(chosen, nums[1:]))
+  steps = []
+  terms, signs = [nums[0]], []  # products first, left to right
+  for o, n in zip(chosen, nums[1:]):
+    if o == "*":
+      product = terms[-1] * n
+      steps.append(f"{terms[-1]}*{n}={product}")
+      terms[-1] = product
+    else:
+      terms.append(n)
+      signs.append(o)
+  acc = terms[0]
+  for o, n in zip(signs, terms[1:]):  # then sums and differences, left to right
+    new = acc + n if o == "+" else acc - n
+    steps.append(f"{acc}{o}{n}={new}")
+    acc = new
+  steps.append(f"\\boxed{{{acc}}}")
+  return expr, "\n".join(steps), acc
+
+
+def generate(n: int, *, difficulty: int, seed: int, split: str = "train", distinct: bool = False,
+             exclude: frozenset[str] = frozenset()) -> list[Problem]:
+  """`n` problems from the (seed, difficulty, split) stream; `exclude` questions are never produced (held-out sets),
+  and with `distinct` no question repeats."""
+  if difficulty not in LEVELS:
+    raise DataError(f"data.synthetic_difficulty={difficulty}: choose one of {sorted(LEVELS)}")
+  if split not in _SPLITS:
+    raise DataError(f"synthetic split {split!r}: choose one of {sorted(_SPLITS)}")
+  rng = np.random.default_rng([seed, difficulty, _SPLITS[split]])
+  problems, seen, misses = [], set(exclude), 0
+  while len(problems) < n:
+    expr, solution, answer = make_problem(rng, difficulty)
+    question = f"what is {expr}?"
+    if question in seen:
+      misses += 1
+      if misses > 10_000:  # in a row: (nearly) every allowed question is taken
+        raise DataError(f"synthetic difficulty {difficulty}: cannot draw {n} problems outside the {len(exclude)} "
+                        f"excluded{' and distinct' if distinct else ''} ones; lower data.eval_size")
+      continue
+    misses = 0
+    if distinct:
+      seen.add(question)
+    problems.append(Problem(uid=f"synthetic-{difficulty}/{split}:{len(problems)}", question=question,
+                            reference=str(answer), solution=solution))
+  return problems

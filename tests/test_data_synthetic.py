@@ -1,0 +1,72 @@
+"""The synthetic arithmetic generator: seeded, levelled, short enough for the tiny model, and verifiable."""
+
+import re
+
+import pytest
+
+from areal_jax.data import synthetic
+from areal_jax.data.records import DataError
+from areal_jax.reward.math import verify_math
+from areal_jax.tokenizer import CharTokenizer
+
+
+def test_seeded_and_deterministic():
+  a = synthetic.generate(200, difficulty=2, seed=3)
+  b = synthetic.generate(200, difficulty=2, seed=3)
+  c = synthetic.generate(200, difficulty=2, seed=4)
+  assert a == b
+  assert [p.question for p in a] != [p.question for p in c]
+  assert synthetic.generate(50, difficulty=2, seed=3) == a[:50]  # a prefix of the same stream
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
+def test_levels_fit_the_tiny_model_and_verify(difficulty):
+  tok = CharTokenizer()
+  problems = synthetic.generate(2000, difficulty=difficulty, seed=0)
+  ops = {1: "+", 2: "+-", 3: "+-*", 4: "+-*"}[difficulty]
+  seen_ops = set()
+  for p in problems:
+    expr = re.fullmatch(r"what is ([0-9+\-*]+)\?", p.question).group(1)
+    used = re.findall(r"[+\-*]", expr)
+    assert len(used) == difficulty and set(used) <= set(ops), p.question
+    seen_ops.update(used)
+    assert eval(expr) == int(p.reference)  # pylint: disable=eval-used  (digits and + - * only, checked above)
+    assert len(tok.encode(f"Q: {p.question}\nA: ")) <= 48  # every character is in the char vocabulary
+    assert len(tok.encode(p.solution)) + 1 <= 64  # with eos
+    assert p.solution.endswith(f"\\boxed{{{p.reference}}}")
+  assert seen_ops == set(ops)
+  for p in problems[:100]:
+    assert verify_math(p.solution, p.reference)
+    assert not verify_math(p.solution, str(int(p.reference) + 1))
+
+
+def test_worked_solution_does_products_first():
+  class Scripted:
+    """Replays a fixed problem: `3+4*5-2`."""
+
+    def __init__(self):
+      self.ops, self.nums = ["+", "*", "-"], [3, 4, 5, 2]
+
+    def choice(self, options):
+      return self.ops.pop(0)
+
+    def integers(self, low, high):
+      return self.nums.pop(0)
+
+  expr, solution, answer = synthetic.make_problem(Scripted(), 3)
+  assert expr == "3+4*5-2" and answer == 21
+  assert solution == "4*5=20\n3+20=23\n23-2=21\n\\boxed{21}"
+
+
+def test_exclusion_and_distinct():
+  held = synthetic.generate(128, difficulty=1, seed=0, split="eval", distinct=True)
+  assert len({p.question for p in held}) == 128
+  train = synthetic.generate(5000, difficulty=1, seed=0, exclude=frozenset(p.question for p in held))
+  assert not {p.question for p in held} & {p.question for p in train}
+  with pytest.raises(DataError, match="cannot draw"):
+    synthetic.generate(3000, difficulty=1, seed=0, split="eval", distinct=True)  # only 2500 a+b problems exist
+
+
+def test_bad_difficulty():
+  with pytest.raises(DataError, match="synthetic_difficulty=7"):
+    synthetic.generate(1, difficulty=7, seed=0)
