@@ -1,0 +1,64 @@
+"""Ahead-of-time lowering of the sampler's device functions from shapes alone (no parameter is materialised).
+
+    mesh = Mesh(np.array(topology.devices).reshape(2, 2), ("data", "tensor"))  # e.g. a TPU topology description
+    lowered = lower_sampler(ModelConfig.from_hf(...), SamplerConfig(...), mesh, free_bytes=16 << 30)
+    compiled = lowered["decode"].compile(); print(compiled.memory_analysis())
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from areal_jax.models import ModelConfig, create
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.engine import pages_per_shard, param_bytes_per_device
+from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
+from areal_jax.sampler.state import decode_state_shapes, decode_state_shardings, prefix_shardings
+from areal_jax.sharding import SAMPLER_RULES, state_shardings
+
+
+def abstract_params(model_cfg: ModelConfig, mesh: Mesh):
+  """(graphdef, params as `jax.ShapeDtypeStruct`s carrying the sampler's shardings)."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: create(model_cfg)))
+  shardings = state_shardings(state, mesh, SAMPLER_RULES)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  return graphdef, params
+
+
+def _sds(shape, dtype, mesh, spec=P()):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, prefill_len: int | None = None,
+                  free_bytes: int | None = None) -> dict[str, jax.stages.Lowered]:
+  """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len) and `insert` for the pool
+  size the config gives (num_pages, or memory_fraction of `free_bytes` per device)."""
+  graphdef, params = abstract_params(model_cfg, mesh)
+  per_shard = pages_per_shard(model_cfg, cfg, mesh, param_bytes_per_device=param_bytes_per_device(params, mesh),
+                              free_bytes=free_bytes)
+  programs = build_programs(graphdef, model_cfg, cfg, mesh)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       decode_state_shapes(model_cfg, cfg, per_shard * mesh.shape["data"]),
+                       decode_state_shardings(model_cfg, mesh))
+  s, m = cfg.num_slots, cfg.pages_per_seq
+  t = -(-(prefill_len or cfg.max_seq_len) // cfg.page_size) * cfg.page_size
+  i32 = jnp.int32
+  prefill_args = (_sds((1, t), i32, mesh), _sds((1,), i32, mesh), _sds((s,), i32, mesh))
+  lowered = {
+      "decode": programs.decode.lower(params, state, _sds((s,), jnp.bool_, mesh, P("data")),
+                                     _sds((3, s), i32, mesh)),
+      "prefill": programs.prefill.lower(params, *prefill_args),
+  }
+  prefix = jax.eval_shape(programs.prefill, params, *prefill_args)[0]
+  dense = prefix_shardings(model_cfg, mesh)
+  prefix = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dense), prefix)
+  chunks = Chunks(*(_sds((t // cfg.page_size + s,), i32, mesh) for _ in range(4)))
+  vec = lambda dtype=i32: _sds((s,), dtype, mesh)
+  upd = SlotUpdate(slot=vec(), rows=_sds((s, m), i32, mesh), src=vec(), override=vec(), lengths=vec(), index=vec(),
+                   keys=_sds((s, 2), jnp.uint32, mesh), temperature=vec(jnp.float32), top_p=vec(jnp.float32),
+                   top_k=vec())
+  lowered["insert"] = programs.insert.lower(state, prefix, vec(), chunks, upd)
+  return lowered

@@ -1,0 +1,153 @@
+"""Paged attention: write each decode step's keys/values into the page pool, then attend over a slot's pages.
+
+Cache layout per layer: `[kv_heads, num_pages, page_size, head_dim]` (the Pallas TPU kernel's layout), pages sharded
+over the mesh's `data` axis and heads over `tensor`. Both attention implementations run per device inside
+`shard_map`: every data shard holds the pages of its own slots, so page ids are local and no page crosses devices.
+
+* `paged_attention`: pure JAX (CPU/GPU, and the TPU fallback). An online-softmax loop over blocks of pages that stops
+  at the longest live sequence, so a step costs what the sequences hold, not the cache's maximum length.
+* `pallas_paged_attention`: `jax.experimental.pallas.ops.tpu.paged_attention` (TPU only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from areal_jax.sampler.paging import SCRATCH_PAGE
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                    page_table: jax.Array, *, pages_per_block: int = 8) -> jax.Array:
+  """Decode attention of one query per sequence over its pages.
+
+  q: [S, H, D]; k_pages, v_pages: [K, N, page_size, D]; lengths: [S] keys to attend (0 gives a zero output);
+  page_table: [S, M] page ids. Returns [S, H, D] in q's dtype.
+  """
+  s, h, d = q.shape
+  kh, _, page, _ = k_pages.shape
+  m = page_table.shape[1]
+  ppb = max(1, min(pages_per_block, m))
+  if m % ppb:
+    page_table = jnp.pad(page_table, ((0, 0), (0, ppb - m % ppb)), constant_values=SCRATCH_PAGE)
+  block = ppb * page
+  qg = q.reshape(s, kh, h // kh, d)
+  scale = 1.0 / math.sqrt(d)
+
+  def body(i, carry):
+    mx, denom, acc = carry
+    pages = jax.lax.dynamic_slice_in_dim(page_table, i * ppb, ppb, axis=1)  # [S, ppb]
+    k = k_pages[:, pages].reshape(kh, s, block, d)
+    v = v_pages[:, pages].reshape(kh, s, block, d)
+    scores = jnp.einsum("skgd,kstd->skgt", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [S, block]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    new_mx = jnp.maximum(mx, scores.max(-1))
+    safe = jnp.where(jnp.isfinite(new_mx), new_mx, 0.0)
+    probs = jnp.exp(scores - safe[..., None])
+    corr = jnp.exp(mx - safe)
+    denom = denom * corr + probs.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum("skgt,kstd->skgd", probs.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    return new_mx, denom, acc
+
+  shape = qg.shape[:-1]
+  init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32))
+  num_blocks = (jnp.max(lengths) + block - 1) // block
+  _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
+  return out.reshape(s, h, d).astype(q.dtype)
+
+
+def _pages_per_compute_block(pages_per_seq: int, page_size: int, target_tokens: int = 512) -> int:
+  """Largest divisor of pages_per_seq whose block holds at most `target_tokens` (the kernel needs a divisor)."""
+  best = 1
+  for b in range(1, pages_per_seq + 1):
+    if pages_per_seq % b == 0 and b * page_size <= target_tokens:
+      best = b
+  return best
+
+
+def pallas_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                           page_table: jax.Array) -> jax.Array:
+  """Same contract as `paged_attention`, on the Pallas TPU kernel (which expects q pre-scaled and lengths >= 1)."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel  # TPU-only import
+
+  d = q.shape[-1]
+  ppcb = _pages_per_compute_block(page_table.shape[1], k_pages.shape[2])
+  q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)
+  out = kernel(q, k_pages, v_pages, jnp.maximum(lengths, 1).astype(jnp.int32), page_table,
+               pages_per_compute_block=ppcb)
+  return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+def write_decode_kv(k_pages, v_pages, k, v, page_table, positions, active):
+  """Writes one token per slot: k, v [S, K, D] at `positions` [S]; idle slots write to the scratch page."""
+  page = k_pages.shape[2]
+  rows = jnp.arange(page_table.shape[0])
+  col = jnp.minimum(positions // page, page_table.shape[1] - 1)
+  dst = jnp.where(active, page_table[rows, col], SCRATCH_PAGE)
+  off = positions % page
+  k_pages = k_pages.at[:, dst, off].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype))
+  v_pages = v_pages.at[:, dst, off].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype))
+  return k_pages, v_pages
+
+
+def write_chunks(k_pages, v_pages, k, v, src_row, src_chunk, dst, shard, *, axis: str = "data"):
+  """Copies page-sized chunks of dense keys/values into pages of this data shard.
+
+  k, v: [B, T, K, D] with T a multiple of the page size; chunk c copies rows `src_row[c]`, positions
+  `src_chunk[c] * page_size ...` to local page `dst[c]` if `shard[c]` is this device's data index (else dropped).
+  """
+  b, t, kh, d = k.shape
+  page = k_pages.shape[2]
+  me = jax.lax.axis_index(axis)
+  local = jnp.where(shard == me, dst, k_pages.shape[1])  # out of range: dropped
+
+  def put(pages, x):
+    chunks = x.reshape(b, t // page, page, kh, d)[src_row, src_chunk]  # [n, page, K, D]
+    return pages.at[:, local].set(jnp.transpose(chunks, (2, 0, 1, 3)).astype(pages.dtype), mode="drop")
+
+  return put(k_pages, k), put(v_pages, v)
+
+
+def kv_head_axis(mesh: Mesh, num_kv_heads: int) -> str | None:
+  """The mesh axis KV heads (and, inside attention, query heads) are split over: `tensor` if it divides them."""
+  t = mesh.shape.get("tensor", 1)
+  return "tensor" if t > 1 and num_kv_heads % t == 0 else None
+
+
+def cache_spec(mesh: Mesh, num_kv_heads: int) -> P:
+  return P(kv_head_axis(mesh, num_kv_heads), "data", None, None)
+
+
+def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_per_block: int):
+  """`f(q [S,H,D], k, v [S,K,D], k_pages, v_pages, page_table, positions, active) -> (out, k_pages, v_pages)`,
+  run per device with `shard_map`: writes the step's keys/values, then attends over positions + 1 keys."""
+  heads = kv_head_axis(mesh, num_kv_heads)
+
+  def local(q, k, v, k_pages, v_pages, page_table, positions, active):
+    k_pages, v_pages = write_decode_kv(k_pages, v_pages, k, v, page_table, positions, active)
+    lengths = jnp.where(active, positions + 1, 0)
+    if impl == "pallas_tpu":
+      out = pallas_paged_attention(q, k_pages, v_pages, lengths, page_table)
+    else:
+      out = paged_attention(q, k_pages, v_pages, lengths, page_table, pages_per_block=pages_per_block)
+    return out, k_pages, v_pages
+
+  act, pages = P("data", heads, None), P(heads, "data", None, None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(act, act, act, pages, pages, P("data", None), P("data"), P("data")),
+                       out_specs=(act, pages, pages), check_vma=False)
+
+
+def sharded_write_chunks(mesh: Mesh, num_kv_heads: int):
+  """`write_chunks` over the mesh: dense keys/values replicated over `data`, heads split as the cache's."""
+  heads = kv_head_axis(mesh, num_kv_heads)
+  pages, dense, idx = P(heads, "data", None, None), P(None, None, heads, None), P()
+  return jax.shard_map(functools.partial(write_chunks, axis="data"), mesh=mesh,
+                       in_specs=(pages, pages, dense, dense, idx, idx, idx, idx), out_specs=(pages, pages),
+                       check_vma=False)

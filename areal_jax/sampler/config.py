@@ -1,0 +1,69 @@
+"""The sampler's settings as one frozen, validated record (from the config's `sampler` group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_IMPLS = ("auto", "jax", "pallas_tpu")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+  """Field meanings as in configs/math.py.
+
+  `num_pages` counts pages over the whole mesh (split evenly between the data shards; one page per shard is reserved
+  as the scratch page that idle slots write to); 0 sizes the pool from `memory_fraction` of free device memory.
+  """
+
+  num_slots: int = 64
+  page_size: int = 16
+  num_pages: int = 0
+  memory_fraction: float = 0.8
+  max_seq_len: int = 2048
+  max_new_tokens: int = 1024
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = -1
+  attention: str = "auto"
+  min_prefill_len: int = 16  # smallest prefill bucket; buckets double up to max_seq_len
+  max_prefill_tokens: int = 8192  # rows x bucket length of one batched prefill
+  attention_block: int = 256  # tokens per block of the pure-JAX paged attention loop (rounded to whole pages)
+
+  def __post_init__(self):
+    def bad(field, why):
+      raise ValueError(f"sampler.{field}={getattr(self, field)!r}: {why}")
+
+    for f in ("num_slots", "page_size", "max_seq_len", "max_new_tokens", "min_prefill_len", "max_prefill_tokens",
+              "attention_block"):
+      if getattr(self, f) <= 0:
+        bad(f, "must be positive")
+    if self.num_pages < 0:
+      bad("num_pages", "must be >= 0 (0 = fill memory_fraction of free device memory)")
+    if not 0 < self.memory_fraction <= 1:
+      bad("memory_fraction", "must lie in (0, 1]")
+    if self.temperature < 0:
+      bad("temperature", "must be >= 0 (0 = greedy)")
+    if not 0 < self.top_p <= 1:
+      bad("top_p", "must lie in (0, 1]")
+    if self.top_k == 0 or self.top_k < -1:
+      bad("top_k", "must be positive or -1 (off)")
+    if self.attention not in ATTENTION_IMPLS:
+      bad("attention", f"choose one of {ATTENTION_IMPLS}")
+    if self.max_prefill_tokens < self.max_seq_len:
+      bad("max_prefill_tokens", f"must hold one sequence of max_seq_len={self.max_seq_len}")
+
+  @property
+  def pages_per_seq(self) -> int:
+    return -(-self.max_seq_len // self.page_size)
+
+  def replace(self, **kw) -> SamplerConfig:
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_config(cls, c) -> SamplerConfig:
+    """From the `sampler` group of an ml_collections config; unknown keys raise."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(c.keys()) - names
+    if unknown:
+      raise ValueError(f"unknown sampler config keys {sorted(unknown)}; known: {sorted(names)}")
+    return cls(**dict(c))

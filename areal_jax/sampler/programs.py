@@ -1,0 +1,143 @@
+"""The engine's jitted device functions, pure in (params, decode state, small index arrays).
+
+`build_programs(graphdef, model_cfg, cfg, mesh)` needs no parameter values, so the same functions serve
+the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler.aot`).
+
+* `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: dense causal forward
+  over padded sequences (the learner's attention), keys/values of every position, and the last position's logits of
+  row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
+* `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
+* `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
+  sets the slots' page-table rows, pending tokens and sampling settings.
+* `decode(params, state, active [S], grow [3, S]) -> (state, ResultTokens [S])`: adds the step's new pages
+  (slot, column, page) to the page table, runs every slot one token, writes its keys/values, draws the next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.modules import dense_attention
+from areal_jax.sampler import attention
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.sampling import sample
+from areal_jax.sampler.state import DecodeState, PrefixArrays, ResultTokens, decode_state_shardings, prefix_shardings
+from areal_jax.sharding import SAMPLER_RULES, use_rules
+
+
+@struct.dataclass(frozen=True)
+class Chunks:
+  """Prefix chunk c (row `src_row`, chunk `src_chunk`) goes to local page `dst` of data shard `shard` (-1: skip)."""
+
+  src_row: jax.Array
+  src_chunk: jax.Array
+  dst: jax.Array
+  shard: jax.Array
+
+
+@struct.dataclass(frozen=True)
+class SlotUpdate:
+  """Per inserted slot, padded to num_slots entries (`slot` = num_slots: padding, ignored). The pending token is
+  `override` if >= 0, else first token `src` of the prefill's draw."""
+
+  slot: jax.Array
+  rows: jax.Array  # [S, pages_per_seq] page table rows
+  src: jax.Array
+  override: jax.Array
+  lengths: jax.Array
+  index: jax.Array
+  keys: jax.Array
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  prefill: Callable
+  sample: Callable
+  insert: Callable
+  decode: Callable
+  attention: str  # the decode attention implementation in use: "jax" | "pallas_tpu"
+
+
+def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) -> str:
+  """`auto` picks the Pallas TPU kernel on TPU when head_dim is a multiple of 128, else pure JAX."""
+  platform = mesh.devices.flat[0].platform
+  if cfg.attention == "pallas_tpu":
+    if platform != "tpu":
+      raise ValueError(f"sampler.attention='pallas_tpu' needs TPU devices; the sampler mesh has {platform!r}")
+    return "pallas_tpu"
+  if cfg.attention == "auto" and platform == "tpu" and model_cfg.head_dim % 128 == 0:
+    return "pallas_tpu"
+  return "jax"
+
+
+@functools.lru_cache(maxsize=16)
+def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh) -> Programs:
+  """Cached: engines with the same graph, configs and mesh share compiled programs."""
+  impl = resolve_attention(cfg, model_cfg, mesh)
+  pages_per_block = max(1, cfg.attention_block // cfg.page_size)
+  decode_attend = attention.sharded_decode_attention(mesh, model_cfg.num_kv_heads, impl=impl,
+                                                     pages_per_block=pages_per_block)
+  write_chunks = attention.sharded_write_chunks(mesh, model_cfg.num_kv_heads)
+  state_sh = decode_state_shardings(model_cfg, mesh)
+  dense_sh = prefix_shardings(model_cfg, mesh)
+
+  def prefill(params, tokens, lengths, rows):
+    b, t = tokens.shape
+    model = nnx.merge(graphdef, params)
+    with use_rules(mesh, SAMPLER_RULES):
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      attend = dense_attention((positions < lengths[:, None]).astype(jnp.int32))
+      h, kv = model.run_layers(model.embed_tokens(tokens), positions,
+                               lambda i, q, k, v: (attend(q, k, v)[0], (k, v)))
+      logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
+    pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
+    return PrefixArrays(k=tuple(pin(k) for k, _ in kv), v=tuple(pin(v) for _, v in kv)), logits
+
+  def insert(state: DecodeState, prefix: PrefixArrays, first, chunks: Chunks, upd: SlotUpdate) -> DecodeState:
+    ks, vs = [], []
+    for kp, vp, k, v in zip(state.k, state.v, prefix.k, prefix.v):
+      kp, vp = write_chunks(kp, vp, k, v, chunks.src_row, chunks.src_chunk, chunks.dst, chunks.shard)
+      ks.append(kp)
+      vs.append(vp)
+    pending = jnp.where(upd.override >= 0, upd.override, first[upd.src])
+    put = lambda x, val: x.at[upd.slot].set(val.astype(x.dtype), mode="drop")
+    return state.replace(
+        k=tuple(ks), v=tuple(vs), page_table=put(state.page_table, upd.rows), tokens=put(state.tokens, pending),
+        lengths=put(state.lengths, upd.lengths), index=put(state.index, upd.index), keys=put(state.keys, upd.keys),
+        temperature=put(state.temperature, upd.temperature), top_p=put(state.top_p, upd.top_p),
+        top_k=put(state.top_k, upd.top_k))
+
+  def decode(params, state: DecodeState, active, grow):
+    model = nnx.merge(graphdef, params)
+    page_table = state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop")
+    pos = state.lengths
+    with use_rules(mesh, SAMPLER_RULES):
+      def attend(i, q, k, v):
+        out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], state.k[i], state.v[i], page_table, pos, active)
+        return out[:, None], (kp, vp)
+
+      h, kv = model.run_layers(model.embed_tokens(state.tokens[:, None]), pos[:, None], attend)
+      logits = model.logits(h[:, 0])
+      tokens, log_prob = sample(logits, state.keys, state.index, state.temperature, state.top_p, state.top_k)
+    step = active.astype(jnp.int32)
+    new = state.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), page_table=page_table,
+                        tokens=jnp.where(active, tokens, state.tokens), lengths=pos + step, index=state.index + step)
+    return new, ResultTokens(tokens=tokens, valid=active, lengths=pos + 2, log_prob=log_prob)
+
+  return Programs(
+      prefill=jax.jit(prefill),
+      sample=jax.jit(sample),
+      insert=jax.jit(insert, donate_argnums=0, out_shardings=state_sh),
+      decode=jax.jit(decode, donate_argnums=1, out_shardings=(state_sh, None)),
+      attention=impl)

@@ -1,0 +1,219 @@
+"""Continuous batching on the host: admission into free slots, preemption when pages run out, stop conditions, and
+versioned weight swaps between decode steps.
+
+One `step()`:
+1. swap in new weights if `update_params` left some, recomputing every running answer's cache (re-prefill of prompt +
+   tokens so far) under them;
+2. admit waiting answers into free slots (preempted ones first, then new groups, oldest first), one batched prefill
+   per length bucket; a group's answers share the prompt's pages;
+3. make room: while a shard lacks the pages this step writes into, preempt its youngest answer (freed, requeued,
+   resumed later by re-prefill);
+4. one decode step for every running answer, then record tokens and finish answers at EOS, a stop sequence,
+   `max_new_tokens` or the cache length.
+
+Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
+sequence per shard) can never deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import threading
+import time
+
+import jax
+import numpy as np
+
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.requests import Request, Sequence
+from areal_jax.sampler.sampling import request_key
+from areal_jax.system.weight_sync import check_compatible
+
+
+class Scheduler:
+  """Single-threaded except `update_params`, which may be called from any thread."""
+
+  def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids=()):
+    self.engine = engine
+    self.params, self.version = params, version
+    self.eos_ids = frozenset(int(e) for e in eos_ids)
+    self.state = engine.init_decode_state()
+    self.waiting: collections.deque[list[Sequence]] = collections.deque()  # not started, one entry per group
+    self.resume: list[tuple[tuple[int, int], Sequence]] = []  # preempted, heap by priority
+    self.running: dict[int, Sequence] = {}  # slot -> answer
+    self.counters = collections.Counter()
+    self._arrivals = itertools.count()
+    self._pending: tuple[object, int] | None = None
+    self._lock = threading.Lock()
+
+  # --- inputs ---------------------------------------------------------------------------------------------------
+
+  def validate(self, request: Request) -> None:
+    limit = self.engine.cfg.max_seq_len - 1
+    if len(request.prompt_ids) > limit:
+      raise ValueError(f"group {request.group_id}: prompt of {len(request.prompt_ids)} tokens exceeds the "
+                       f"{limit} a sequence may hold before its first answer token (sampler.max_seq_len - 1)")
+    vocab = self.engine.model_cfg.vocab_size
+    bad = request.prompt_ids[(request.prompt_ids < 0) | (request.prompt_ids >= vocab)]
+    if len(bad):
+      raise ValueError(f"group {request.group_id}: prompt token {int(bad[0])} outside the vocabulary [0, {vocab})")
+
+  def submit(self, request: Request) -> None:
+    self.validate(request)
+    n, sp, now = next(self._arrivals), request.sampling, time.monotonic()
+    self.waiting.append([
+        Sequence(request=request, answer=i, key=request_key(sp.seed, request.group_id, i), order=(n, i), t_submit=now)
+        for i in range(request.num_answers)])
+
+  def update_params(self, params, version: int) -> None:
+    """Takes effect at the start of the next step; shapes/dtypes are checked here, in the caller's thread."""
+    check_compatible(params, self.engine.abstract_params)
+    with self._lock:
+      self._pending = (params, int(version))
+
+  @property
+  def idle(self) -> bool:
+    return not (self.running or self.waiting or self.resume)
+
+  @property
+  def has_update(self) -> bool:
+    return self._pending is not None
+
+  # --- the step -------------------------------------------------------------------------------------------------
+
+  def step(self) -> list[Sequence]:
+    """One scheduling round and decode step; returns the answers that finished in it."""
+    self._swap_weights()
+    finished = self._admit()
+    if not self.running:
+      return finished
+    self._make_room()
+    self.state, result = self.engine.generate(self.params, self.state)
+    tokens, logp = jax.device_get((result.tokens, result.log_prob))
+    self.counters["decode_steps"] += 1
+    self.counters["tokens"] += len(self.running)
+    max_len = self.engine.cfg.max_seq_len
+    for slot, seq in list(self.running.items()):
+      if seq.append(int(tokens[slot]), float(logp[slot]), self.version, eos_ids=self.eos_ids, max_seq_len=max_len):
+        self._release(seq)
+        finished.append(seq)
+    return finished
+
+  def _release(self, seq: Sequence) -> None:
+    self.engine.free_resource(seq.slot)
+    del self.running[seq.slot]
+    seq.slot = -1
+
+  def _swap_weights(self) -> None:
+    with self._lock:
+      pending, self._pending = self._pending, None
+    if pending is None:
+      return
+    self.params, self.version = pending
+    self.counters["weight_updates"] += 1
+    seqs = list(self.running.values())
+    written: set = set()
+    for batch in self._batches(seqs, lambda s: len(s.context())):
+      prefix, _ = self._prefill([[s] for s in batch], draw=False)
+      self.state = self.engine.rewrite(prefix, self.state, [(row, s.slot) for row, s in enumerate(batch)], written)
+      self.counters["recomputed"] += len(batch)
+
+  def _next_unit(self) -> tuple[list[Sequence] | None, bool]:
+    if self.resume:
+      return [self.resume[0][1]], True
+    if self.waiting:
+      return self.waiting[0], False
+    return None, False
+
+  def _admit(self) -> list[Sequence]:
+    eng = self.engine
+    free_slots = [eng.free_slots(s) for s in range(eng.num_shards)]
+    free_pages = [eng.pool.num_free(s) for s in range(eng.num_shards)]
+    plan: list[tuple[list[Sequence], list[int], bool]] = []
+    while True:
+      unit, resumed = self._next_unit()
+      if unit is None:
+        break
+      length = len(unit[0].context())
+      shard = max(range(eng.num_shards), key=lambda s: (len(free_slots[s]), free_pages[s]))
+      headroom = 1 if (self.running or plan) else 0  # one page to grow into per answer, unless nothing runs
+      k = min(len(unit), len(free_slots[shard]))
+      while k and eng.pages_to_insert(length, k) + headroom * k > free_pages[shard]:
+        k -= 1
+      if not k:
+        break
+      if resumed:
+        heapq.heappop(self.resume)
+      elif k == len(unit):
+        self.waiting.popleft()
+      else:
+        self.waiting[0] = unit[k:]
+      plan.append((unit[:k], free_slots[shard][:k], resumed))
+      del free_slots[shard][:k]
+      free_pages[shard] -= eng.pages_to_insert(length, k)
+
+    finished = []
+    for batch in self._batches(plan, lambda u: len(u[0][0].context())):
+      prefix, first = self._prefill([seqs for seqs, _, _ in batch])
+      first_tokens, first_logp = jax.device_get((first.tokens, first.log_prob))
+      flat = prefix.answer_index
+      placements = []
+      for row, (seqs, slots, resumed) in enumerate(batch):
+        keep = []
+        for i, (seq, slot) in enumerate(zip(seqs, slots)):
+          r = flat[row][i]
+          if not resumed and seq.append(int(first_tokens[r]), float(first_logp[r]), self.version,
+                                        eos_ids=self.eos_ids, max_seq_len=eng.cfg.max_seq_len):
+            finished.append(seq)
+            continue
+          seq.slot = slot
+          self.running[slot] = seq
+          keep.append((slot, i, seq.tokens[-1] if resumed else -1, len(seq.tokens)))
+        if keep:
+          slots_, answers, pending, index = map(list, zip(*keep))
+          placements.append((row, slots_, answers, pending, index))
+      self.counters["prefill_rows"] += len(batch)
+      if placements:
+        self.state = eng.insert_many(prefix, self.state, placements)
+    return finished
+
+  def _prefill(self, units: list[list[Sequence]], draw: bool = True):
+    """One batched prefill; row b is the shared context of units[b], drawing a first token per answer."""
+    def samp(s):
+      sp = s.request.sampling
+      return (sp.temperature, sp.top_p, sp.top_k)
+
+    return self.engine.prefill_batch(self.params, [u[0].context() for u in units],
+                                     keys=[np.stack([s.key for s in u]) if draw else np.zeros((0, 2)) for u in units],
+                                     sampling=[samp(u[0]) for u in units])
+
+  def _batches(self, items: list, length_of) -> list[list]:
+    """Items grouped by prefill bucket, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
+    budget = self.engine.cfg.max_prefill_tokens
+    by_bucket = collections.defaultdict(list)
+    for item in items:
+      by_bucket[self.engine.bucket(length_of(item))].append(item)
+    batches = []
+    for bucket, group in sorted(by_bucket.items()):
+      rows = max(1, budget // bucket)
+      rows = 1 << (rows.bit_length() - 1)  # largest power of two within the budget
+      batches += [group[i:i + rows] for i in range(0, len(group), rows)]
+    return batches
+
+  def _make_room(self) -> None:
+    eng = self.engine
+    while True:
+      need = eng.slots_needing_pages()
+      demand = np.bincount(need // eng.slots_per_shard, minlength=eng.num_shards)
+      short = [s for s in range(eng.num_shards) if demand[s] > eng.pool.num_free(s)]
+      if not short:
+        return
+      victim = max((seq for slot, seq in self.running.items() if eng.shard_of(slot) == short[0]),
+                   key=lambda s: s.order)
+      self._release(victim)
+      victim.preemptions += 1
+      heapq.heappush(self.resume, (victim.order, victim))
+      self.counters["preemptions"] += 1
+
