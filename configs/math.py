@@ -139,7 +139,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.use_decoupled_loss = True
   c.learner.ppo_n_minibatches = 4
   c.learner.max_tokens_per_mb = 2048 if tiny else 32768  # per row (device) of a micro-batch; >= max sequence length
-  c.learner.min_bucket = 128  # packed row lengths: powers of two from this, and max_tokens_per_mb (one compile each)
+  c.learner.min_bucket = 128  # row lengths: this x 1, 1.5, 2, 3, ... up to max_tokens_per_mb (one compile each)
   c.learner.logits_chunk = 4096  # positions per vocab-projection chunk (remat); 0 = whole rows at once
   c.learner.kl_coef = 0.0
   c.learner.kl_estimator = "k3"  # k1 | k2 | k3
@@ -167,6 +167,11 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
   c.mesh.sampler_tensor = 1  # sampler mesh: data x tensor (data = devices / tensor)
   c.mesh.learner_tensor = 1  # learner mesh: fsdp x tensor (fsdp = devices / tensor)
+
+  c.warmstart = ml_collections.ConfigDict()  # supervised warm-start on worked solutions (only without init_from)
+  c.warmstart.steps = 400 if tiny else 0  # 0 = none; the result is cached in <workdir>/warmstart
+  c.warmstart.lr = 2e-3
+  c.warmstart.batch_size = 64
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 20 if tiny else 50

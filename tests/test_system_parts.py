@@ -67,9 +67,9 @@ def _traj(version, group=0):
 def test_queue_oldest_first_and_bounded():
   q = TrajectoryQueue(maxsize=3)
   for i, v in enumerate([2, 0, 1]):
-    q.put([_traj(v, i)])
+    q.put([_traj(v, i)], version=v)
   stop = threading.Event()
-  blocked = threading.Thread(target=lambda: q.put([_traj(5, 9)], stop=stop))
+  blocked = threading.Thread(target=lambda: q.put([_traj(5, 9)], version=5, stop=stop))
   blocked.start()
   blocked.join(0.3)
   assert blocked.is_alive() and len(q) == 3  # full: the producer waits

@@ -15,8 +15,9 @@ One `train_step` (= one policy version):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -26,7 +27,7 @@ from jax.sharding import Mesh
 from areal_jax.learner import flops as flops_lib
 from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.microbatch import MicroBatch, assemble, balanced_split, plan_packed
+from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
 from areal_jax.learner.optimizer import learning_rate
 from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, StepFns, build_step
 from areal_jax.models.config import ModelConfig
@@ -75,13 +76,29 @@ class Learner:
   def mesh(self) -> Mesh:
     return self.fns.mesh
 
+  @property
+  def updates(self) -> int:
+    """Optimizer updates applied so far (`ppo_n_minibatches` per step); checkpointed with `version`."""
+    return self._updates
+
+  def restore_counters(self, *, version: int, updates: int) -> None:
+    """After restoring `params` / `opt_state` from a checkpoint: the counters saved with them."""
+    self.version, self._updates = int(version), int(updates)
+
   def model(self) -> nnx.Module:
     """A module view of the current parameters (shares their arrays; do not keep it across steps)."""
     return nnx.merge(self.fns.graphdef, self.params)
 
-  def prepare(self, trajectories: Sequence[Trajectory]) -> StepPlan:
-    """Advantages, filtering, minibatches and packed micro-batches, all on the host."""
+  def prepare(self, trajectories: Sequence[Trajectory],
+              planner: Callable[[Sequence[int]], list[Layout]] | None = None) -> StepPlan:
+    """Advantages, filtering, minibatches and packed micro-batches, all on the host.
+
+    `planner(sequence lengths) -> layouts` lays out one minibatch; the default is `plan_packed` (Alg. 1, bucketed).
+    """
     cfg = self.config
+    if planner is None:
+      planner = functools.partial(plan_packed, max_tokens=cfg.max_tokens_per_mb, rows=self.fns.rows,
+                                  min_bucket=cfg.min_bucket)
     trajectories = list(trajectories)
     if not trajectories:
       raise ValueError("train_step got no trajectories")
@@ -99,8 +116,7 @@ class Learner:
       lengths = [t.num_tokens for t in kept]
       for idx in balanced_split(lengths, min(cfg.ppo_n_minibatches, len(kept))):
         sub, sub_adv = [kept[i] for i in idx], [tok_adv[i] for i in idx]
-        layouts = plan_packed([lengths[i] for i in idx], max_tokens=cfg.max_tokens_per_mb, rows=self.fns.rows,
-                              min_bucket=cfg.min_bucket)
+        layouts = planner([lengths[i] for i in idx])
         minibatches.append(tuple(assemble(layout, sub, sub_adv) for layout in layouts))
         loss_tokens.append(sum(len(t.response_ids) for t in sub))
       host_stats["advantage_abs_mean"] = float(np.abs(adv).mean())

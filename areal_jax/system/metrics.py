@@ -65,3 +65,11 @@ def read_metrics(workdir: str) -> list[dict]:
   if not path.exists():
     return []
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_jsonl(path: epath.Path, step: int) -> None:
+  """Drops the lines of a per-step JSONL log written after `step` (a resumed run redoes those steps)."""
+  if not path.exists():
+    return
+  lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+  path.write_text("".join(line + "\n" for line in lines))

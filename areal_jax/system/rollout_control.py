@@ -6,7 +6,7 @@ import heapq
 import itertools
 import threading
 
-from areal_jax.types import Trajectory
+from typing import Any
 
 
 class StalenessControl:
@@ -42,11 +42,11 @@ class StalenessControl:
 
 
 class TrajectoryQueue:
-  """Bounded queue of finished, scored prompt groups; the oldest policy (smallest version_start) is consumed first."""
+  """Bounded queue of finished, scored prompt groups; the oldest policy version is consumed first (ties: arrival)."""
 
   def __init__(self, maxsize: int):
     self.maxsize = maxsize
-    self._heap: list[tuple[int, int, list[Trajectory]]] = []
+    self._heap: list[tuple[int, int, Any]] = []
     self._seq = itertools.count()
     self._cond = threading.Condition()
 
@@ -54,19 +54,19 @@ class TrajectoryQueue:
     with self._cond:
       return len(self._heap)
 
-  def put(self, group: list[Trajectory], *, stop: threading.Event | None = None) -> bool:
-    """Blocks while full; returns False if `stop` was set before there was room."""
+  def put(self, group, *, version: int, stop: threading.Event | None = None) -> bool:
+    """Queues `group`, generated from policy `version` on; blocks while full; False if `stop` was set first."""
     with self._cond:
       while len(self._heap) >= self.maxsize:
         if stop is not None and stop.is_set():
           return False
         self._cond.wait(0.1)
-      heapq.heappush(self._heap, (min(t.version_start for t in group), next(self._seq), group))
+      heapq.heappush(self._heap, (version, next(self._seq), group))
       self._cond.notify_all()
       return True
 
   def get_batch(self, n: int, *, stop: threading.Event | None = None, timeout: float | None = None
-                ) -> list[list[Trajectory]] | None:
+                ) -> list | None:
     """The n oldest groups, waiting until there are n; None if `stop` is set or `timeout` passes first."""
     with self._cond:
       ok = self._cond.wait_for(lambda: len(self._heap) >= n or (stop is not None and stop.is_set()), timeout)

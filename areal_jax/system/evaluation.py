@@ -1,0 +1,73 @@
+"""Held-out evaluation: generate answers with given parameters and score them with the math/code verifiers.
+
+`Evaluator` keeps one sampling engine (compiled once) and reuses it for every evaluation. With `num_samples = 1`
+answers are greedy; with k > 1 they are sampled at `temperature` and accuracy is pass@1 averaged over the k samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax.data.records import PromptRecord
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import Transformer
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.sampler.scheduler import Scheduler
+from areal_jax.system import weight_sync
+
+# score(items) -> rewards, items being (kind, completion text, reference).
+Scorer = Callable[[Sequence[tuple[str, str, str]]], list[float]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalResult:
+  accuracy: float  # mean reward over all (question, sample) pairs: greedy accuracy or pass@1
+  correct: np.ndarray  # [questions, samples] rewards
+  mean_length: float  # generated tokens per answer
+  seconds: float
+
+  def metrics(self, prefix: str = "eval") -> dict[str, float]:
+    return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_length": self.mean_length,
+            f"{prefix}/seconds": self.seconds}
+
+
+class Evaluator:
+
+  def __init__(self, *, model_cfg: ModelConfig, records: Sequence[PromptRecord], mesh: Mesh,
+               sampler_cfg: SamplerConfig, eos_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str],
+               score: Scorer, num_samples: int = 1, temperature: float = 1.0, seed: int = 0):
+    self.records = list(records)
+    self.eos_ids, self.detokenize, self.score = tuple(eos_ids), detokenize, score
+    self.num_samples = num_samples
+    self.sampling = SamplingParams(temperature=0.0 if num_samples == 1 else temperature,
+                                   max_new_tokens=sampler_cfg.max_new_tokens, seed=seed)
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    self.engine = Engine(model=abstract, config=sampler_cfg, mesh=mesh)
+
+  def __call__(self, params, *, version: int = 0) -> EvalResult:
+    start = time.perf_counter()
+    params = weight_sync.transfer(params, self.engine.param_shardings)
+    sched = Scheduler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
+    for i, r in enumerate(self.records):
+      sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=self.num_samples, sampling=self.sampling))
+    answers: dict[tuple[int, int], list[int]] = {}
+    while not sched.idle:
+      for seq in sched.step():
+        answers[(seq.request.group_id, seq.answer)] = list(seq.tokens)
+    keys = sorted(answers)
+    texts = [self.detokenize([t for t in answers[k] if t not in self.eos_ids]) for k in keys]
+    rewards = self.score([(self.records[i].kind, text, self.records[i].reference) for (i, _), text in zip(keys, texts)])
+    correct = np.zeros((len(self.records), self.num_samples))
+    for (i, j), reward in zip(keys, rewards):
+      correct[i, j] = reward
+    return EvalResult(accuracy=float(correct.mean()), correct=correct,
+                      mean_length=float(np.mean([len(answers[k]) for k in keys])),
+                      seconds=time.perf_counter() - start)

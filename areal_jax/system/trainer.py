@@ -1,0 +1,243 @@
+"""`run(config, workdir)`: the asynchronous RL job in one controller process.
+
+Three threads and a process pool:
+- the sampler loop (sampler slice) generates without pause and takes new weights between decode steps;
+- the rollout controller admits prompt groups under the staleness bound and queues scored groups;
+- reward workers (processes) verify answers;
+- this thread is the learner (learner slice): B groups → PPO step → weights pushed device-to-device → version + 1.
+
+Resume order (a workdir with checkpoints is resumed automatically): 1. model config from the config; 2. parameters
+and optimizer state of the latest checkpoint, straight onto the learner's shardings; 3. learner step and policy
+version; 4. dataset iterator position, then the prompts that were drawn but not yet trained on (generated again
+first); 5. the next rollout group id (the sampling RNG is keyed by seed and group id); 6. metrics.jsonl and
+rollouts.jsonl are cut back to the restored step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import jax
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from areal_jax import config as config_lib
+from areal_jax.data import build_dataset, warmstart_pairs
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.learner import Learner
+from areal_jax.models import hf_io, orbax_io
+from areal_jax.models.config import ModelConfig
+from areal_jax.reward.service import RewardService
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sampler.requests import SamplingParams
+from areal_jax.sharding import make_mesh
+from areal_jax.system import warmstart, weight_sync
+from areal_jax.system.checkpoint import Checkpointer
+from areal_jax.system.controller import RewardChannels, RolloutController
+from areal_jax.system.evaluation import Evaluator
+from areal_jax.system.metrics import MetricsWriter, truncate_jsonl
+from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.slices import build_slices
+from areal_jax.tokenizer import load_tokenizer
+
+
+def _model_config(config) -> ModelConfig:
+  init = config.model.init_from
+  if init and epath.Path(init, "config.json").exists():  # a HF directory: its architecture wins
+    return hf_io.read_config(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                             remat=config.model.remat)
+  return ModelConfig.from_config(config.model)
+
+
+def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.Path):
+  """HF or Orbax weights from `model.init_from`; else the random init, warm-started on worked solutions (cached)."""
+  init = config.model.init_from
+  shardings = learner.fns.param_shardings
+  if init:
+    if epath.Path(init, "config.json").exists():
+      model = hf_io.load_hf(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+    else:
+      model = orbax_io.load_orbax(init, dtype=config.model.dtype)
+    return jax.device_put(nnx.state(model, nnx.Param), shardings)
+  if not config.warmstart.steps:
+    return learner.params
+  cache = workdir / "warmstart"
+  if (cache / "model_config.json").exists():
+    logging.info("warm-start: loading cached %s", cache)
+    return jax.device_put(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
+  pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
+  logging.info("warm-start: %d steps on %d worked solutions", config.warmstart.steps, len(pairs))
+  params, loss = warmstart.sft(learner.fns, learner.params, pairs, steps=config.warmstart.steps,
+                               batch_size=config.warmstart.batch_size, lr=config.warmstart.lr,
+                               max_tokens=config.learner.max_tokens_per_mb, seed=config.seed)
+  orbax_io.save_orbax(nnx.merge(learner.fns.graphdef, params), str(cache))
+  logging.info("warm-start: done, loss %.4f, cached in %s", loss, cache)
+  return params
+
+
+def _scorer(rewards: RewardChannels):
+  def score(items):
+    for i, (kind, text, reference) in enumerate(items):
+      rewards.submit("eval", i, kind, text, reference)
+    out = [0.0] * len(items)
+    for _ in items:
+      r = rewards.get("eval", timeout=600)
+      out[r.item_id] = r.reward
+    return out
+
+  return score
+
+
+class _QuietLibraries(logging.Filter):
+  """Keeps Orbax's per-save INFO chatter out of the run's log (warnings and errors still show)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+
+def run(config, workdir: str) -> list[dict]:
+  """Trains until `config.total_steps` learner steps; returns the metrics rows written by this invocation."""
+  start_time = time.time()
+  for handler in logging.getLogger().handlers:
+    handler.addFilter(_QuietLibraries())
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  config_lib.validate(config, num_devices=jax.device_count())
+  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+  # --- devices and meshes ---------------------------------------------------------------------------------------
+  slices = build_slices(config.mesh)
+
+  # --- data ---------------------------------------------------------------------------------------------------------
+  tokenizer = load_tokenizer(config.model.tokenizer)
+  train = build_dataset(config.data, tokenizer, split="train")
+  evalset = build_dataset(config.data, tokenizer, split="eval")
+  logging.info("data: %d train prompts %s, %d eval prompts", len(train), train.stats, len(evalset))
+
+  # --- learner: model, optimizer, parameters ------------------------------------------------------------------------
+  model_cfg = _model_config(config)
+  if model_cfg.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"model vocab_size {model_cfg.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}")
+  learner = Learner(model_cfg=model_cfg, config=LearnerConfig.from_config(config.learner), mesh=slices.learner,
+                    temperature=config.sampler.temperature, seed=config.seed)
+  logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
+  ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
+                      max_to_keep=config.checkpoint.max_to_keep)
+
+  # --- resume or start ----------------------------------------------------------------------------------------------
+  step, controller_state = 0, None
+  if (latest := ckpt.latest_step()) is not None:
+    learner.params, learner.opt_state, meta = ckpt.restore(latest, params=learner.params, opt_state=learner.opt_state)
+    step, controller_state = meta["step"], meta["controller"]
+    learner.restore_counters(version=meta["version"], updates=meta["updates"])
+    train.restore(controller_state["dataset"])
+    logging.info("resumed %s at step %d (version %d)", workdir, step, learner.version)
+  else:
+    learner.params = _initial_params(config, learner, train, tokenizer, workdir)
+    learner.opt_state = learner.fns.init_opt_state(learner.params)
+  for name in ("metrics.jsonl", "rollouts.jsonl"):
+    truncate_jsonl(workdir / name, step)
+
+  # --- sampler, rewards, controller ---------------------------------------------------------------------------------
+  abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
+  engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler), mesh=slices.sampler)
+  loop = SamplerLoop(engine=engine, params=weight_sync.transfer(learner.params, engine.param_shardings),
+                     version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+  rewards = RewardChannels(lambda **kw: RewardService.from_config(config.reward, **kw))
+  r = config.rollout
+  staleness = StalenessControl(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
+                               max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
+  staleness.set_version(learner.version)
+  queue = TrajectoryQueue(r.queue_size)
+  by_uid = {rec.uid: rec for rec in train.records}
+  s = config.sampler
+  controller = RolloutController(
+      dataset=train, loop=loop, rewards=rewards, staleness=staleness, out=queue, group_size=r.group_size,
+      sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_new_tokens=s.max_new_tokens, seed=config.seed),
+      filter_uniform=config.learner.filter_uniform_groups,
+      next_group_id=controller_state["next_group_id"] if controller_state else 0,
+      replay=[by_uid[u] for u in controller_state["undone"]] if controller_state else ())
+  eval_mesh = make_mesh(list(slices.learner.devices.flat), {"data": -1, "tensor": config.mesh.learner_tensor})
+  evaluator = Evaluator(model_cfg=model_cfg, records=evalset.records, mesh=eval_mesh,
+                        sampler_cfg=SamplerConfig.from_config(config.sampler).replace(num_pages=0, memory_fraction=0.5),
+                        eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, score=_scorer(rewards),
+                        num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
+  metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
+                          start_step=step)
+  rows = []
+
+  def checkpoint(force=False):
+    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
+        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller.state(),
+        "model_config": orbax_io.config_to_json(model_cfg)})
+
+  # --- the learner loop ---------------------------------------------------------------------------------------------
+  try:
+    if step == 0:
+      result = evaluator(learner.params, version=0)
+      rows.append({"step": 0, "version": 0, **result.metrics(), "time/elapsed_s": time.time() - start_time})
+      metrics.write(0, rows[-1])
+    loop.start()
+    controller.start()
+    last_t, last_tokens = time.time(), loop.stats().get("tokens", 0)
+    while step < config.total_steps:
+      groups = None
+      while groups is None:
+        controller.check()
+        loop.check()
+        groups = queue.get_batch(r.batch_size, timeout=1.0)
+      trajectories = [t for g in groups for t in g.trajectories]
+      stats = learner.train_step(trajectories)
+      step += 1
+      controller.mark_trained(groups)
+      sync_start = time.time()
+      loop.update_params(weight_sync.transfer(learner.params, engine.param_shardings), learner.version)
+      staleness.set_version(learner.version)
+      sync_s = time.time() - sync_start
+      now, tokens = time.time(), loop.stats().get("tokens", 0)
+      finished = controller.take_rewards()
+      row = {
+          "version": learner.version,
+          "reward/mean": float(np.mean(finished)) if finished else float("nan"),
+          "reward/trained_mean": float(np.mean([t.reward for t in trajectories])),
+          "staleness/mean": stats.pop("learner/staleness_mean"),
+          "staleness/max": stats.pop("learner/staleness_max"),
+          **stats,
+          "sampler/tokens_per_s": (tokens - last_tokens) / max(now - last_t, 1e-9),
+          "sync/seconds": sync_s,
+          "rollout/queue_groups": len(queue),
+          "rollout/groups_filtered": controller.counters["groups_filtered"],
+          "time/elapsed_s": now - start_time,
+      }
+      last_t, last_tokens = now, tokens
+      if step % config.eval.every_steps == 0 or step == config.total_steps:
+        row |= evaluator(learner.params, version=learner.version).metrics()
+      metrics.write(step, row)
+      _log_rollouts(workdir, step, learner.version, groups)
+      rows.append({"step": step, **row})
+      checkpoint()
+    checkpoint(force=True)
+  finally:
+    controller.stop()
+    loop.stop()
+    rewards.close()
+    ckpt.close()
+    metrics.close()
+  return rows
+
+
+def _log_rollouts(workdir: epath.Path, step: int, version: int, groups) -> None:
+  """One line per trained group: which prompt, its rewards and the policy versions of its answers."""
+  with (workdir / "rollouts.jsonl").open("a") as f:
+    for g in groups:
+      f.write(json.dumps({"step": step, "version": version, "uid": g.record.uid,
+                          "rewards": g.rewards.tolist(),
+                          "version_start": [t.version_start for t in g.trajectories],
+                          "version_end": [t.version_end for t in g.trajectories],
+                          "lengths": [len(t.response_ids) for t in g.trajectories]}) + "\n")

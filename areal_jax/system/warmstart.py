@@ -1,0 +1,73 @@
+"""Supervised warm-start: next-token cross-entropy on worked solutions, before RL.
+
+Used by the CPU default (a model trained from scratch has no competence for RL to sharpen). It runs on the learner
+mesh with the learner's packing (dynamic micro-batches, bucketed lengths) and a plain AdamW.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from areal_jax.learner.microbatch import assemble, plan_packed
+from areal_jax.learner.step import BATCH_INT_KEYS, StepFns, packed_logprobs
+from areal_jax.types import Trajectory
+
+
+def _examples(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Trajectory]:
+  return [Trajectory(prompt_ids=np.asarray(p, np.int32), response_ids=np.asarray(r, np.int32),
+                     logprobs=np.zeros(len(r), np.float32), versions=np.zeros(len(r), np.int32), finish_reason="eos")
+          for p, r in pairs]
+
+
+def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, steps: int,
+        batch_size: int, lr: float, max_tokens: int, seed: int = 0, log_every: int = 50) -> tuple[nnx.State, float]:
+  """Trains `params` (on `fns.mesh`) to predict each pair's response from its prompt; returns (params, last loss).
+
+  `pairs` are (prompt ids, response ids incl. eos); batches are drawn with a seeded shuffle, epoch after epoch.
+  """
+  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, min(50, steps // 10 + 1), steps, lr * 0.1),
+                          b1=0.9, b2=0.95, weight_decay=0.0)
+  opt_state = jax.jit(optimizer.init)(params)
+  graphdef = fns.graphdef
+
+  def loss_fn(p, batch):
+    model = nnx.merge(graphdef, p)
+    (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature=1.0)
+    mask = batch["loss_mask"]
+    return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+  def step(p, o, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+    updates, o = optimizer.update(grads, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None, None))
+
+  examples = _examples(pairs)
+  rng = np.random.default_rng(seed)
+  order, pos = rng.permutation(len(examples)), 0
+  loss, start = float("nan"), time.time()
+  for i in range(steps):
+    if pos + batch_size > len(order):
+      order, pos = rng.permutation(len(examples)), 0
+    idx = order[pos:pos + batch_size]
+    pos += batch_size
+    batch_ex = [examples[j] for j in idx]
+    # Normally one micro-batch; a batch too long for one is split, one update per piece.
+    layouts = plan_packed([t.num_tokens for t in batch_ex], max_tokens=max_tokens, rows=fns.rows)
+    for layout in layouts:
+      mb = assemble(layout, batch_ex, [np.ones(len(t.response_ids), np.float32) for t in batch_ex])
+      arrays = {k: getattr(mb, k) for k in BATCH_INT_KEYS + ("loss_mask",)}
+      params, opt_state, loss_arr = step(params, opt_state, jax.device_put(arrays, fns.batch_sharding))
+    if (i + 1) % log_every == 0 or i + 1 == steps:
+      loss = float(loss_arr)
+      logging.info("warm-start step %d/%d: loss %.4f (%.0fs)", i + 1, steps, loss, time.time() - start)
+  return params, loss
