@@ -183,7 +183,9 @@ def test_kill_tree_kills_grandchildren(tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
 
   child = subprocess.Popen(["sh", "-c", "sleep 100 & sleep 100 & wait"], start_new_session=True)
-  time.sleep(0.2)
+  deadline = time.monotonic() + 10
+  while len(sandbox.descendants(child.pid)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
   kids = sandbox.descendants(child.pid)
   assert len(kids) >= 2
   sandbox.kill_tree(child.pid)

@@ -136,3 +136,19 @@ def test_soft_timeout_bounds_slow_sympy():
   ok, reason = math_reward.check_math(r"\boxed{(9999!)!}", "5", timeout_s=1.0)
   assert not ok and "timed out" in reason
   assert time.monotonic() - t0 < 3.0
+
+
+def test_soft_timeout_keeps_an_outer_alarm():
+  import signal  # pylint: disable=g-import-not-at-top
+
+  fired = []
+  previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    assert verify_math(r"\boxed{3}", "3")
+    assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.5
+    time.sleep(0.7)
+    assert fired == [1]
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)

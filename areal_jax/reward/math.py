@@ -23,6 +23,7 @@ import logging
 import re
 import signal
 import threading
+import time
 
 MAX_ANSWER_CHARS = 1000  # longer extracted answers score 0 ("answer too long")
 MAX_NESTING = 40  # deeper {} / () / [] nesting scores 0
@@ -164,21 +165,30 @@ def too_complex(ans: str) -> str | None:
 
 @contextlib.contextmanager
 def _soft_timeout(seconds: float | None):
-  """Raises _Timeout after `seconds` (SIGALRM; only in the main thread, otherwise the caller bounds the time)."""
+  """Raises _Timeout after `seconds` (SIGALRM; only in the main thread, otherwise the caller bounds the time).
+  An alarm the caller had set is re-armed afterwards with what remains of it."""
   if not seconds or threading.current_thread() is not threading.main_thread():
     yield
     return
+  armed = [True]
 
   def on_alarm(signum, frame):
-    raise _Timeout()
+    if armed[0]:  # a late delivery after the block has ended is ignored
+      raise _Timeout()
 
+  start = time.monotonic()
   previous = signal.signal(signal.SIGALRM, on_alarm)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
+  outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
   try:
     yield
   finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous)
+    try:
+      armed[0] = False
+      signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:  # runs even when the alarm fires during the lines above
+      signal.signal(signal.SIGALRM, previous)
+      if outer:
+        signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - start)))
 
 
 def _parse(ans: str):
@@ -197,6 +207,7 @@ def check_math(completion: str, reference: str, *, timeout_s: float | None = 5.0
   """(correct, reason). `timeout_s` bounds the sympy work when called from the main thread (soft; SIGALRM)."""
   import math_verify  # pylint: disable=g-import-not-at-top
 
+  completion, reference = str(completion), str(reference)
   ans = extract_answer(completion)
   if ans is None:
     return False, "no answer found"

@@ -1,7 +1,7 @@
 """A pool of reward worker processes that never blocks its caller.
 
-    service = RewardService(num_workers=2, timeout_s=5.0)
-    service.submit(item_id, "math", completion, reference)   # returns at once
+    service = RewardService(num_workers=2, timeout_s=5.0)    # or RewardService.from_config(config.reward)
+    service.submit(item_id, "math", completion, reference)   # returns at once (kind "math" or "code")
     for r in service.poll():                                  # finished results, possibly none
       r.item_id, r.reward, r.reason, r.latency_s
     service.close()                                           # no process left behind
@@ -10,7 +10,8 @@ One dispatcher thread hands items to idle workers and collects their answers. An
 its worker scores 0 ("timed out") and that worker is killed with everything it started, then replaced; a worker that
 dies scores its item 0 ("worker crashed") and is replaced too. Workers are fresh interpreters
 (`python -m areal_jax.reward.worker`), each in its own session: they import neither the caller's `__main__` nor JAX,
-and a terminal's Ctrl-C does not reach them.
+and a terminal's Ctrl-C does not reach them. A worker takes about a second to start (math-verify and sympy);
+`wait_ready()` waits for all of them, and items are only timed once on a ready worker.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from areal_jax.reward import sandbox
 
 _log = logging.getLogger(__name__)
 _MAX_FAILED_STARTS = 5  # workers in a row that die before saying "ready": the service gives up
+_START_TIMEOUT_S = 120.0  # a worker not ready by then is killed (and counts as a failed start)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +63,8 @@ class _Worker:
   conn: multiprocessing.connection.Connection
   ready: bool = False
   item: _Item | None = None
-  started: float = 0.0
+  started: float = 0.0  # when its item was dispatched
+  spawned: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class RewardService:
@@ -220,7 +223,7 @@ class RewardService:
   def _replace(self, w: _Worker) -> None:
     self._stop(w)
     fresh = self._spawn()
-    w.proc, w.conn, w.ready, w.item = fresh.proc, fresh.conn, False, None
+    w.proc, w.conn, w.ready, w.item, w.spawned = fresh.proc, fresh.conn, False, None, fresh.spawned
     with self._lock:
       self._stats["restarts"] += 1
 
@@ -280,8 +283,9 @@ class RewardService:
   def _loop(self) -> None:
     while not self._closing and not self._broken:
       self._dispatch()
-      busy = [w.started + self.timeout_s for w in self._workers if w.item is not None]
-      wait_s = max(0.0, min(busy) - time.monotonic()) if busy else None
+      deadlines = [w.started + self.timeout_s for w in self._workers if w.item is not None]
+      deadlines += [w.spawned + _START_TIMEOUT_S for w in self._workers if not w.ready]
+      wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
       ready = multiprocessing.connection.wait([w.conn for w in self._workers] + [self._wake_r], wait_s)
       if self._wake_r in ready:
         try:
@@ -307,6 +311,9 @@ class RewardService:
           w.item = None
       now = time.monotonic()
       for w in self._workers:
+        if not w.ready and now >= w.spawned + _START_TIMEOUT_S and w.proc.poll() is None:
+          _log.error("RewardService: worker %d not ready after %.0f s; killing it", w.proc.pid, _START_TIMEOUT_S)
+          sandbox.kill_tree(w.proc.pid)  # the loop sees its socket close and counts a failed start
         if w.item is not None and now >= w.started + self.timeout_s:
           item, run_s = w.item, now - w.started
           with self._lock:

@@ -1,7 +1,7 @@
 """A reward worker process: `python -m areal_jax.reward.worker FD MEMORY_MB` serves one RewardService over socket FD.
 
 Protocol (pickled objects, `multiprocessing.connection` framing): the worker caps its address space at MEMORY_MB
-(0: no cap), imports math-verify and sympy (about a second), and sends `("ready",)`; then, for each
+(0: no cap), imports math-verify and sympy and warms them up (about a second), and sends `("ready",)`; then, for each
 `(seq, kind, completion, reference, budget_s, code_limits)` it receives, it answers `(seq, reward, reason, run_s)`.
 `None` or a closed socket ends it.
 """
@@ -38,7 +38,8 @@ def score(kind: str, completion: str, reference: Any, *, budget_s: float | None 
 
 def serve(conn: multiprocessing.connection.Connection) -> None:
   for module in ("math_verify", "areal_jax.reward.math", "areal_jax.reward.code"):
-    importlib.import_module(module)  # warm up before taking work
+    importlib.import_module(module)
+  score("math", r"\boxed{\frac{x^2-1}{x-1}}", "x+1")  # sympy's first simplify is slow: pay it before "ready"
   conn.send(("ready",))
   while True:
     try:
