@@ -32,8 +32,8 @@ def test_balanced_split():
 
 
 def test_buckets():
-  assert bucket_lengths(2048, 128) == (128, 256, 512, 1024, 2048)
-  assert bucket_lengths(3000, 1024) == (1024, 2048, 3000)
+  assert bucket_lengths(2048, 128) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+  assert bucket_lengths(3000, 1024) == (1024, 1536, 2048, 3000)
   assert bucket_lengths(64, 128) == (64,)
 
 
@@ -44,9 +44,9 @@ def test_plan_rows_and_buckets():
   assert all(len(l.rows) == 4 for l in layouts)
   assert sorted(i for l in layouts for r in l.rows for i in r) == list(range(37))
   for l in layouts:
-    assert l.length in (32, 64, 128, 200)
+    assert l.length in (32, 48, 64, 96, 128, 192, 200)
     used = [lengths[list(r)].sum() if r else 0 for r in l.rows]
-    assert max(used) <= l.length and (l.length == 32 or max(used) > l.length // 2)
+    assert max(used) <= l.length and (l.length == 32 or max(used) > l.length * 2 // 3)
 
 
 def _traj(prompt, response, lps):

@@ -47,7 +47,11 @@ class StepPlan:
 
 
 class Learner:
-  """Sharded PPO learner on `mesh`. `params` / `opt_state` are its live state; `version` counts completed steps."""
+  """Sharded PPO learner on `mesh`. `params` / `opt_state` are its live state; `version` counts completed steps.
+
+  Each step donates the previous `params` and `opt_state` buffers: read (e.g. transfer to the sampler) the current
+  ones between steps, from the thread that calls `train_step`.
+  """
 
   def __init__(self, *, model_cfg: ModelConfig, config: LearnerConfig, mesh: Mesh, temperature: float = 1.0,
                params: nnx.State | None = None, seed: int = 0, rules: Rules = LEARNER_RULES,
@@ -64,9 +68,7 @@ class Learner:
       # device_put may alias the caller's buffers (and `apply` donates), so copy on the mesh.
       self.params = self.fns.copy_params(jax.device_put(params, self.fns.param_shardings))
     self.opt_state = self.fns.init_opt_state(self.params)
-    self.ref_params = None
-    if config.kl_coef:
-      self.ref_params = self.fns.copy_params(self.params)
+    self.ref_params = None  # the KL reference: a copy of `params` taken at the first step (kl_coef > 0 only)
     self.version = 0
     self._updates = 0
     self._peak_flops = peak_flops
@@ -130,6 +132,8 @@ class Learner:
     start = time.perf_counter()
     batches = [[jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
                 for mb in minibatch] for minibatch in plan.minibatches]
+    if cfg.kl_coef and self.ref_params is None:
+      self.ref_params = fns.copy_params(self.params)
     # Forward-only passes with the parameters at the start of the step, all dispatched before any update.
     for b in (b for minibatch in batches for b in minibatch):
       inputs = {k: b[k] for k in BATCH_INT_KEYS}

@@ -4,8 +4,8 @@ A micro-batch is `[rows, length]` arrays: one row per batch shard of the learner
 several whole sequences back to back (segment ids 1, 2, ... and positions restarting at 0; 0 = padding at the end).
 The sequences of a minibatch are first balanced over the rows by token count, then each row's share is cut into
 micro-batches by Alg. 1 under `max_tokens`; micro-batch k stacks the k-th piece of every row. The row length is
-rounded up to a bucket (powers of two from `min_bucket`, and `max_tokens` itself) so a run compiles a bounded number
-of shapes.
+rounded up to a bucket (`min_bucket` times 1, 1.5, 2, 3, 4, ..., and `max_tokens` itself) so a run compiles a
+bounded number of shapes.
 
 Token t of a row holds the prediction of token t + 1: the loss on response token j of a sequence with prompt length
 P sits at offset + P + j - 1.
@@ -65,10 +65,11 @@ def balanced_split(lengths: Sequence[int], n: int) -> list[list[int]]:
 
 
 def bucket_lengths(max_tokens: int, min_bucket: int = 128) -> tuple[int, ...]:
-  """The row lengths a run may compile: powers of two times `min_bucket` below `max_tokens`, and `max_tokens`."""
+  """The row lengths a run may compile: `min_bucket` times 1, 1.5, 2, 3, 4, 6, ... below `max_tokens`, and
+  `max_tokens`. At most 2·log2(max_tokens / min_bucket) + 1 shapes; a row is padded by less than a third."""
   out, b = [], min_bucket
   while b < max_tokens:
-    out.append(b)
+    out += [x for x in (b, b + b // 2) if x < max_tokens]
     b *= 2
   return (*out, max_tokens)
 

@@ -1,0 +1,121 @@
+r"""Learner throughput: dynamic packed micro-batches vs fixed padded micro-batches, side by side in one run.
+
+Both variants run the same `Learner.update` (proximal pass + `ppo_n_minibatches` AdamW updates) on the same
+long-tail batch, with the same token budget per micro-batch row (`--max-tokens`):
+
+* packed: paper Alg. 1 on each minibatch, sequences packed back to back, row lengths bucketed;
+* padded: `max_tokens // max_len` sequences per micro-batch in arrival order, each padded to `--max-len` (one shape).
+
+Achieved model FLOP/s (6·N per token plus causal attention, proximal pass included; padding not counted) is
+reported as a fraction of a square-matmul peak measured on the same devices. Defaults take about 2 minutes on a
+2-core CPU with one device:
+
+    python tools/bench_learner.py [--devices 8] [--sequences 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import statistics
+
+
+def parse_args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--devices", type=int, default=1, help="learner devices (emulated on CPU when > 1)")
+  p.add_argument("--sequences", type=int, default=32, help="answers in the batch (groups of 8)")
+  p.add_argument("--max-len", type=int, default=1024, help="longest prompt + answer")
+  p.add_argument("--max-tokens", type=int, default=2048, help="learner.max_tokens_per_mb")
+  p.add_argument("--steps", type=int, default=2, help="timed steps per variant, after one warm-up step")
+  p.add_argument("--seed", type=int, default=0)
+  return p.parse_args()
+
+
+def long_tail_batch(n: int, max_len: int, vocab: int, seed: int):
+  """Answers with log-normal lengths (median ~100 tokens, a few near `max_len`), rewards mixed within groups."""
+  import numpy as np
+
+  from areal_jax.types import Trajectory
+
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    p = int(rng.integers(16, 48))
+    r = int(np.clip(rng.lognormal(np.log(100), 1.0), 4, max_len - p))
+    out.append(Trajectory(
+        prompt_ids=rng.integers(0, vocab, p).astype(np.int32), response_ids=rng.integers(0, vocab, r).astype(np.int32),
+        logprobs=(-np.log(vocab) + rng.normal(0, 0.3, r)).astype(np.float32), versions=np.zeros(r, np.int32),
+        finish_reason="eos", group_id=i // 8, reward=float(i % 2)))
+  return out
+
+
+def main():
+  args = parse_args()
+  if args.devices > 1:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+  import jax
+  import numpy as np
+
+  from areal_jax.learner.config import LearnerConfig
+  from areal_jax.learner.flops import measure_matmul_peak
+  from areal_jax.learner.learner import Learner
+  from areal_jax.learner.microbatch import Layout
+  from areal_jax.learner.step import make_learner_mesh
+  from areal_jax.models.config import ModelConfig
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
+  spec = importlib.util.spec_from_file_location("math_config", path)
+  config_module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(config_module)
+  config = config_module.get_config("tiny")
+  model_cfg = ModelConfig.from_config(config.model).replace(max_position_embeddings=args.max_len)
+  learner_cfg = LearnerConfig.from_config(config.learner).replace(max_tokens_per_mb=args.max_tokens)
+
+  devices = jax.devices()[:args.devices]
+  mesh = make_learner_mesh(devices)
+  peak = measure_matmul_peak(devices, dtype=model_cfg.compute_dtype)
+  trajs = long_tail_batch(args.sequences, args.max_len, model_cfg.vocab_size, args.seed)
+  lengths = np.array([t.num_tokens for t in trajs])
+  print(f"{len(devices)} x {devices[0].device_kind} | model {model_cfg.num_params() / 1e6:.1f}M params | "
+        f"{len(trajs)} sequences, {lengths.sum()} tokens, length median {int(np.median(lengths))} "
+        f"max {lengths.max()} | max_tokens_per_mb {args.max_tokens} | matmul peak {peak / 1e9:.1f} GFLOP/s")
+
+  per_mb = max(args.max_tokens // args.max_len, 1)
+
+  def padded(seq_lengths):
+    rows = per_mb * mesh.size  # same token budget per row as packed
+    idx = list(range(len(seq_lengths)))
+    return [Layout(rows=tuple((i,) for i in idx[s:s + rows]) + ((),) * max(0, s + rows - len(idx)),
+                   length=args.max_len) for s in range(0, len(idx), rows)]
+
+  variants = {}
+  for name, planner in (("packed (Alg. 1)", None), ("padded (fixed)", padded)):
+    learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=mesh, temperature=config.sampler.temperature,
+                      peak_flops=peak)
+    plan = learner.prepare(trajs, planner)
+    learner.update(plan)  # compiles every shape the plan uses
+    variants[name] = (learner, plan, [])
+  for _ in range(args.steps):  # interleaved, so both variants see the same machine load
+    for learner, plan, stats in variants.values():
+      stats.append(learner.update(plan))
+  results = {}
+  for name, (_, _, stats) in variants.items():
+    pick = lambda k: statistics.median(s[k] for s in stats)
+    results[name] = dict(micro_batches=int(stats[0]["learner/micro_batches"]),
+                         padding=stats[0]["learner/padding_fraction"], step_s=pick("learner/step_time_s"),
+                         tokens_per_s=pick("learner/tokens_per_s"), mfu=pick("learner/mfu"))
+
+  print(f"{'variant':<17}{'micro-batches':>14}{'padding':>9}{'step s':>9}{'tokens/s':>10}{'model GFLOP/s':>15}"
+        f"{'of peak':>9}")
+  for name, r in results.items():
+    print(f"{name:<17}{r['micro_batches']:>14}{r['padding']:>9.1%}{r['step_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
+          f"{r['mfu'] * peak / 1e9:>15.2f}{r['mfu']:>9.1%}")
+  packed, pad = results.values()
+  print(f"packed / padded tokens/s: {packed['tokens_per_s'] / pad['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+  main()
