@@ -220,3 +220,21 @@ def test_config_presets_give_valid_learner_configs():
     assert cfg.max_tokens_per_mb in bucket_lengths(cfg.max_tokens_per_mb, cfg.min_bucket)
   with pytest.raises(ValueError, match="unknown learner config keys \\['typo'\\]"):
     LearnerConfig.from_config({"typo": 1})
+
+
+def test_rematerialised_layers_give_the_same_gradients():
+  cfg = LearnerConfig(max_tokens_per_mb=128, min_bucket=128)
+  trajs = make_trajectories(4, n=3, max_response=20)
+  adv = [np.full(len(t.response_ids), 1.0 - i, np.float32) for i, t in enumerate(trajs)]
+  (layout,) = plan_packed([t.num_tokens for t in trajs], max_tokens=128, rows=1, min_bucket=128)
+  mb = assemble(layout, trajs, adv)
+  grads = []
+  for model_cfg in (CFG, CFG.replace(remat="full")):
+    fns = build_step(model_cfg, cfg, one_device_mesh())
+    b = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
+    params = fns.init_params(0)
+    b["proximal_logprobs"] = fns.logprobs(params, {k: b[k] for k in BATCH_INT_KEYS})
+    g, _ = fns.accumulate(params, *fns.zero_accumulators(), b, jnp.float32(0.01))
+    grads.append(jax.tree.leaves(g))
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

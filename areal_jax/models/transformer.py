@@ -24,6 +24,12 @@ _REMAT_POLICIES = {
 }
 
 
+def _with_attend(attend: Attend):
+  """`(block, x, positions) -> block(x, positions, attend)`, `attend` closed over: nnx.remat would trace a default
+  argument as an input."""
+  return lambda block, x, positions: block(x, positions, attend)
+
+
 class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -48,7 +54,7 @@ class Transformer(nnx.Module):
       if self.cfg.remat == "none":
         x, aux = block(x, positions, layer_attend)
       else:
-        fn = nnx.remat(lambda blk, x, pos, f=layer_attend: blk(x, pos, f), policy=_REMAT_POLICIES[self.cfg.remat])
+        fn = nnx.remat(_with_attend(layer_attend), policy=_REMAT_POLICIES[self.cfg.remat])
         x, aux = fn(block, x, positions)
       auxes.append(aux)
     return self.final_norm(x), auxes
