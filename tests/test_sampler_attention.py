@@ -1,5 +1,7 @@
 """Paged attention against the dense reference, cache writes, and the Pallas TPU path compiling for a v5e topology."""
 
+import os
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,7 @@ def test_write_chunks_keeps_only_this_shard():
 
 def test_pallas_tpu_path_compiles_for_v5e():
   topologies = pytest.importorskip("jax.experimental.topologies")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process on this machine may hold libtpu's lock
   try:
     topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   except Exception as e:  # libtpu missing or unusable here
@@ -88,3 +91,19 @@ def test_pallas_tpu_path_compiles_for_v5e():
   assert "tpu_custom_call" in lowered["decode"].as_text()  # the Pallas kernel, not the pure-JAX fallback
   assert decode.memory_analysis() is not None
   lowered["insert"].compile()
+
+
+def test_prefill_attention_in_query_blocks_equals_dense():
+  from areal_jax.models.modules import packed_mask
+  from areal_jax.sampler.attention import prefill_attention
+
+  rng = np.random.default_rng(1)
+  b, t, h, kh, d = 2, 48, 4, 2, 8
+  q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, t, kh, d)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(b, t, kh, d)), jnp.float32)
+  lengths = jnp.array([48, 29])
+  seg = (jnp.arange(t)[None] < lengths[:, None]).astype(jnp.int32)
+  want = gqa_attention(q, k, v, packed_mask(seg))
+  for chunk in (48, 16, 12):
+    np.testing.assert_allclose(prefill_attention(q, k, v, lengths, query_chunk=chunk), want, atol=1e-6)

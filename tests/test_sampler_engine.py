@@ -195,7 +195,7 @@ def test_errors_name_the_values(model, engine):
   with pytest.raises(ValueError, match="token 99 outside the vocabulary"):
     sched.submit(Request(group_id=0, prompt_ids=[1, 99]))
   bad = jax.tree.map(lambda x: x, engine.load_params(model))
-  bad["layers"][1]["mlp"]["up"].value = jnp.zeros((32, 65))
+  bad["layers"][1]["mlp"]["up"].set_value(jnp.zeros((32, 65)))
   with pytest.raises(ValueError, match=r"\['layers'\]\[1\]\['mlp'\]\['up'\].*\[32, 65\]"):
     sched.update_params(bad, 1)
   with pytest.raises(ValueError, match="cannot hold one sequence"):

@@ -40,8 +40,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   slots = -(-slots // data) * data
   pages_per_seq = -(-max_seq_len // page_size)
   cfg = SamplerConfig(num_slots=slots, page_size=page_size, num_pages=data * (slots // data * pages_per_seq + 1),
-                      max_seq_len=max_seq_len, max_new_tokens=max_new_tokens,
-                      max_prefill_tokens=max(8192, pages_per_seq * page_size))
+                      max_seq_len=max_seq_len, max_new_tokens=max_new_tokens)
   engine = Engine(model=model, config=cfg, mesh=mesh)
   sched = Scheduler(engine=engine, params=engine.load_params(model), version=version, eos_ids=eos_ids)
   sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,

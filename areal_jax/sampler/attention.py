@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from areal_jax.models.modules import gqa_attention
 from areal_jax.sampler.paging import SCRATCH_PAGE
 
 
@@ -61,6 +62,29 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
   out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
   return out.reshape(s, h, d).astype(q.dtype)
+
+
+def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                      query_chunk: int = 512) -> jax.Array:
+  """Causal attention over the first `lengths[b]` positions of each row (the learner's masking), in blocks of
+  `query_chunk` queries when the sequence is longer, so scores take [chunk, T] per head instead of [T, T].
+
+  q: [B, T, H, D]; k, v: [B, T, K, D]. Rows past a sequence's length attend to nothing (zero output).
+  """
+  b, t = q.shape[:2]
+  chunk = max((c for c in range(1, min(t, query_chunk) + 1) if t % c == 0), default=t)
+  keys = jnp.arange(t)
+  valid = keys[None, :] < lengths[:, None]  # [B, T]
+
+  def block(start):
+    qpos = start + jnp.arange(chunk)
+    mask = (keys[None, :] <= qpos[:, None])[None] & valid[:, None, :] & valid[:, start + jnp.arange(chunk)][..., None]
+    return gqa_attention(jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1), k, v, mask)
+
+  if chunk == t:
+    return block(0)
+  out = jax.lax.map(block, jnp.arange(0, t, chunk))  # [T / chunk, B, chunk, H, D]
+  return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
 def _pages_per_compute_block(pages_per_seq: int, page_size: int, target_tokens: int = 512) -> int:

@@ -26,15 +26,14 @@ class SamplerConfig:
   top_k: int = -1
   attention: str = "auto"
   min_prefill_len: int = 16  # smallest prefill bucket; buckets double up to max_seq_len
-  max_prefill_tokens: int = 8192  # rows x bucket length of one batched prefill
+  max_prefill_tokens: int = 0  # rows x bucket length of one batched prefill; 0 = max(8192, max_seq_len)
   attention_block: int = 256  # tokens per block of the pure-JAX paged attention loop (rounded to whole pages)
 
   def __post_init__(self):
     def bad(field, why):
       raise ValueError(f"sampler.{field}={getattr(self, field)!r}: {why}")
 
-    for f in ("num_slots", "page_size", "max_seq_len", "max_new_tokens", "min_prefill_len", "max_prefill_tokens",
-              "attention_block"):
+    for f in ("num_slots", "page_size", "max_seq_len", "max_new_tokens", "min_prefill_len", "attention_block"):
       if getattr(self, f) <= 0:
         bad(f, "must be positive")
     if self.num_pages < 0:
@@ -49,8 +48,13 @@ class SamplerConfig:
       bad("top_k", "must be positive or -1 (off)")
     if self.attention not in ATTENTION_IMPLS:
       bad("attention", f"choose one of {ATTENTION_IMPLS}")
-    if self.max_prefill_tokens < self.max_seq_len:
-      bad("max_prefill_tokens", f"must hold one sequence of max_seq_len={self.max_seq_len}")
+    if self.max_prefill_tokens and self.max_prefill_tokens < self.pages_per_seq * self.page_size:
+      bad("max_prefill_tokens", f"must hold one sequence of max_seq_len={self.max_seq_len} (rounded up to pages)")
+
+  @property
+  def prefill_budget(self) -> int:
+    """Tokens (rows x padded length) one batched prefill may hold."""
+    return self.max_prefill_tokens or max(8192, self.pages_per_seq * self.page_size)
 
   @property
   def pages_per_seq(self) -> int:

@@ -249,6 +249,30 @@ class Engine:
     return Prefix(arrays=arrays, true_length=lengths, first=first, answer_index=answer_index,
                   answer_settings=settings), result
 
+  def warmup(self, params, decode_state: DecodeState, max_context: int | None = None) -> DecodeState:
+    """Compiles every program the scheduler can call for contexts up to `max_context` tokens (default: the cache
+    length): decode, first-token sampling, and prefill + insert for each bucket and power-of-two row count. Runs
+    them on dummy inputs that change nothing; do it before timing or serving to avoid compile stalls."""
+    top = self.bucket(max_context or self.cfg.max_seq_len - 1)
+    t = self.min_bucket
+    while True:
+      rows = 1
+      while rows <= min(self.cfg.num_slots, max(1, self.cfg.prefill_budget // t)):
+        prefix, _ = self.prefill_batch(params, [np.ones(t - 1, np.int32)] * rows, keys=[np.zeros((1, 2))] * rows,
+                                       sampling=[(1.0, 1.0, -1)] * rows)
+        decode_state = self._insert(prefix, decode_state, [], [])
+        rows *= 2
+      if t >= top:
+        break
+      t = self.bucket(t + 1)
+    active, self.active = self.active, np.zeros_like(self.active)
+    try:
+      decode_state, _ = self.programs.decode(params, decode_state, self.active.copy(),
+                                             np.full((3, self.cfg.num_slots), self.cfg.num_slots, np.int32))
+    finally:
+      self.active = active
+    return decode_state
+
   def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements) -> DecodeState:
     """One device call for several (row, slots, answers, pending, index) placements of one prefix."""
     p, m = self.cfg.page_size, self.cfg.pages_per_seq

@@ -3,9 +3,9 @@
 `build_programs(graphdef, model_cfg, cfg, mesh)` needs no parameter values, so the same functions serve
 the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler.aot`).
 
-* `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: dense causal forward
-  over padded sequences (the learner's attention), keys/values of every position, and the last position's logits of
-  row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
+* `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: causal forward over
+  padded sequences (the learner's attention, in query blocks for long ones), keys/values of every position, and the
+  last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
   sets the slots' page-table rows, pending tokens and sampling settings.
@@ -25,7 +25,6 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.modules import dense_attention
 from areal_jax.sampler import attention
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.sampling import sample
@@ -97,9 +96,8 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
     model = nnx.merge(graphdef, params)
     with use_rules(mesh, SAMPLER_RULES):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-      attend = dense_attention((positions < lengths[:, None]).astype(jnp.int32))
       h, kv = model.run_layers(model.embed_tokens(tokens), positions,
-                               lambda i, q, k, v: (attend(q, k, v)[0], (k, v)))
+                               lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v)))
       logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
     pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
     return PrefixArrays(k=tuple(pin(k) for k, _ in kv), v=tuple(pin(v) for _, v in kv)), logits

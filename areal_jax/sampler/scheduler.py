@@ -46,6 +46,7 @@ class Scheduler:
     self.counters = collections.Counter()
     self._arrivals = itertools.count()
     self._pending: tuple[object, int] | None = None
+    self._fresh: list = []  # (answers with their index into the draw, first tokens, logprobs) admitted this step
     self._lock = threading.Lock()
 
   # --- inputs ---------------------------------------------------------------------------------------------------
@@ -84,22 +85,39 @@ class Scheduler:
   # --- the step -------------------------------------------------------------------------------------------------
 
   def step(self) -> list[Sequence]:
-    """One scheduling round and decode step; returns the answers that finished in it."""
+    """One scheduling round and decode step; returns the answers that finished in it.
+
+    The host reads the device once per step: the decode step's tokens together with the first tokens of answers
+    admitted in this step (drawn at prefill), so prefill, insert and decode are dispatched back to back. An answer
+    that ends at its first token has run one decode step for nothing; its result is dropped.
+    """
     self._swap_weights()
-    finished = self._admit()
+    self._admit()
     if not self.running:
-      return finished
+      return []
     self._make_room()
     self.state, result = self.engine.generate(self.params, self.state)
-    tokens, logp = jax.device_get((result.tokens, result.log_prob))
+    fresh, self._fresh = self._fresh, []
+    tokens, logp, firsts = jax.device_get((result.tokens, result.log_prob, [(t, lp) for _, t, lp in fresh]))
     self.counters["decode_steps"] += 1
     self.counters["tokens"] += len(self.running)
-    max_len = self.engine.cfg.max_seq_len
+    finished = []
+    for (seqs, _, _), (first_tokens, first_logp) in zip(fresh, firsts):
+      for seq, r in seqs:
+        if seq.slot >= 0 and self._append(seq, first_tokens[r], first_logp[r]):
+          finished.append(seq)
     for slot, seq in list(self.running.items()):
-      if seq.append(int(tokens[slot]), float(logp[slot]), self.version, eos_ids=self.eos_ids, max_seq_len=max_len):
-        self._release(seq)
+      if self._append(seq, tokens[slot], logp[slot]):
         finished.append(seq)
     return finished
+
+  def _append(self, seq: Sequence, token, logprob) -> bool:
+    """Records a token; releases the slot of a finished answer."""
+    done = seq.append(int(token), float(logprob), self.version, eos_ids=self.eos_ids,
+                      max_seq_len=self.engine.cfg.max_seq_len)
+    if done:
+      self._release(seq)
+    return done
 
   def _release(self, seq: Sequence) -> None:
     self.engine.free_resource(seq.slot)
@@ -120,22 +138,19 @@ class Scheduler:
       self.state = self.engine.rewrite(prefix, self.state, [(row, s.slot) for row, s in enumerate(batch)], written)
       self.counters["recomputed"] += len(batch)
 
-  def _next_unit(self) -> tuple[list[Sequence] | None, bool]:
+  def _next_unit(self) -> list[Sequence] | None:
     if self.resume:
-      return [self.resume[0][1]], True
+      return [self.resume[0][1]]
     if self.waiting:
-      return self.waiting[0], False
-    return None, False
+      return self.waiting[0]
+    return None
 
-  def _admit(self) -> list[Sequence]:
+  def _admit(self) -> None:
     eng = self.engine
     free_slots = [eng.free_slots(s) for s in range(eng.num_shards)]
     free_pages = [eng.pool.num_free(s) for s in range(eng.num_shards)]
-    plan: list[tuple[list[Sequence], list[int], bool]] = []
-    while True:
-      unit, resumed = self._next_unit()
-      if unit is None:
-        break
+    plan: list[tuple[list[Sequence], list[int]]] = []
+    while (unit := self._next_unit()) is not None:
       length = len(unit[0].context())
       shard = max(range(eng.num_shards), key=lambda s: (len(free_slots[s]), free_pages[s]))
       headroom = 1 if (self.running or plan) else 0  # one page to grow into per answer, unless nothing runs
@@ -144,40 +159,33 @@ class Scheduler:
         k -= 1
       if not k:
         break
-      if resumed:
+      if self.resume and unit[0] is self.resume[0][1]:
         heapq.heappop(self.resume)
       elif k == len(unit):
         self.waiting.popleft()
       else:
         self.waiting[0] = unit[k:]
-      plan.append((unit[:k], free_slots[shard][:k], resumed))
+      plan.append((unit[:k], free_slots[shard][:k]))
       del free_slots[shard][:k]
       free_pages[shard] -= eng.pages_to_insert(length, k)
 
-    finished = []
     for batch in self._batches(plan, lambda u: len(u[0][0].context())):
-      prefix, first = self._prefill([seqs for seqs, _, _ in batch])
-      first_tokens, first_logp = jax.device_get((first.tokens, first.log_prob))
-      flat = prefix.answer_index
-      placements = []
-      for row, (seqs, slots, resumed) in enumerate(batch):
-        keep = []
-        for i, (seq, slot) in enumerate(zip(seqs, slots)):
-          r = flat[row][i]
-          if not resumed and seq.append(int(first_tokens[r]), float(first_logp[r]), self.version,
-                                        eos_ids=self.eos_ids, max_seq_len=eng.cfg.max_seq_len):
-            finished.append(seq)
-            continue
+      prefix, first = self._prefill([seqs for seqs, _ in batch])
+      placements, drawn = [], []
+      for row, (seqs, slots) in enumerate(batch):
+        # Preempted answers resume with their last token pending; new ones with the token drawn at prefill.
+        resumed = bool(seqs[0].tokens)
+        for seq, slot in zip(seqs, slots):
           seq.slot = slot
           self.running[slot] = seq
-          keep.append((slot, i, seq.tokens[-1] if resumed else -1, len(seq.tokens)))
-        if keep:
-          slots_, answers, pending, index = map(list, zip(*keep))
-          placements.append((row, slots_, answers, pending, index))
+        if not resumed:
+          drawn += [(seq, prefix.answer_index[row][i]) for i, seq in enumerate(seqs)]
+        placements.append((row, slots, list(range(len(seqs))),
+                           [s.tokens[-1] if resumed else -1 for s in seqs], [max(1, len(s.tokens)) for s in seqs]))
       self.counters["prefill_rows"] += len(batch)
-      if placements:
-        self.state = eng.insert_many(prefix, self.state, placements)
-    return finished
+      self.state = eng.insert_many(prefix, self.state, placements)
+      if drawn:
+        self._fresh.append((drawn, first.tokens, first.log_prob))
 
   def _prefill(self, units: list[list[Sequence]], draw: bool = True):
     """One batched prefill; row b is the shared context of units[b], drawing a first token per answer."""
@@ -191,7 +199,7 @@ class Scheduler:
 
   def _batches(self, items: list, length_of) -> list[list]:
     """Items grouped by prefill bucket, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
-    budget = self.engine.cfg.max_prefill_tokens
+    budget = self.engine.cfg.prefill_budget
     by_bucket = collections.defaultdict(list)
     for item in items:
       by_bucket[self.engine.bucket(length_of(item))].append(item)
@@ -212,8 +220,7 @@ class Scheduler:
         return
       victim = max((seq for slot, seq in self.running.items() if eng.shard_of(slot) == short[0]),
                    key=lambda s: s.order)
-      self._release(victim)
+      self._release(victim)  # admitted in this step, its first token unread: it restarts as new (same draw)
       victim.preemptions += 1
       heapq.heappush(self.resume, (victim.order, victim))
       self.counters["preemptions"] += 1
-
