@@ -123,6 +123,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.top_p = 1.0
   c.sampler.top_k = -1
   c.sampler.attention = "auto"  # auto | jax | pallas_tpu
+  c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
 
   c.learner = ml_collections.ConfigDict()
   c.learner.lr = 1e-4 if tiny else 2e-5
