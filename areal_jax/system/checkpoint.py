@@ -46,6 +46,10 @@ class Checkpointer:
         meta=ocp.args.JsonRestore()))
     return out.params, out.opt_state, out.meta
 
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON `meta` item of `step` alone (no arrays read)."""
+    return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
   def wait(self) -> None:
     self._mngr.wait_until_finished()
 

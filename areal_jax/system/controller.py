@@ -96,6 +96,7 @@ class RolloutController:
     self.error: BaseException | None = None
     self.counters = collections.Counter()
     self.finished_rewards: list[float] = []  # every scored answer since the last `take_rewards()`
+    self._filtered: list[Group] = []
 
   # --- learner-facing ---------------------------------------------------------------------------------------------
 
@@ -118,11 +119,15 @@ class RolloutController:
       for g in groups:
         self._undone.pop(g.trajectories[0].group_id, None)
 
-  def state(self) -> dict:
-    """Checkpoint state: the dataset position, the prompts drawn but not done (in draw order), the next group id."""
+  def snapshot(self) -> tuple[dict, list[Group]]:
+    """(checkpoint state, groups filtered since the last snapshot), taken together so no group falls between.
+
+    The state holds the dataset position, the prompts drawn but not yet done (in draw order) and the next group id.
+    """
     with self._lock:
       undone = [r.uid for _, r in sorted(self._undone.items())] + [r.uid for r in self._replay]
-      return {"dataset": self.dataset.state(), "undone": undone, "next_group_id": self._next_id}
+      filtered, self._filtered = self._filtered, []
+      return {"dataset": self.dataset.state(), "undone": undone, "next_group_id": self._next_id}, filtered
 
   def take_rewards(self) -> list[float]:
     with self._lock:
@@ -177,7 +182,8 @@ class RolloutController:
       gid, index = r.item_id
       pending = self._inflight[gid]
       pending.rewards[index] = r.reward
-      self.counters["reward_" + ("ok" if r.reason in ("correct", "wrong answer") else "error")] += 1
+      if r.reason.startswith(("timed out", "worker crashed")):
+        self.counters["reward_failures"] += 1  # scored 0; the service has already replaced the worker
       if len(pending.rewards) == self.group_size:
         self._finish(gid, pending)
     return bool(results)
@@ -192,6 +198,7 @@ class RolloutController:
       self.finished_rewards.extend(rewards.tolist())
       if not keep:
         self._undone.pop(gid, None)
+        self._filtered.append(group)
     self.counters["groups_kept" if keep else "groups_filtered"] += 1
     self.staleness.finished(kept=keep)
     if keep:

@@ -172,9 +172,9 @@ def run(config, workdir: str) -> list[dict]:
                           start_step=step)
   rows = []
 
-  def checkpoint(force=False):
+  def checkpoint(controller_state, force=False):
     ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
-        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller.state(),
+        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
         "model_config": orbax_io.config_to_json(model_cfg)})
 
   # --- the learner loop ---------------------------------------------------------------------------------------------
@@ -186,6 +186,7 @@ def run(config, workdir: str) -> list[dict]:
     loop.start()
     controller.start()
     last_t, last_tokens = time.time(), loop.stats().get("tokens", 0)
+    controller_state = None
     while step < config.total_steps:
       groups = None
       while groups is None:
@@ -213,16 +214,19 @@ def run(config, workdir: str) -> list[dict]:
           "sync/seconds": sync_s,
           "rollout/queue_groups": len(queue),
           "rollout/groups_filtered": controller.counters["groups_filtered"],
+          "rollout/reward_failures": controller.counters["reward_failures"],
           "time/elapsed_s": now - start_time,
       }
       last_t, last_tokens = now, tokens
       if step % config.eval.every_steps == 0 or step == config.total_steps:
         row |= evaluator(learner.params, version=learner.version).metrics()
       metrics.write(step, row)
-      _log_rollouts(workdir, step, learner.version, groups)
+      controller_state, filtered = controller.snapshot()
+      _log_rollouts(workdir, step, learner.version, groups, filtered)
       rows.append({"step": step, **row})
-      checkpoint()
-    checkpoint(force=True)
+      checkpoint(controller_state)
+    if step % config.checkpoint.every_steps and controller_state is not None:
+      checkpoint(controller_state, force=True)  # the last step, when not on the checkpoint schedule
   finally:
     controller.stop()
     loop.stop()
@@ -232,11 +236,12 @@ def run(config, workdir: str) -> list[dict]:
   return rows
 
 
-def _log_rollouts(workdir: epath.Path, step: int, version: int, groups) -> None:
-  """One line per trained group: which prompt, its rewards and the policy versions of its answers."""
+def _log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtered) -> None:
+  """One line per finished group: the prompt, whether it was trained on at `step` or filtered (uniform rewards)
+  since the previous step, its rewards and the policy versions of its answers."""
   with (workdir / "rollouts.jsonl").open("a") as f:
-    for g in groups:
-      f.write(json.dumps({"step": step, "version": version, "uid": g.record.uid,
+    for g, was_filtered in [(g, False) for g in trained] + [(g, True) for g in filtered]:
+      f.write(json.dumps({"step": step, "version": version, "uid": g.record.uid, "filtered": was_filtered,
                           "rewards": g.rewards.tolist(),
                           "version_start": [t.version_start for t in g.trajectories],
                           "version_end": [t.version_end for t in g.trajectories],
