@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.models import ModelConfig, create
-from areal_jax.sampler import (Engine, PagePool, PoolExhausted, Request, SamplerConfig, SamplingParams, Scheduler,
-                               generate)
+from areal_jax.sampler import Engine, PagePool, PoolExhausted, Request, SamplerConfig, SamplingParams, Scheduler
 from areal_jax.sampler.state import ResultTokens
 
 CFG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

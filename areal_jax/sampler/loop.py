@@ -39,6 +39,7 @@ class SamplerLoop:
     self._finished: queue.Queue = queue.Queue()
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
+    self._publish_stats()
 
   # --- controller-facing API --------------------------------------------------------------------------------------
 
@@ -70,9 +71,14 @@ class SamplerLoop:
           raise
 
   def stats(self) -> dict[str, int]:
+    """Counters (tokens, decode_steps, preemptions, weight_updates, ...), answers running and waiting, version;
+    a snapshot the loop thread publishes after each step (safe to read from any thread)."""
+    return dict(self._stats)
+
+  def _publish_stats(self) -> None:
     s = self.scheduler
-    return {**s.counters, "running": len(s.running), "waiting": sum(map(len, s.waiting)) + len(s.resume),
-            "version": s.version}
+    self._stats = {**s.counters, "running": len(s.running), "waiting": sum(map(len, s.waiting)) + len(s.resume),
+                   "version": s.version}
 
   def check(self) -> None:
     if self.error is not None:
@@ -88,6 +94,7 @@ class SamplerLoop:
     return self
 
   def stop(self, timeout: float | None = 60.0) -> None:
+    """Stops after the current step; answers still in flight are abandoned."""
     self._stop.set()
     for t in self._threads:
       t.join(timeout)
@@ -115,10 +122,10 @@ class SamplerLoop:
       while not self._stop.is_set():
         sched = self.scheduler
         self._drain(block=sched.idle and not sched.has_update)
-        if sched.idle and not sched.has_update:
-          continue
-        for seq in sched.step():
-          self._finished.put(seq)
+        if not (sched.idle and not sched.has_update):
+          for seq in sched.step():
+            self._finished.put(seq)
+        self._publish_stats()
     except BaseException as e:  # surfaced by check()/get()/stop()
       self.error = e
     finally:

@@ -8,8 +8,9 @@ One `step()`:
    per length bucket; a group's answers share the prompt's pages;
 3. make room: while a shard lacks the pages this step writes into, preempt its youngest answer (freed, requeued,
    resumed later by re-prefill);
-4. one decode step for every running answer, then record tokens and finish answers at EOS, a stop sequence,
-   `max_new_tokens` or the cache length.
+4. one decode step for every running answer; one read of the device brings its tokens and the first tokens of the
+   answers admitted in 2. Tokens are recorded with the current version; answers finish at EOS, a stop sequence,
+   `max_new_tokens` or the cache length, and free their slots and pages.
 
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
@@ -43,7 +44,8 @@ class Scheduler:
     self.waiting: collections.deque[list[Sequence]] = collections.deque()  # not started, one entry per group
     self.resume: list[tuple[tuple[int, int], Sequence]] = []  # preempted, heap by priority
     self.running: dict[int, Sequence] = {}  # slot -> answer
-    self.counters = collections.Counter()
+    self.counters = collections.Counter(dict.fromkeys(
+        ("decode_steps", "tokens", "prefill_rows", "preemptions", "weight_updates", "recomputed"), 0))
     self._arrivals = itertools.count()
     self._pending: tuple[object, int] | None = None
     self._fresh: list = []  # (answers with their index into the draw, first tokens, logprobs) admitted this step
