@@ -45,7 +45,8 @@ def make_trajectories(seed, n=16, group_size=4, max_prompt=10, max_response=40):
 def test_packed_microbatch_gradients_equal_one_padded_batch():
   cfg = LearnerConfig(max_tokens_per_mb=64, min_bucket=64, eps_clip_higher=0.28, behav_imp_weight_cap=1.3)
   temperature = 0.7
-  fns = build_step(CFG, cfg, one_device_mesh(), temperature=temperature)
+  # Rematerialised layers, so remat is exercised too (the padded reference shares the module graph).
+  fns = build_step(CFG.replace(remat="full"), cfg, one_device_mesh(), temperature=temperature)
   params = fns.init_params(3)
   trajs = make_trajectories(0, n=12)
   adv = np.random.default_rng(1).normal(size=len(trajs)).astype(np.float32)
@@ -101,6 +102,8 @@ def test_sharded_step_matches_single_device():
   eight = Learner(model_cfg=CFG, config=cfg, mesh=mesh8, params=init)
   q = eight.params["layers"][0]["attn"]["q"][...]
   assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  mirrors = [x for x in jax.tree.leaves(eight.opt_state) if x.shape == q.shape]
+  assert len(mirrors) == 2 * CFG.num_layers and all(x.sharding.spec == q.sharding.spec for x in mirrors)  # Adam mu, nu
   assert eight.fns.rows == 4
 
   s1, s8 = one.train_step(trajs), eight.train_step(trajs)
@@ -114,16 +117,16 @@ def test_sharded_step_matches_single_device():
 
 
 def test_compiles_once_per_bucket_and_no_implicit_transfers():
-  cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=128, min_bucket=32, ppo_n_minibatches=2)
+  cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=32, ppo_n_minibatches=2)
   learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), peak_flops=1e9)
   seen = set()
-  for step, (n, max_response) in enumerate([(2, 8), (20, 90), (4, 30), (12, 40), (3, 60)]):
+  for step, (n, max_response) in enumerate([(2, 8), (16, 50), (4, 20), (3, 40)]):
     plan = learner.prepare(make_trajectories(step, n=n, max_response=max_response))
     seen |= {mb.layout.length for minibatch in plan.minibatches for mb in minibatch}
     with jax.transfer_guard("disallow"):
       stats = learner.update(plan)
     assert stats["learner/version"] == step + 1 == learner.version
-  assert len(seen) >= 3 and seen <= set(bucket_lengths(128, 32))
+  assert seen == set(bucket_lengths(64, 32)) == {32, 48, 64}
   assert learner.fns.accumulate._cache_size() == len(seen)
   assert learner.fns.logprobs._cache_size() == len(seen)
   assert learner.fns.apply._cache_size() == 1
@@ -220,21 +223,3 @@ def test_config_presets_give_valid_learner_configs():
     assert cfg.max_tokens_per_mb in bucket_lengths(cfg.max_tokens_per_mb, cfg.min_bucket)
   with pytest.raises(ValueError, match="unknown learner config keys \\['typo'\\]"):
     LearnerConfig.from_config({"typo": 1})
-
-
-def test_rematerialised_layers_give_the_same_gradients():
-  cfg = LearnerConfig(max_tokens_per_mb=128, min_bucket=128)
-  trajs = make_trajectories(4, n=3, max_response=20)
-  adv = [np.full(len(t.response_ids), 1.0 - i, np.float32) for i, t in enumerate(trajs)]
-  (layout,) = plan_packed([t.num_tokens for t in trajs], max_tokens=128, rows=1, min_bucket=128)
-  mb = assemble(layout, trajs, adv)
-  grads = []
-  for model_cfg in (CFG, CFG.replace(remat="full")):
-    fns = build_step(model_cfg, cfg, one_device_mesh())
-    b = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
-    params = fns.init_params(0)
-    b["proximal_logprobs"] = fns.logprobs(params, {k: b[k] for k in BATCH_INT_KEYS})
-    g, _ = fns.accumulate(params, *fns.zero_accumulators(), b, jnp.float32(0.01))
-    grads.append(jax.tree.leaves(g))
-  for a, b in zip(*grads):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

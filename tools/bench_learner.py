@@ -1,4 +1,4 @@
-r"""Learner throughput: dynamic packed micro-batches vs fixed padded micro-batches, side by side in one run.
+"""Learner throughput: dynamic packed micro-batches vs fixed padded micro-batches, side by side in one run.
 
 Both variants run the same `Learner.update` (proximal pass + `ppo_n_minibatches` AdamW updates) on the same
 long-tail batch, with the same token budget per micro-batch row (`--max-tokens`):
@@ -7,8 +7,9 @@ long-tail batch, with the same token budget per micro-batch row (`--max-tokens`)
 * padded: `max_tokens // max_len` sequences per micro-batch in arrival order, each padded to `--max-len` (one shape).
 
 Achieved model FLOP/s (6·N per token plus causal attention, proximal pass included; padding not counted) is
-reported as a fraction of a square-matmul peak measured on the same devices. Defaults take about 2 minutes on a
-2-core CPU with one device:
+reported as a fraction of a square-matmul peak measured on the same devices. "cpu s" is the process CPU time of a
+step, a load-independent measure of work on a shared CPU machine. Defaults take about 3 minutes on an idle 2-core
+CPU with one device:
 
     python tools/bench_learner.py [--devices 8] [--sequences 64]
 """
@@ -20,6 +21,7 @@ import importlib.util
 import os
 import pathlib
 import statistics
+import time
 
 
 def parse_args():
@@ -100,21 +102,23 @@ def main():
     variants[name] = (learner, plan, [])
   for _ in range(args.steps):  # interleaved, so both variants see the same machine load
     for learner, plan, stats in variants.values():
-      stats.append(learner.update(plan))
+      cpu = time.process_time()
+      stats.append(learner.update(plan) | {"cpu_s": time.process_time() - cpu})
   results = {}
   for name, (_, _, stats) in variants.items():
     pick = lambda k: statistics.median(s[k] for s in stats)
     results[name] = dict(micro_batches=int(stats[0]["learner/micro_batches"]),
                          padding=stats[0]["learner/padding_fraction"], step_s=pick("learner/step_time_s"),
-                         tokens_per_s=pick("learner/tokens_per_s"), mfu=pick("learner/mfu"))
+                         cpu_s=pick("cpu_s"), tokens_per_s=pick("learner/tokens_per_s"), mfu=pick("learner/mfu"))
 
-  print(f"{'variant':<17}{'micro-batches':>14}{'padding':>9}{'step s':>9}{'tokens/s':>10}{'model GFLOP/s':>15}"
-        f"{'of peak':>9}")
+  print(f"{'variant':<17}{'micro-batches':>14}{'padding':>9}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}"
+        f"{'model GFLOP/s':>15}{'of peak':>9}")
   for name, r in results.items():
-    print(f"{name:<17}{r['micro_batches']:>14}{r['padding']:>9.1%}{r['step_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
-          f"{r['mfu'] * peak / 1e9:>15.2f}{r['mfu']:>9.1%}")
+    print(f"{name:<17}{r['micro_batches']:>14}{r['padding']:>9.1%}{r['step_s']:>9.2f}{r['cpu_s']:>8.1f}"
+          f"{r['tokens_per_s']:>10.0f}{r['mfu'] * peak / 1e9:>15.2f}{r['mfu']:>9.1%}")
   packed, pad = results.values()
-  print(f"packed / padded tokens/s: {packed['tokens_per_s'] / pad['tokens_per_s']:.2f}x")
+  print(f"packed / padded: tokens/s {packed['tokens_per_s'] / pad['tokens_per_s']:.2f}x, "
+        f"CPU time per step {pad['cpu_s'] / packed['cpu_s']:.2f}x less")
 
 
 if __name__ == "__main__":
