@@ -157,6 +157,11 @@ def test_engine_api_shares_prompt_pages(model, engine):
   tails = {engine.slot_pages[s][2] for s in (0, 1, 3)}
   assert len(tails) == 3  # the partial page is copied per answer
   assert engine.pool.num_free(0) == engine.pool.capacity - 5
+  with pytest.raises(ValueError, match="slot 1 is in use"):
+    engine.bulk_insert(prefix, state, [2, 1])
+  with pytest.raises(ValueError, match="answers \\[0, 3\\] asked of prefix row 0, which has 3"):
+    engine.bulk_insert(prefix, state, [2], answers=[0, 3])
+  assert engine.pool.num_free(0) == engine.pool.capacity - 5 and not engine.active[2]  # nothing taken
   for _ in range(3):
     state, result = engine.generate(params, state)
   assert list(np.asarray(result.valid)) == [True, True, False, True]

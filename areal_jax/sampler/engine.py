@@ -152,7 +152,7 @@ class Engine:
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step of every active slot; allocates the pages the step writes into first."""
-    cfg, p = self.cfg, self.cfg.page_size
+    cfg = self.cfg
     act = np.flatnonzero(self.active)
     full = act[self.slot_length[act] >= cfg.max_seq_len]
     if len(full):
@@ -275,16 +275,22 @@ class Engine:
 
   def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements) -> DecodeState:
     """One device call for several (row, slots, answers, pending, index) placements of one prefix."""
-    p, m = self.cfg.page_size, self.cfg.pages_per_seq
+    p = self.cfg.page_size
     chunks, slots = [], []  # (row, chunk, page, shard); (slot, row, answer, override, length, index)
-    # Check every shard's demand before allocating anything.
+    # Check everything before allocating anything.
     demand = np.zeros(self.num_shards, np.int64)
-    for row, ss, *_ in placements:
+    for row, ss, answers, pending, _ in placements:
       for shard in {self.shard_of(s) for s in ss}:
         demand[shard] += self.pages_to_insert(prefix.true_length[row], sum(self.shard_of(s) == shard for s in ss))
       busy = [s for s in ss if self.active[s]]
       if busy:
         raise ValueError(f"slot {busy[0]} is in use; free_resource it before inserting")
+      drawn = len(prefix.answer_settings[row])
+      if any(not 0 <= a < drawn for a in answers):
+        raise ValueError(f"answers {list(answers)} asked of prefix row {row}, which has {drawn} (one PRNG key "
+                         f"each at prefill)")
+      if prefix.first is None and min(pending) < 0:
+        raise ValueError(f"prefix row {row} drew no first tokens; pass the pending tokens")
     for shard in range(self.num_shards):
       if demand[shard] > self.pool.num_free(shard):
         raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
@@ -303,12 +309,7 @@ class Engine:
           self.slot_pages[slot] = shared + own
           self.slot_length[slot] = length
           self.active[slot] = True
-          if not 0 <= answers[i] < len(prefix.answer_settings[row]):
-            raise ValueError(f"slot {slot} asks for answer {answers[i]} of prefix row {row}, which has "
-                             f"{len(prefix.answer_settings[row])} answers (one PRNG key each at prefill)")
           key, temperature, top_p, top_k = prefix.answer_settings[row][answers[i]]
-          if pending[i] < 0 and prefix.first is None:
-            raise ValueError(f"prefix row {row} drew no first tokens; pass the pending tokens")
           slots.append((slot, prefix.answer_index[row][answers[i]], pending[i], length, index[i], key, temperature,
                         top_p, top_k))
     return self._insert(prefix, decode_state, chunks, slots)
@@ -330,7 +331,8 @@ class Engine:
   def _insert(self, prefix: Prefix, decode_state, chunks, slots) -> DecodeState:
     s, m, p = self.cfg.num_slots, self.cfg.pages_per_seq, self.cfg.page_size
     b, t = prefix.arrays.k[0].shape[:2]
-    ch = np.zeros((4, b * (t // p) + s), np.int32)  # fixed per prefill shape: at most every chunk plus s tail copies
+    # Fixed per prefill shape: every full chunk once per shard, plus one tail copy per slot.
+    ch = np.zeros((4, b * (t // p) * self.num_shards + s), np.int32)
     ch[3] = -1
     if chunks:
       ch[:, :len(chunks)] = np.array(chunks, np.int32).T
