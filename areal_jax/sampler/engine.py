@@ -105,6 +105,7 @@ class Engine:
     self.active = np.zeros(s, bool)
     p = config.page_size
     self.min_bucket = -(-config.min_prefill_len // p) * p
+    self._zeros = None
 
   # --- JetStream Engine API ------------------------------------------------------------------------------------
 
@@ -116,9 +117,12 @@ class Engine:
     return jax.device_put(params, self.param_shardings)
 
   def init_decode_state(self) -> DecodeState:
-    shapes = decode_state_shapes(self.model_cfg, self.cfg, self.num_pages)
-    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    state = jax.jit(zeros, out_shardings=self.state_shardings)()
+    """An empty cache and slot table (all slots idle) on the sampler's shardings."""
+    if self._zeros is None:
+      shapes = decode_state_shapes(self.model_cfg, self.cfg, self.num_pages)
+      self._zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                            out_shardings=self.state_shardings)
+    state = self._zeros()
     for slot in np.flatnonzero(self.active):
       self.free_resource(int(slot))
     return state
