@@ -122,10 +122,19 @@ def test_compiles_once_per_bucket_and_no_implicit_transfers():
   seen = set()
   for step, (n, max_response) in enumerate([(2, 8), (16, 50), (4, 20), (3, 40)]):
     plan = learner.prepare(make_trajectories(step, n=n, max_response=max_response))
-    seen |= {mb.layout.length for minibatch in plan.minibatches for mb in minibatch}
+    mbs = [mb for minibatch in plan.minibatches for mb in minibatch]
+    seen |= {mb.layout.length for mb in mbs}
+    # π_prox/π_behav with the parameters at the start of the step, for every minibatch (not just the first).
+    inputs = [jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS}, learner.fns.batch_sharding) for mb in mbs]
+    w = np.concatenate([np.exp(np.asarray(learner.fns.logprobs(learner.params, x)) - mb.behavior_logprobs)
+                        [mb.loss_mask > 0] for x, mb in zip(inputs, mbs)])
     with jax.transfer_guard("disallow"):
       stats = learner.update(plan)
     assert stats["learner/version"] == step + 1 == learner.version
+    np.testing.assert_allclose(stats["learner/importance_weight_mean"], w.mean(), rtol=1e-5)
+    np.testing.assert_allclose(stats["learner/importance_weight_max"], w.max(), rtol=1e-5)
+    if len(plan.minibatches) > 1:
+      assert stats["learner/approx_kl"] > 0  # later minibatches see updated parameters against π_prox
   assert seen == set(bucket_lengths(64, 32)) == {32, 48, 64}
   assert learner.fns.accumulate._cache_size() == len(seen)
   assert learner.fns.logprobs._cache_size() == len(seen)
