@@ -1,0 +1,99 @@
+"""End-to-end runs of the asynchronous trainer on 8 CPU devices split 4 sampler / 4 learner."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from areal_jax.config import load_config
+from areal_jax.data import build_dataset
+from areal_jax.system import trainer
+from areal_jax.system.checkpoint import Checkpointer
+from areal_jax.system.metrics import read_metrics
+from areal_jax.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "math.py")
+# A small, fast variant of the tiny default: every mechanism on, little compute.
+FAST = {
+    "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,
+    "model.num_kv_heads": 1, "model.head_dim": 32,
+    "warmstart.steps": 30, "warmstart.batch_size": 32, "data.eval_size": 8, "data.synthetic_size": 2000,
+    "rollout.batch_size": 4, "rollout.group_size": 4, "rollout.max_concurrent_rollouts": 8,
+    "learner.ppo_n_minibatches": 2, "learner.max_tokens_per_mb": 256, "learner.min_bucket": 64,
+    "sampler.num_slots": 32, "sampler.num_pages": 256, "sampler.max_new_tokens": 40, "sampler.max_seq_len": 96,
+    "data.max_prompt_len": 40, "checkpoint.every_steps": 2, "eval.every_steps": 2, "reward.num_workers": 1,
+    "metrics.tensorboard": False,
+    # The fast model barely learns in 30 warm-start steps; with filtering on, nearly every group (all wrong) would
+    # be dropped and a step could take minutes. Filtering is covered by the controller tests.
+    "learner.filter_uniform_groups": False,
+}
+REQUIRED = ("step", "version", "reward/mean", "staleness/mean", "staleness/max", "learner/loss",
+            "learner/importance_weight_max", "sampler/tokens_per_s", "learner/tokens_per_s", "sync/seconds",
+            "time/elapsed_s")
+
+
+def _rollouts(workdir):
+  with open(os.path.join(workdir, "rollouts.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
+  eta = 1
+  config = load_config(CONFIG, total_steps=4, **FAST, **{"rollout.max_head_offpolicyness": eta})
+  rows = trainer.run(config, str(tmp_path))
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+  for m in metrics[1:]:
+    assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)
+    assert m["version"] == m["step"] and m["staleness/max"] <= eta
+  evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+  assert len(evals) == 3 and all(0.0 <= a <= 1.0 for a in evals)  # steps 0, 2, 4
+  trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
+  assert len(trained) == 4 * config.rollout.batch_size
+  for r in trained:
+    # Staleness at training time = (learner version before the step) - (version of the first token) <= eta.
+    assert all((r["step"] - 1) - v <= eta for v in r["version_start"]), r
+    assert all(a <= b for a, b in zip(r["version_start"], r["version_end"]))
+  assert os.path.isdir(tmp_path / "checkpoints" / "4")
+
+
+def _epoch_order(config, n):
+  ds = build_dataset(config.data, load_tokenizer(config.model.tokenizer), split="train")
+  return [next(ds).uid for _ in range(n)]
+
+
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
+  workdir = str(tmp_path / "run")
+  overrides = dict(FAST, total_steps=6)
+  args = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={CONFIG}", f"--workdir={workdir}"]
+  args += [f"--config.{k}={v}" for k, v in overrides.items()]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  deadline = time.time() + 300
+  try:
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
+      assert proc.poll() is None, proc.stderr.read()[-3000:]
+      assert time.time() < deadline, "no checkpoint at step 2 within 300 s"
+      time.sleep(0.2)
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, like a preempted VM
+    proc.wait()
+  config = load_config(CONFIG, **overrides)
+  rows = trainer.run(config, workdir)
+  assert rows[0]["step"] >= 3, "the second run must resume from a checkpoint, not start over"
+  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, 7))
+  logged = [r["uid"] for r in _rollouts(workdir)]
+  assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
+  undone = ckpt.read_meta(6)["controller"]["undone"]
+  ckpt.close()
+  assert not set(undone) & set(logged)
+  # Every prompt drawn so far is done or still pending, and they are exactly a prefix of the epoch's order.
+  assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
