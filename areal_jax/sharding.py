@@ -19,32 +19,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-# Learner: FSDP shards parameters along `embed`; tensor parallelism along heads / mlp / vocab; the batch (packed
-# tokens) is split over data and fsdp.
-LEARNER_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-)
-# Sampler: no FSDP (weights are read every decode step); slots over data, heads over tensor.
-SAMPLER_RULES: Rules = (
-    ("batch", "data"),
-    ("vocab", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-)
+# Tensor parallelism along heads / mlp / vocab, for parameters and activations alike (both roles).
+_TENSOR_RULES: Rules = tuple((name, "tensor") for name in (
+    "vocab", "q_heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"))
+# Learner: FSDP shards parameters along `embed`; the batch (packed tokens) is split over data and fsdp.
+LEARNER_RULES: Rules = (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _TENSOR_RULES
+# Sampler: no FSDP (weights are read every decode step); slots over data.
+SAMPLER_RULES: Rules = (("batch", "data"),) + _TENSOR_RULES
 
 _CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("areal_sharding", default=None)
 
