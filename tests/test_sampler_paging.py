@@ -4,29 +4,17 @@ with the tokens an unconstrained pool gives."""
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import ModelConfig, create
+from areal_jax.models import create
 from areal_jax.sampler import Engine, PagePool, PoolExhausted, Request, SamplerConfig, SamplingParams, Scheduler
 from areal_jax.sampler.state import ResultTokens
+from helpers import TINY, tiny_model
 
-CFG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, attention_bias=True, max_position_embeddings=256)
+CFG = TINY
 
-
-def tiny_model(cfg, seed):
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: create(cfg)))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, x):
-    if "scale" in jax.tree_util.keystr(path):
-      return jnp.asarray(1 + 0.1 * rng.normal(size=x.shape), x.dtype)
-    return jnp.asarray(rng.normal(size=x.shape) / np.sqrt(x.shape[0]), x.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
 def test_pool_refcounts():
