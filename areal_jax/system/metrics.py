@@ -6,7 +6,10 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Mapping, Sequence
 
 from etils import epath
 
@@ -18,21 +21,13 @@ class MetricsWriter:
     self.path.parent.mkdir(parents=True, exist_ok=True)
     self.total_steps, self.start_step = total_steps, start_step
     self._t0 = time.time()
-    self._tb = None
-    if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.fspath(epath.Path(workdir) / "tensorboard"))
+    self._tb = TensorBoard(epath.Path(workdir) / "tensorboard") if tensorboard else None
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-    # Append (resumed runs keep their history); a local file is flushed line by line.
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    append_lines(self.path, [json.dumps(record)])  # resumed runs keep their history
     if self._tb is not None:
-      for k, v in record.items():
-        if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
+      self._tb.write(step, {k: v for k, v in record.items() if k != "step"})
     logging.info(self.progress_line(step, record))
 
   def progress_line(self, step: int, m: dict) -> str:
@@ -48,6 +43,49 @@ class MetricsWriter:
       self._tb.close()
 
 
+class TensorBoard:
+  """Scalars into one TensorBoard event file in `logdir` (local or gs://), written and flushed on every `write`.
+
+  Events are written synchronously (tensorboardX's `EventsWriter`, no background thread). For a remote logdir the file
+  is written in a local temporary directory and uploaded whole after every `write` (objects cannot be appended to).
+  tensorboardX's own gs:// writer is not used: every `SummaryWriter` stays referenced until exit (atexit) and its gs://
+  writer uploads once more when it is finally deleted, at interpreter exit.
+  """
+
+  def __init__(self, logdir: str | os.PathLike):
+    from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
+
+    self.logdir = epath.Path(logdir)
+    self._remote = "://" in os.fspath(logdir)
+    local = tempfile.mkdtemp(prefix="tensorboard-") if self._remote else os.fspath(logdir)
+    os.makedirs(local, exist_ok=True)
+    self._local_dir = local
+    if self._remote:
+      self.logdir.mkdir(parents=True, exist_ok=True)
+    self._events = EventsWriter(os.path.join(local, "events"), filename_suffix=f".{os.getpid()}")
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    """Adds the finite numbers of `scalars` (non-numbers are skipped) at `step` and flushes."""
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+    now = time.time()
+    for k, v in scalars.items():
+      v = _plain(v)
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        self._events.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(k, float(v))))
+    self._events.flush()
+    if self._remote:
+      for name in os.listdir(self._local_dir):  # the one event file
+        with open(os.path.join(self._local_dir, name), "rb") as f:
+          (self.logdir / name).write_bytes(f.read())
+
+  def close(self) -> None:
+    self._events.close()
+    if self._remote:
+      shutil.rmtree(self._local_dir, ignore_errors=True)
+
+
 def _plain(v):
   try:
     return v.item()
@@ -58,6 +96,22 @@ def _plain(v):
 def _hms(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def append_lines(path: epath.Path, lines: Sequence[str]) -> None:
+  """Appends lines to a text file, local or on an object store.
+
+  A local file is opened for appending. Objects (gs://, s3://) cannot be appended to (gcsfs would silently overwrite),
+  so the object is rewritten with its old content plus the new lines: one read and one write per call.
+  """
+  if not lines:
+    return
+  text = "".join(line + "\n" for line in lines)
+  if "://" not in os.fspath(path):
+    with path.open("a") as f:
+      f.write(text)
+  else:
+    path.write_text((path.read_text() if path.exists() else "") + text)
 
 
 def read_metrics(workdir: str) -> list[dict]:

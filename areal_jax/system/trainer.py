@@ -40,7 +40,7 @@ from areal_jax.system import warmstart, weight_sync
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.controller import RewardChannels, RolloutController
 from areal_jax.system.evaluation import Evaluator
-from areal_jax.system.metrics import MetricsWriter, truncate_jsonl
+from areal_jax.system.metrics import MetricsWriter, append_lines, truncate_jsonl
 from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
 from areal_jax.system.slices import build_slices
 from areal_jax.tokenizer import load_tokenizer
@@ -239,10 +239,10 @@ def run(config, workdir: str) -> list[dict]:
 def _log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtered) -> None:
   """One line per finished group: the prompt, whether it was trained on at `step` or filtered (uniform rewards)
   since the previous step, its rewards and the policy versions of its answers."""
-  with (workdir / "rollouts.jsonl").open("a") as f:
-    for g, was_filtered in [(g, False) for g in trained] + [(g, True) for g in filtered]:
-      f.write(json.dumps({"step": step, "version": version, "uid": g.record.uid, "filtered": was_filtered,
-                          "rewards": g.rewards.tolist(),
-                          "version_start": [t.version_start for t in g.trajectories],
-                          "version_end": [t.version_end for t in g.trajectories],
-                          "lengths": [len(t.response_ids) for t in g.trajectories]}) + "\n")
+  append_lines(workdir / "rollouts.jsonl", [
+      json.dumps({"step": step, "version": version, "uid": g.record.uid, "filtered": was_filtered,
+                  "rewards": g.rewards.tolist(),
+                  "version_start": [t.version_start for t in g.trajectories],
+                  "version_end": [t.version_end for t in g.trajectories],
+                  "lengths": [len(t.response_ids) for t in g.trajectories]})
+      for g, was_filtered in [(g, False) for g in trained] + [(g, True) for g in filtered]])
