@@ -1,7 +1,9 @@
 """Held-out evaluation: generate answers with given parameters and score them with the math/code verifiers.
 
 `Evaluator` keeps one sampling engine (compiled once) and reuses it for every evaluation. With `num_samples = 1`
-answers are greedy; with k > 1 they are sampled at `temperature` and accuracy is pass@1 averaged over the k samples.
+answers are greedy; with k > 1 they are sampled at `temperature` (and `top_p`) and accuracy is pass@1 averaged over the
+k samples. A call may name other records and sampling settings (several benchmarks, a greedy and a sampled pass) and
+still use the same compiled engine; `EvalResult.correct` holds every (question, sample) score for pass@k.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class EvalResult:
   correct: np.ndarray  # [questions, samples] rewards
   mean_length: float  # generated tokens per answer
   seconds: float
+  lengths: np.ndarray | None = None  # [questions, samples] generated tokens per answer (EOS included)
 
   def metrics(self, prefix: str = "eval") -> dict[str, float]:
     return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_length": self.mean_length,
@@ -43,31 +46,42 @@ class Evaluator:
 
   def __init__(self, *, model_cfg: ModelConfig, records: Sequence[PromptRecord], mesh: Mesh,
                sampler_cfg: SamplerConfig, eos_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str],
-               score: Scorer, num_samples: int = 1, temperature: float = 1.0, seed: int = 0):
+               score: Scorer, num_samples: int = 1, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0):
     self.records = list(records)
     self.eos_ids, self.detokenize, self.score = tuple(eos_ids), detokenize, score
     self.num_samples = num_samples
-    self.sampling = SamplingParams(temperature=0.0 if num_samples == 1 else temperature,
+    self.sampling = SamplingParams(temperature=0.0 if num_samples == 1 else temperature, top_p=top_p,
                                    max_new_tokens=sampler_cfg.max_new_tokens, seed=seed)
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     self.engine = Engine(model=abstract, config=sampler_cfg, mesh=mesh)
 
-  def __call__(self, params, *, version: int = 0) -> EvalResult:
+  def __call__(self, params, *, version: int = 0, records: Sequence[PromptRecord] | None = None,
+               num_samples: int | None = None, temperature: float | None = None,
+               top_p: float | None = None) -> EvalResult:
+    """Answers every record (the constructor's, or `records`) and scores the answers.
+
+    `num_samples`, `temperature` (0 = greedy) and `top_p` replace the constructor's settings for this call only.
+    """
     start = time.perf_counter()
+    records = self.records if records is None else list(records)
+    num_samples = self.num_samples if num_samples is None else num_samples
+    sampling = dataclasses.replace(self.sampling, **{k: v for k, v in (("temperature", temperature), ("top_p", top_p))
+                                                     if v is not None})
     params = weight_sync.transfer(params, self.engine.param_shardings)
     sched = Scheduler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
-    for i, r in enumerate(self.records):
-      sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=self.num_samples, sampling=self.sampling))
+    for i, r in enumerate(records):
+      sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling))
     answers: dict[tuple[int, int], list[int]] = {}
     while not sched.idle:
       for seq in sched.step():
         answers[(seq.request.group_id, seq.answer)] = list(seq.tokens)
     keys = sorted(answers)
     texts = [self.detokenize([t for t in answers[k] if t not in self.eos_ids]) for k in keys]
-    rewards = self.score([(self.records[i].kind, text, self.records[i].reference) for (i, _), text in zip(keys, texts)])
-    correct = np.zeros((len(self.records), self.num_samples))
+    rewards = self.score([(records[i].kind, text, records[i].reference) for (i, _), text in zip(keys, texts)])
+    correct = np.zeros((len(records), num_samples))
+    lengths = np.zeros((len(records), num_samples), np.int32)
     for (i, j), reward in zip(keys, rewards):
       correct[i, j] = reward
-    return EvalResult(accuracy=float(correct.mean()), correct=correct,
-                      mean_length=float(np.mean([len(answers[k]) for k in keys])),
-                      seconds=time.perf_counter() - start)
+      lengths[i, j] = len(answers[(i, j)])
+    return EvalResult(accuracy=float(correct.mean()), correct=correct, mean_length=float(lengths.mean()),
+                      seconds=time.perf_counter() - start, lengths=lengths)
