@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from areal_jax.evaluate.benchmarks import Benchmark
 from areal_jax.evaluate.passk import mean_pass_at_k
+from areal_jax.system.evaluation import EvalResult
 
 _log = logging.getLogger(__name__)
 
@@ -88,8 +90,8 @@ def is_done(path: epath.Path, settings: Settings, *, source: str | None, overwri
   return True
 
 
-def summarize(*, benchmark, settings: Settings, sampled, greedy, source: str, step: int | None,
-              version: int) -> dict[str, Any]:
+def summarize(*, benchmark: Benchmark, settings: Settings, sampled: EvalResult, greedy: EvalResult | None,
+              source: str, step: int | None, version: int) -> dict[str, Any]:
   """The result record of one (benchmark, checkpoint) from the sampled (and greedy) `EvalResult`s."""
   metrics = {f"pass@{k}": mean_pass_at_k(sampled.correct, k) for k in settings.pass_k}
   metrics["mean_length"] = sampled.mean_length

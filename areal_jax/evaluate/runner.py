@@ -247,6 +247,8 @@ def evaluate(source: str, *, benchmarks: Sequence[str], step: str = "latest", wa
     reward_workers, reward_timeout_s: the scoring process pool.
     overwrite: replace results stored under other settings (by default they are kept and the step is skipped).
   """
+  if step not in STEPS and not step.isdigit():
+    raise ValueError(f"step={step!r}: choose 'latest', 'all' or a step number")
   src = checkpoints.resolve(source)
   run = src.run_config or {}
   run_model, run_data, run_sampler = run.get("model", {}), run.get("data", {}), run.get("sampler", {})
@@ -267,8 +269,6 @@ def evaluate(source: str, *, benchmarks: Sequence[str], step: str = "latest", wa
   output = epath.Path(output_dir) if output_dir else src.default_output
   if src.kind == "run" and (output == src.path or src.path in output.parents):
     raise ValueError(f"output_dir={output} lies inside the checkpoint directory {src.path}; results go beside it")
-  if step not in STEPS and not step.isdigit():
-    raise ValueError(f"step={step!r}: choose 'latest', 'all' or a step number")
   session = _Session(benchmarks=benches, settings=settings, tokenizer=tok, output=output, num_slots=num_slots,
                      page_size=page_size, memory_fraction=memory_fraction, tensor_parallel=tensor_parallel,
                      reward_workers=reward_workers, reward_timeout_s=reward_timeout_s, overwrite=overwrite)
