@@ -34,3 +34,28 @@ def test_convert_roundtrip(tmp_path):
   tokens = torch.tensor(np.arange(20)[None] % 80)
   with torch.no_grad():
     np.testing.assert_allclose(back(tokens).logits.numpy(), hf(tokens).logits.numpy(), atol=1e-6)
+
+
+def test_load_orbax_reads_a_run_checkpoint(tmp_path):
+  """A step written by the trainer's Checkpointer (NNX state on a 4-device mesh) loads as a model."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from areal_jax import sharding as shd
+  from areal_jax.models import ModelConfig, create
+  from areal_jax.system.checkpoint import Checkpointer
+
+  cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8)
+  model = create(cfg, seed=2)
+  mesh = shd.make_mesh(jax.devices()[:4], {"fsdp": 4, "tensor": 1})
+  params = jax.device_put(nnx.state(model, nnx.Param),
+                          shd.state_shardings(nnx.state(model, nnx.Param), mesh, shd.LEARNER_RULES))
+  ckpt = Checkpointer(str(tmp_path), every_steps=1)
+  ckpt.save(3, params=params, opt_state={"count": jnp.array(1)},
+            meta={"step": 3, "model_config": orbax_io.config_to_json(cfg)})
+  ckpt.close()
+  loaded = orbax_io.load_orbax(str(tmp_path))
+  tokens = jnp.arange(12, dtype=jnp.int32)[None] % 40
+  np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(model(tokens)), atol=1e-6)

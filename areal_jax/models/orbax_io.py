@@ -69,7 +69,12 @@ def load_orbax(path: str, *, step: int | None = None, dtype=None, shardings=None
       if step is None:
         raise FileNotFoundError(f"{path}: neither a policy directory (model_config.json) nor a run with checkpoints")
       meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-      graphdef, state, target = target_for(meta["model_config"])
+      graphdef, state, _ = target_for(meta["model_config"])
+      # The trainer saves the NNX parameter state itself (not a pure dict): restore into its abstract twin.
+      if shardings is None:  # the run may have used other devices: read onto this process's first device
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)
+      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
       restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
+      return nnx.merge(graphdef, restored)
   nnx.replace_by_pure_dict(state, restored)
   return nnx.merge(graphdef, state)
