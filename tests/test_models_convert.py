@@ -59,3 +59,29 @@ def test_load_orbax_reads_a_run_checkpoint(tmp_path):
   loaded = orbax_io.load_orbax(str(tmp_path))
   tokens = jnp.arange(12, dtype=jnp.int32)[None] % 40
   np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(model(tokens)), atol=1e-6)
+
+
+def test_load_orbax_reads_a_policy_saved_on_other_devices(tmp_path):
+  """A policy directory written from a 4-device mesh (the warm-start cache) loads in a 1-device process."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from areal_jax import sharding as shd
+  from areal_jax.models import ModelConfig, create
+
+  cfg = ModelConfig(family="qwen2", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8)
+  model = create(cfg, seed=3)
+  mesh = shd.make_mesh(jax.devices()[:4], {"fsdp": 4, "tensor": 1})
+  state = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.device_put(state, shd.state_shardings(state, mesh, shd.LEARNER_RULES)))
+  orbax_io.save_orbax(model, str(tmp_path / "policy"))
+  tokens = np.arange(12, dtype=np.int32)[None] % 40
+  np.save(tmp_path / "want.npy", np.asarray(model(jnp.asarray(tokens))))
+  check = ("import sys, numpy as np, jax; from areal_jax.models import orbax_io; assert jax.device_count() == 1; "
+           "m = orbax_io.load_orbax(sys.argv[1]); want = np.load(sys.argv[2]); "
+           "np.testing.assert_allclose(np.asarray(m(np.arange(12, dtype=np.int32)[None] % 40)), want, atol=1e-6)")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+  subprocess.run([sys.executable, "-c", check, str(tmp_path / "policy"), str(tmp_path / "want.npy")], env=env,
+                 check=True, capture_output=True, text=True)

@@ -165,8 +165,8 @@ def _model(session: _Session, source: checkpoints.Source, dtype: str) -> list[di
     model = hf_io.load_hf(str(source.path), dtype=model_cfg.dtype, mesh=mesh, rules=SAMPLER_RULES)
   else:
     model_cfg = orbax_io.config_from_json(json.loads((source.path / "model_config.json").read_text()), **overrides)
-    shardings = nnx.to_pure_dict(session.evaluator(model_cfg).engine.param_shardings)
-    model = orbax_io.load_orbax(str(source.path), dtype=model_cfg.dtype, shardings=shardings)
+    model = orbax_io.load_orbax(str(source.path), dtype=model_cfg.dtype,
+                                shardings=session.evaluator(model_cfg).engine.param_shardings)
   return session.run(todo, nnx.state(model, nnx.Param), model_cfg, source=str(source.path), step=None, version=0)
 
 

@@ -47,33 +47,32 @@ def save_orbax(model: Transformer, path: str) -> None:
 
 
 def load_orbax(path: str, *, step: int | None = None, dtype=None, shardings=None) -> Transformer:
-  """A model from a policy directory, or from `step` (default: latest) of a run's checkpoint directory."""
+  """A model from a policy directory, or from `step` (default: latest) of a run's checkpoint directory.
+
+  `shardings` (an `nnx.State` of shardings for the parameters) places the arrays; by default they are read onto this
+  process's first device, whatever devices wrote them.
+  """
   root = epath.Path(path)
   overrides = {} if dtype is None else {"dtype": jnp.dtype(dtype).name}
 
   def target_for(meta):
-    cfg = config_from_json(meta, **overrides)
-    graphdef, state = abstract_params(cfg)
-    target = nnx.to_pure_dict(state)
-    if shardings is not None:
-      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
-    return graphdef, state, target
+    """(graphdef, abstract state, the state as ShapeDtypeStructs with the shardings to read onto)."""
+    graphdef, state = abstract_params(config_from_json(meta, **overrides))
+    where = shardings or jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)
+    return graphdef, state, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, where)
 
   if (root / "model_config.json").exists():
     graphdef, state, target = target_for(json.loads((root / "model_config.json").read_text()))
     with ocp.StandardCheckpointer() as ckptr:
-      restored = ckptr.restore(root / "params", target)
+      restored = ckptr.restore(root / "params", nnx.to_pure_dict(target))
   else:
     with ocp.CheckpointManager(root) as mngr:
       step = mngr.latest_step() if step is None else step
       if step is None:
         raise FileNotFoundError(f"{path}: neither a policy directory (model_config.json) nor a run with checkpoints")
       meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-      graphdef, state, _ = target_for(meta["model_config"])
+      graphdef, _, target = target_for(meta["model_config"])
       # The trainer saves the NNX parameter state itself (not a pure dict): restore into its abstract twin.
-      if shardings is None:  # the run may have used other devices: read onto this process's first device
-        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)
-      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
       restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
       return nnx.merge(graphdef, restored)
   nnx.replace_by_pure_dict(state, restored)
