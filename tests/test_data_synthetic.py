@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 
 from areal_jax.data import synthetic
@@ -70,3 +71,18 @@ def test_exclusion_and_distinct():
 def test_bad_difficulty():
   with pytest.raises(DataError, match="synthetic_difficulty=7"):
     synthetic.generate(1, difficulty=7, seed=0)
+
+
+def test_mix_long_tail_and_bad_mix():
+  mix = synthetic.parse_mix("1:9,4:1")
+  assert mix == pytest.approx({1: 0.9, 4: 0.1})
+  problems = synthetic.generate(2000, difficulty=mix, seed=0)
+  assert problems[0].uid == "synthetic-mix/train:0"
+  ops = np.array([sum(p.question.count(o) for o in "+-*") for p in problems])
+  assert set(ops) == {1, 4} and abs((ops == 4).mean() - 0.1) < 0.03
+  lengths = np.array([len(p.solution) for p in problems])
+  assert lengths.max() > 2.2 * lengths.mean()  # the long tail the async benchmark needs
+  assert synthetic.generate(5, difficulty=1, seed=0)[0].uid == "synthetic-1/train:0"  # plain difficulty unchanged
+  for bad in ("1:9,4", "5:1", "1:0", "1:1,1:2", "a:1", ""):
+    with pytest.raises(DataError, match="data.synthetic_mix"):
+      synthetic.parse_mix(bad)

@@ -101,11 +101,12 @@ def load_problems(data, *, split: str) -> tuple[list[Problem], dict[str, int]]:
     raise ValueError(f"split={split!r}: choose one of {SPLITS}")
   stats = {"bad_rows": 0}
   if data.source == "synthetic":
-    held = synthetic.generate(data.eval_size, difficulty=data.synthetic_difficulty, seed=data.shuffle_seed,
-                              split="eval", distinct=True)
+    difficulty = synthetic.parse_mix(data.synthetic_mix) if data.synthetic_mix else data.synthetic_difficulty
+    held = synthetic.generate(data.eval_size, difficulty=difficulty, seed=data.shuffle_seed, split="eval",
+                              distinct=True)
     if split == "eval":
       return held, stats
-    return synthetic.generate(data.synthetic_size, difficulty=data.synthetic_difficulty, seed=data.shuffle_seed,
+    return synthetic.generate(data.synthetic_size, difficulty=difficulty, seed=data.shuffle_seed,
                               split="train", exclude=frozenset(p.question for p in held)), stats
   if data.source == "jsonl":
     if split == "eval" and data.eval_path:

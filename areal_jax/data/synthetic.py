@@ -9,9 +9,14 @@ characters, solution <= 56) so that the tiny model's 48-token prompts and 64-tok
                                 \boxed{33}
 
 The answer is `\boxed{}`ed like real math data, and the reference is checked by `verify_math` like any other.
+
+A mix of difficulties (`data.synthetic_mix="1:9,4:1"`: difficulty:weight pairs) gives the long-tail answer lengths
+of chain-of-thought workloads (most answers short, a few ~3x the mean), e.g. for `tools/bench_async.py`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -50,28 +55,55 @@ def make_problem(rng: np.random.Generator, difficulty: int) -> tuple[str, str, i
   return expr, "\n".join(steps), acc
 
 
-def generate(n: int, *, difficulty: int, seed: int, split: str = "train", distinct: bool = False,
-             exclude: frozenset[str] = frozenset()) -> list[Problem]:
+def parse_mix(text: str) -> dict[int, float]:
+  """"1:9,4:1" -> {1: 0.9, 4: 0.1} (weights normalised); raises DataError naming `data.synthetic_mix`."""
+  mix = {}
+  for part in text.split(","):
+    d, sep, w = part.partition(":")
+    try:
+      d, w = int(d), float(w)
+    except ValueError:
+      d = w = None
+    if not sep or d not in LEVELS or not w or w < 0 or d in mix:
+      raise DataError(f"data.synthetic_mix={text!r}: expected distinct difficulty:weight pairs like '1:9,4:1' with "
+                      f"difficulties in {sorted(LEVELS)} and positive weights (at {part!r})")
+    mix[d] = w
+  total = sum(mix.values())
+  return {d: w / total for d, w in mix.items()}
+
+
+def generate(n: int, *, difficulty: int | Mapping[int, float], seed: int, split: str = "train",
+             distinct: bool = False, exclude: frozenset[str] = frozenset()) -> list[Problem]:
   """`n` problems from the (seed, difficulty, split) stream; `exclude` questions are never produced (held-out sets),
-  and with `distinct` no question repeats."""
-  if difficulty not in LEVELS:
+  and with `distinct` no question repeats. `difficulty` may be a {difficulty: probability} mix (see `parse_mix`)."""
+  mixed = isinstance(difficulty, Mapping)
+  levels = sorted(difficulty) if mixed else [difficulty]
+  if any(d not in LEVELS for d in levels):
     raise DataError(f"data.synthetic_difficulty={difficulty}: choose one of {sorted(LEVELS)}")
   if split not in _SPLITS:
     raise DataError(f"synthetic split {split!r}: choose one of {sorted(_SPLITS)}")
-  rng = np.random.default_rng([seed, difficulty, _SPLITS[split]])
+  if mixed:
+    rng = np.random.default_rng([seed, 0, _SPLITS[split]])  # difficulty 0: the mixes' stream
+    weights = np.array([difficulty[d] for d in levels])
+    draw = lambda: levels[int(rng.choice(len(levels), p=weights / weights.sum()))]
+    name = "mix"
+  else:
+    rng = np.random.default_rng([seed, difficulty, _SPLITS[split]])
+    draw = lambda: difficulty
+    name = str(difficulty)
   problems, seen, misses = [], set(exclude), 0
   while len(problems) < n:
-    expr, solution, answer = make_problem(rng, difficulty)
+    expr, solution, answer = make_problem(rng, draw())
     question = f"what is {expr}?"
     if question in seen:
       misses += 1
       if misses > 10_000:  # in a row: (nearly) every allowed question is taken
-        raise DataError(f"synthetic difficulty {difficulty}: cannot draw {n} problems outside the {len(exclude)} "
+        raise DataError(f"synthetic difficulty {name}: cannot draw {n} problems outside the {len(exclude)} "
                         f"excluded{' and distinct' if distinct else ''} ones; lower data.eval_size")
       continue
     misses = 0
     if distinct:
       seen.add(question)
-    problems.append(Problem(uid=f"synthetic-{difficulty}/{split}:{len(problems)}", question=question,
+    problems.append(Problem(uid=f"synthetic-{name}/{split}:{len(problems)}", question=question,
                             reference=str(answer), solution=solution))
   return problems
