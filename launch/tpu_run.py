@@ -11,6 +11,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory, local or gs://.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host without Pathways).")
@@ -19,10 +22,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.ini
 def main(argv):
   del argv
   config = _CONFIG.value
-  # Before JAX starts: the emulated CPU device count (ignored when an accelerator backend is used).
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + f" --xla_force_host_platform_device_count={config.mesh.cpu_devices}").strip()
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  emulate_cpu_devices(config.mesh.cpu_devices)  # before JAX starts
   import jax  # pylint: disable=g-import-not-at-top
 
   if os.environ.get("JAX_PLATFORMS", "").startswith("proxy"):

@@ -15,23 +15,10 @@ from areal_jax.system import trainer
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.metrics import read_metrics
 from areal_jax.tokenizer import load_tokenizer
+from helpers import FAST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
-# A small, fast variant of the tiny default: every mechanism on, little compute.
-FAST = {
-    "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,
-    "model.num_kv_heads": 1, "model.head_dim": 32,
-    "warmstart.steps": 30, "warmstart.batch_size": 32, "data.eval_size": 8, "data.synthetic_size": 2000,
-    "rollout.batch_size": 4, "rollout.group_size": 4, "rollout.max_concurrent_rollouts": 8,
-    "learner.ppo_n_minibatches": 2, "learner.max_tokens_per_mb": 256, "learner.min_bucket": 64,
-    "sampler.num_slots": 32, "sampler.num_pages": 256, "sampler.max_new_tokens": 40, "sampler.max_seq_len": 96,
-    "data.max_prompt_len": 40, "checkpoint.every_steps": 2, "eval.every_steps": 2, "reward.num_workers": 1,
-    "metrics.tensorboard": False,
-    # The fast model barely learns in 30 warm-start steps; with filtering on, nearly every group (all wrong) would
-    # be dropped and a step could take minutes. Filtering is covered by the controller tests.
-    "learner.filter_uniform_groups": False,
-}
 REQUIRED = ("step", "version", "reward/mean", "staleness/mean", "staleness/max", "learner/loss",
             "learner/importance_weight_max", "sampler/tokens_per_s", "learner/tokens_per_s", "sync/seconds",
             "time/elapsed_s")

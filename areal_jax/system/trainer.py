@@ -188,11 +188,16 @@ def run(config, workdir: str) -> list[dict]:
     last_t, last_tokens = time.time(), loop.stats().get("tokens", 0)
     controller_state = None
     while step < config.total_steps:
-      groups = None
+      groups, waiting_since = None, time.time()
       while groups is None:
         controller.check()
         loop.check()
         groups = queue.get_batch(r.batch_size, timeout=1.0)
+        if groups is None and time.time() - waiting_since > 120:
+          logging.warning("step %d: no batch of %d groups after %.0fs (%d queued; %s); groups whose answers all "
+                          "score the same are dropped (learner.filter_uniform_groups)", step + 1,
+                          r.batch_size, time.time() - waiting_since, len(queue), dict(controller.counters))
+          waiting_since = time.time()
       trajectories = [t for g in groups for t in g.trajectories]
       stats = learner.train_step(trajectories)
       step += 1
