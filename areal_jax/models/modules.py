@@ -2,7 +2,8 @@
 
 Attention is split so callers can plug in how keys and values are stored and attended: `Attention.__call__` projects
 q/k/v (with RoPE and optional q/k norms), calls `attend(q, k, v) -> (out, aux)`, and projects the output. The learner
-passes `dense_attention` over packed segments; the sampler passes a function that writes the paged KV cache.
+passes `dense_attention` over packed segments (in query blocks, for rows of 32k tokens); the sampler passes a function
+that writes the paged KV cache.
 """
 
 from __future__ import annotations
@@ -99,10 +100,40 @@ def packed_mask(segment_ids: jax.Array) -> jax.Array:
   return causal[None] & same & (segment_ids[:, :, None] != 0)
 
 
-def dense_attention(segment_ids: jax.Array) -> Attend:
-  """The training-time `attend`: causal attention within packed segments."""
-  mask = packed_mask(segment_ids)
-  return lambda q, k, v: (gqa_attention(q, k, v, mask), None)
+# Float32 score bytes one query block may take ([heads, block, keys] per row): packed rows of 32k tokens would need
+# heads x 4 GiB of scores at once, more than a chip's HBM.
+SCORE_BLOCK_BYTES = 256 << 20
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                        block_mask: Callable[[jax.Array, int], jax.Array], *, query_chunk: int = 0) -> jax.Array:
+  """`gqa_attention` in blocks of queries, each rematerialised in the backward pass, so scores take
+  [heads, block, keys] instead of [heads, T, T]. `block_mask(start, size) -> [B, size, S]`; the block is the largest
+  divisor of T up to `query_chunk` (default: what keeps one row's float32 scores within SCORE_BLOCK_BYTES)."""
+  b, t, h, _ = q.shape
+  s = k.shape[1]
+  query_chunk = query_chunk or max(64, SCORE_BLOCK_BYTES // (4 * h * s))
+  chunk = max(c for c in range(1, min(t, query_chunk) + 1) if t % c == 0)
+
+  def block(start):
+    return gqa_attention(jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1), k, v, block_mask(start, chunk))
+
+  if chunk == t:
+    return block(0)
+  out = jax.lax.map(jax.checkpoint(block), jnp.arange(0, t, chunk))  # [T / chunk, B, chunk, H, D]
+  return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+def dense_attention(segment_ids: jax.Array, *, query_chunk: int = 0) -> Attend:
+  """The training-time `attend`: causal attention within packed segments (`packed_mask`), in query blocks."""
+  keys = jnp.arange(segment_ids.shape[1])
+
+  def block_mask(start, size):
+    seg = jax.lax.dynamic_slice_in_dim(segment_ids, start, size, axis=1)[:, :, None]
+    causal = keys[None, :] <= (start + jnp.arange(size))[:, None]
+    return causal[None] & (seg == segment_ids[:, None, :]) & (seg != 0)
+
+  return lambda q, k, v: (blockwise_attention(q, k, v, block_mask, query_chunk=query_chunk), None)
 
 
 class Attention(nnx.Module):

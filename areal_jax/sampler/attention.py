@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from areal_jax.models.modules import gqa_attention
+from areal_jax.models.modules import blockwise_attention
 from areal_jax.sampler.paging import SCRATCH_PAGE
 
 
@@ -71,20 +71,14 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
 
   q: [B, T, H, D]; k, v: [B, T, K, D]. Rows past a sequence's length attend to nothing (zero output).
   """
-  b, t = q.shape[:2]
-  chunk = max((c for c in range(1, min(t, query_chunk) + 1) if t % c == 0), default=t)
-  keys = jnp.arange(t)
+  keys = jnp.arange(q.shape[1])
   valid = keys[None, :] < lengths[:, None]  # [B, T]
 
-  def block(start):
-    qpos = start + jnp.arange(chunk)
-    mask = (keys[None, :] <= qpos[:, None])[None] & valid[:, None, :] & valid[:, start + jnp.arange(chunk)][..., None]
-    return gqa_attention(jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1), k, v, mask)
+  def block_mask(start, size):
+    qpos = start + jnp.arange(size)
+    return (keys[None, :] <= qpos[:, None])[None] & valid[:, None, :] & valid[:, qpos][..., None]
 
-  if chunk == t:
-    return block(0)
-  out = jax.lax.map(block, jnp.arange(0, t, chunk))  # [T / chunk, B, chunk, H, D]
-  return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+  return blockwise_attention(q, k, v, block_mask, query_chunk=query_chunk)
 
 
 def _pages_per_compute_block(pages_per_seq: int, page_size: int, target_tokens: int = 512) -> int:
