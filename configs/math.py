@@ -94,7 +94,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.preset = preset
   c.seed = 0
-  c.total_steps = 60 if tiny else 1000
+  c.total_steps = 120 if tiny else 1000
 
   c.model = _model(preset)
 
@@ -135,7 +135,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.b2 = 0.95
   c.learner.adam_eps = 1e-5
   c.learner.grad_clip = 1.0
-  c.learner.warmup_steps = 2  # learner steps of linear warmup (x ppo_n_minibatches optimizer updates)
+  c.learner.warmup_steps = 10 if tiny else 2  # learner steps of linear warmup (x ppo_n_minibatches optimizer updates)
   c.learner.eps_clip = 0.2
   c.learner.eps_clip_higher = 0.0  # 0 = symmetric clip
   c.learner.c_clip = 0.0  # 0 = no dual clip
@@ -182,9 +182,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 3
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 10 if tiny else 50
-  c.eval.num_samples = 1  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
-  c.eval.temperature = 0.6
+  c.eval.every_steps = 20 if tiny else 50
+  c.eval.num_samples = 4 if tiny else 1  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
+  c.eval.temperature = 1.0 if tiny else 0.6  # tiny: the training temperature
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.tensorboard = True
