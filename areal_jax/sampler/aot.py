@@ -28,6 +28,18 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh):
   return graphdef, params
 
 
+def abstract_decode_state(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, params, *,
+                          free_bytes: int | None = None):
+  """(decode state as sharded `jax.ShapeDtypeStruct`s, pages per data shard) for the pool size the config gives
+  beside `params` (num_pages, or memory_fraction of `free_bytes` per device)."""
+  per_shard = pages_per_shard(model_cfg, cfg, mesh, param_bytes_per_device=param_bytes_per_device(params, mesh),
+                              free_bytes=free_bytes)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       decode_state_shapes(model_cfg, cfg, per_shard * mesh.shape["data"]),
+                       decode_state_shardings(model_cfg, mesh))
+  return state, per_shard
+
+
 def _sds(shape, dtype, mesh, spec=P()):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
@@ -37,12 +49,8 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
   """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len) and `insert` for the pool
   size the config gives (num_pages, or memory_fraction of `free_bytes` per device)."""
   graphdef, params = abstract_params(model_cfg, mesh)
-  per_shard = pages_per_shard(model_cfg, cfg, mesh, param_bytes_per_device=param_bytes_per_device(params, mesh),
-                              free_bytes=free_bytes)
+  state, _ = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free_bytes)
   programs = build_programs(graphdef, model_cfg, cfg, mesh)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       decode_state_shapes(model_cfg, cfg, per_shard * mesh.shape["data"]),
-                       decode_state_shardings(model_cfg, mesh))
   s, m = cfg.num_slots, cfg.pages_per_seq
   t = -(-(prefill_len or cfg.max_seq_len) // cfg.page_size) * cfg.page_size
   i32 = jnp.int32
