@@ -1,0 +1,194 @@
+"""Will a preset fit on a TPU slice? Ahead-of-time compilation of every device program against a named topology.
+
+No TPU is needed: libtpu describes a topology (`v5e:4x4`, `v5p:2x2x2`, ...) whose devices can be put in a mesh and
+compiled for. Parameters, optimizer state, KV pool and batches are abstract shapes; nothing is materialised.
+
+    reports = check(load_config("configs/math.py:qwen2.5-1.5b"), sampler_topology="v5e:2x4",
+                    learner_topology="v5e:2x4")
+    print(format_table(reports)); assert all(r.fits for r in reports)
+
+Programs (per device, from XLA's memory analysis of the partitioned program):
+
+* learner `logprobs` (the proximal pass), `accumulate` (forward + backward of one packed micro-batch of
+  `max_tokens_per_mb` tokens per row), `apply` (the optimizer update); mesh fsdp × tensor.
+* sampler `prefill` (one row of max_seq_len), `decode` (one step of all slots over the KV pool), `insert` (prefill
+  results into the pool); mesh data × tensor. With `num_pages = 0` the pool takes `memory_fraction` of what the HBM
+  leaves after the parameters, as on a real slice.
+
+`total = arguments + outputs + temporaries - aliased (donated) + resident`. `resident` counts buffers that stay live in
+HBM during the program without being its arguments: the optimizer state (and reference parameters with a KL term)
+while the learner runs `logprobs` / `accumulate`, the KV pool during `prefill`, the parameters during `insert`. Not
+counted: the step's packed batch arrays (about 28 bytes per token of a micro-batch row, all micro-batches of a step on
+device at once) and a second parameter copy while the sampler receives new weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import ml_collections
+
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.step import build_step
+from areal_jax.models.config import ModelConfig
+from areal_jax.sampler.aot import abstract_decode_state, abstract_params, lower_sampler
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sharding import make_mesh
+
+GIB = 1 << 30
+# HBM per chip by `device_kind`; a chip described as several devices (v4's two cores) splits it between them.
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32,
+           "TPU v6e": 32}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramReport:
+  """One compiled program's per-device footprint. Byte counts are per device; `error` is set when XLA refused."""
+
+  role: str  # learner | sampler
+  program: str
+  topology: str
+  mesh: dict[str, int]
+  argument_bytes: int = 0
+  output_bytes: int = 0
+  temp_bytes: int = 0
+  alias_bytes: int = 0
+  resident_bytes: int = 0
+  hbm_bytes: int
+  flops: float = 0.0  # per device, from XLA's cost analysis
+  compile_s: float = 0.0
+  note: str = ""
+  error: str = ""
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes + self.resident_bytes
+
+  @property
+  def fits(self) -> bool:
+    return not self.error and self.total_bytes <= self.hbm_bytes
+
+  def verdict(self) -> str:
+    """One line naming the program, its bytes and the HBM."""
+    where = f"{self.role}/{self.program} on {self.topology} {self.mesh}"
+    if self.error:
+      return f"{where}: XLA could not compile it: {self.error}"
+    return (f"{where}: {self.total_bytes / GIB:.2f} GiB per device of {self.hbm_bytes / GIB:.2f} GiB HBM "
+            f"({'fits' if self.fits else 'does NOT fit'})")
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU topology description (`v5e:2x4`, `v5p:2x2x2`, `v6e:4x4`); needs libtpu, not a TPU."""
+  # Compiling for a description does not open the chips, so another process holding libtpu's lock is no obstacle.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+
+
+def hbm_bytes(devices, hbm_gib: float = 0.0) -> int:
+  """HBM of one of `devices`: `hbm_gib` when given, else its chip's (by `device_kind`) over the devices per chip."""
+  if hbm_gib:
+    return int(hbm_gib * GIB)
+  kind = devices[0].device_kind
+  if kind not in HBM_GIB:
+    raise ValueError(f"unknown HBM size for device kind {kind!r}; known: {sorted(HBM_GIB)}; pass hbm_gib")
+  chip = getattr(devices[0], "coords", None)
+  per_chip = sum(getattr(d, "coords", None) == chip for d in devices)
+  return HBM_GIB[kind] * GIB // per_chip
+
+
+def device_bytes(tree) -> int:
+  """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s (the largest shard: the worst device)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  costs = cost if isinstance(cost, (list, tuple)) else [cost]
+  return float(sum((c or {}).get("flops", 0.0) for c in costs))
+
+
+def _compile(lowered, **fields) -> ProgramReport:
+  start = time.perf_counter()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses programs that exceed HBM
+    message = str(e)
+    if "RESOURCE_EXHAUSTED" not in message:
+      raise
+    return ProgramReport(error=message.splitlines()[0][:300], compile_s=time.perf_counter() - start, **fields)
+  seconds = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  return ProgramReport(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                       temp_bytes=m.temp_size_in_bytes, alias_bytes=m.alias_size_in_bytes, flops=_flops(compiled),
+                       compile_s=seconds, **fields)
+
+
+def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
+  """`logprobs`, `accumulate`, `apply` of the config's learner on `topology` (mesh fsdp × mesh.learner_tensor)."""
+  devices = topology_devices(topology)
+  mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
+  cfg = LearnerConfig.from_config(config.learner)
+  fns = build_step(ModelConfig.from_config(config.model), cfg, mesh, temperature=config.sampler.temperature)
+  params, opt = fns.abstract_state()
+  ref = device_bytes(params) if cfg.kl_coef else 0
+  resident = {"logprobs": device_bytes(opt) + ref, "accumulate": device_bytes(opt) + ref, "apply": ref}
+  note = f"{fns.rows} rows x {cfg.max_tokens_per_mb} tokens"
+  hbm = hbm_bytes(devices, hbm_gib)
+  lowered = fns.lower(cfg.max_tokens_per_mb)
+  return [_compile(lowered[name], role="learner", program=name, topology=topology, mesh=dict(mesh.shape),
+                   hbm_bytes=hbm, resident_bytes=resident[name],
+                   note=note if name != "apply" else "")
+          for name in ("logprobs", "accumulate", "apply")]
+
+
+def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
+  """`prefill`, `decode`, `insert` of the config's sampler on `topology` (mesh data × mesh.sampler_tensor)."""
+  devices = topology_devices(topology)
+  mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
+  model_cfg, cfg = ModelConfig.from_config(config.model), SamplerConfig.from_config(config.sampler)
+  hbm = hbm_bytes(devices, hbm_gib)
+  _, params = abstract_params(model_cfg, mesh)
+  state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm)
+  resident = {"prefill": device_bytes(state), "decode": 0, "insert": device_bytes(params)}
+  note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"
+          f" (max {cfg.pages_per_seq} per sequence)")
+  lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm)
+  return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
+                   hbm_bytes=hbm, resident_bytes=resident[name], note=note if name == "decode" else "")
+          for name in ("prefill", "decode", "insert")]
+
+
+def check(config: ml_collections.ConfigDict, *, sampler_topology: str | None, learner_topology: str | None,
+          hbm_gib: float = 0.0) -> list[ProgramReport]:
+  """Compiles the learner's programs for `learner_topology` and the sampler's for `sampler_topology` (either may be
+  None to skip that role); each role gets its own slice, as in a run."""
+  reports = []
+  if learner_topology:
+    reports += check_learner(config, learner_topology, hbm_gib=hbm_gib)
+  if sampler_topology:
+    reports += check_sampler(config, sampler_topology, hbm_gib=hbm_gib)
+  return reports
+
+
+def format_table(reports: list[ProgramReport]) -> str:
+  """A Markdown table: per-device GiB of each program against the HBM, TFLOP per device, compile seconds."""
+  gib = lambda b: f"{b / GIB:.2f}"
+  head = ("role", "program", "topology", "mesh", "args", "out", "temp", "alias", "resident", "total", "HBM", "fits",
+          "TFLOP", "compile s", "note")
+  rows = [head, ("---",) * len(head)]
+  for r in reports:
+    mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items())
+    if r.error:
+      rows.append((r.role, r.program, r.topology, mesh, *("-",) * 6, gib(r.hbm_bytes), "no", "-",
+                   f"{r.compile_s:.1f}", r.error))
+      continue
+    rows.append((r.role, r.program, r.topology, mesh, gib(r.argument_bytes), gib(r.output_bytes), gib(r.temp_bytes),
+                 gib(r.alias_bytes), gib(r.resident_bytes), gib(r.total_bytes), gib(r.hbm_bytes),
+                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}", f"{r.compile_s:.1f}", r.note))
+  return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+

@@ -1,0 +1,70 @@
+"""AOT check: the tiny preset's six programs compile for a v5e:2x2 topology description (libtpu, no TPU) and fit;
+a program over the HBM is reported and makes the tool exit non-zero."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+from areal_jax import aot_check  # noqa: E402
+from areal_jax.config import load_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny preset cut to one layer and one bucket of 128 tokens: the same programs, compiled in seconds.
+SMALL = {"model.num_layers": 1, "learner.max_tokens_per_mb": 128}
+
+
+@pytest.fixture(scope="module")
+def reports():
+  config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL)
+  return aot_check.check(config, sampler_topology="v5e:2x2", learner_topology="v5e:2x2")
+
+
+def test_tiny_compiles_and_fits(reports):
+  assert [(r.role, r.program) for r in reports] == [
+      ("learner", "logprobs"), ("learner", "accumulate"), ("learner", "apply"),
+      ("sampler", "prefill"), ("sampler", "decode"), ("sampler", "insert")]
+  for r in reports:
+    assert r.fits, r.verdict()
+    assert r.argument_bytes > 0 and r.output_bytes > 0 and r.total_bytes > 0, r
+    assert r.hbm_bytes == 16 * aot_check.GIB and r.compile_s > 0
+  by_name = {r.program: r for r in reports}
+  assert by_name["accumulate"].flops > by_name["logprobs"].flops > 0
+  assert by_name["accumulate"].resident_bytes > 0  # the optimizer state, live but not an argument
+  assert by_name["accumulate"].alias_bytes > 0  # the donated gradient accumulator
+  assert by_name["decode"].mesh == {"data": 4, "tensor": 1}
+  assert "128 pages of 16" in by_name["decode"].note
+  table = aot_check.format_table(reports)
+  assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table
+
+
+def test_over_hbm_is_reported(reports):
+  r = reports[0]
+  small = dataclasses.replace(r, hbm_bytes=r.total_bytes - 1)
+  assert not small.fits and "does NOT fit" in small.verdict() and "| NO |" in aot_check.format_table([small])
+
+
+def test_hbm_by_device_kind():
+  device = lambda kind, x, core=0: types.SimpleNamespace(device_kind=kind, coords=[x, 0, 0], core_on_chip=core)
+  assert aot_check.hbm_bytes([device("TPU v5 lite", 0), device("TPU v5 lite", 1)]) == 16 * aot_check.GIB
+  assert aot_check.hbm_bytes([device("TPU v4", 0), device("TPU v4", 0, core=1)]) == 16 * aot_check.GIB
+  assert aot_check.hbm_bytes([device("TPU v7", 0)], hbm_gib=1.5) == 3 << 29
+  with pytest.raises(ValueError, match="'TPU v7'.*hbm_gib"):
+    aot_check.hbm_bytes([device("TPU v7", 0)])
+
+
+def test_cli_exits_nonzero_when_a_program_does_not_fit():
+  args = [f"--config.{k}={v}" for k, v in SMALL.items()]
+  proc = subprocess.run(
+      [sys.executable, "tools/aot_check.py", "--config=configs/math.py:tiny", "--learner_topology=",
+       "--sampler_topology=v5e:2x2", "--hbm_gib=0.001", *args],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "| decode |" in proc.stdout
+  assert "does not fit: sampler/decode on v5e:2x2" in proc.stderr and "0.00 GiB HBM" in proc.stderr

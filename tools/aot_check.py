@@ -1,0 +1,38 @@
+r"""Checks, without a TPU, that a preset's learner and sampler fit their slices: compiles every device program for a
+named TPU topology (libtpu only) and prints per-device memory against the chip's HBM, FLOPs and compile times.
+
+  python tools/aot_check.py --config=configs/math.py:qwen2.5-1.5b --sampler_topology=v5e:2x4 --learner_topology=v5e:2x4
+  python tools/aot_check.py --config=configs/math.py:r1-distill-qwen-7b --learner_topology=v5p:2x2x2 \
+      --sampler_topology=v5e:2x4 --config.mesh.sampler_tensor=4
+
+Topology names are libtpu's (`v5e:4x4`, `v5p:2x2x2`, `v6e:2x4`, `v4:2x2x1`). An empty topology skips that role.
+Exits with status 1, naming the program, its bytes and the HBM, when a program does not fit. See `areal_jax.aot_check`.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from areal_jax.aot_check import check, format_table
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+_SAMPLER = flags.DEFINE_string("sampler_topology", "v5e:2x2", "The sampler slice's TPU topology ('' = skip).")
+_LEARNER = flags.DEFINE_string("learner_topology", "v5e:2x2", "The learner slice's TPU topology ('' = skip).")
+_HBM = flags.DEFINE_float("hbm_gib", 0.0, "HBM per device in GiB (0 = from the device kind).")
+
+
+def main(argv):
+  del argv
+  reports = check(_CONFIG.value, sampler_topology=_SAMPLER.value, learner_topology=_LEARNER.value,
+                  hbm_gib=_HBM.value)
+  print(format_table(reports))
+  unfit = [r for r in reports if not r.fits]
+  for r in unfit:
+    print(f"does not fit: {r.verdict()}", file=sys.stderr)
+  if unfit:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
