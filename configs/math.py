@@ -108,7 +108,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.preset = preset
   c.seed = 0
-  c.total_steps = 120 if tiny else 1000
+  c.total_steps = 150 if tiny else 1000
 
   c.model = _model(preset)
 
@@ -198,7 +198,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 3
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 20 if tiny else 50
+  c.eval.every_steps = 25 if tiny else 50
   c.eval.num_samples = 4 if tiny else 1  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
   c.eval.temperature = 1.0 if tiny else 0.6  # tiny: the training temperature
 
