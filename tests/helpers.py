@@ -24,6 +24,11 @@ def tiny_model(cfg: ModelConfig = TINY, seed: int = 0):
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
+# An answer sympy grinds on for ~15 s (each (n!)! about 1.4 s), far longer than any timeout in the tests; a single
+# (9999!)! finishes in about a second, so racing it against a 1 s timeout was flaky.
+SLOW_MATH = r"\boxed{" + "+".join(f"({n}!)!" for n in range(9999, 9989, -1)) + "}"
+
+
 # configs/math.py overrides for end-to-end runs: a small, fast variant of the tiny default, every mechanism on.
 FAST = {
     "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,

@@ -6,6 +6,7 @@ import pytest
 
 from areal_jax.reward import math as math_reward
 from areal_jax.reward.math import verify_math
+from helpers import SLOW_MATH
 
 GSM8K = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 MATH_SOLUTION = r"The sum is $\frac{1}{2} + \frac{1}{4} = \boxed{\frac{3}{4}}$."
@@ -131,23 +132,10 @@ def test_ordinary_powers_are_not_refused():
   assert verify_math(r"\boxed{2^{10}}", "1024")
 
 
-def test_soft_timeout_bounds_slow_sympy(monkeypatch):
-  import math_verify  # pylint: disable=g-import-not-at-top
-
-  # A slow answer is never correct and never takes much longer than the timeout. Whether sympy gives up on its own
-  # first (math-verify then says "wrong") depends on its caches, so the timeout itself is checked with a verify
-  # that cannot finish.
+def test_soft_timeout_bounds_slow_sympy():
   t0 = time.monotonic()
-  ok, _ = math_reward.check_math(r"\boxed{(9999!)!}", "5", timeout_s=1.0)
-  assert not ok and time.monotonic() - t0 < 3.0
-
-  def endless(*args, **kwargs):
-    while True:
-      time.sleep(0.01)
-
-  monkeypatch.setattr(math_verify, "verify", endless)
-  t0 = time.monotonic()
-  assert math_reward.check_math(r"\boxed{7}", "5", timeout_s=1.0) == (False, "timed out after 1.0 s")
+  ok, reason = math_reward.check_math(SLOW_MATH, "5", timeout_s=1.0)
+  assert not ok and reason == "timed out after 1.0 s"
   assert time.monotonic() - t0 < 3.0
 
 

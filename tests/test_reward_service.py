@@ -9,9 +9,9 @@ import pytest
 from areal_jax.config import load_config
 from areal_jax.reward import sandbox
 from areal_jax.reward.service import RewardService
+from helpers import SLOW_MATH
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")
-SLOW_MATH = r"\boxed{(9999!)!}"  # sympy grinds on this for far longer than any timeout here
 
 
 def _alive(pid: int) -> bool:

@@ -165,7 +165,8 @@ def too_complex(ans: str) -> str | None:
 
 @contextlib.contextmanager
 def _soft_timeout(seconds: float | None):
-  """Raises _Timeout after `seconds` (SIGALRM; only in the main thread, otherwise the caller bounds the time).
+  """Raises _Timeout after `seconds`, and again every 0.1 s until the block ends (SIGALRM; only in the main thread,
+  otherwise the caller bounds the time).
   An alarm the caller had set is re-armed afterwards with what remains of it."""
   if not seconds or threading.current_thread() is not threading.main_thread():
     yield
@@ -178,7 +179,8 @@ def _soft_timeout(seconds: float | None):
 
   start = time.monotonic()
   previous = signal.signal(signal.SIGALRM, on_alarm)
-  outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+  # Repeats every 0.1 s: library code with a bare `except:` may swallow one _Timeout, not all of them.
+  outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds, 0.1)
   try:
     yield
   finally:
