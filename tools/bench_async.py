@@ -4,10 +4,10 @@ r"""Asynchronous vs synchronous RL, side by side in one run (the paper's Table 7
 
 Every run uses the same devices, model, data, seed and starting weights; only the staleness bound η differs. η = 0
 with the plain PPO loss is synchronous RL (generate a batch, train on it, repeat); η > 0 uses the decoupled loss. The
-workload is long-tailed like chain-of-thought answers: `data.synthetic_mix` mixes short and long arithmetic problems
-(answer length max ≈ 2.6× mean), and one batch (B·G answers) about fills the sampler's slots, so a synchronous
-batch waits for its longest answer while slots idle. Without `model.init_from`, one supervised warm-start is trained
-first and every run starts from it.
+workload is long-tailed like chain-of-thought answers: `--mix` sets `data.synthetic_mix`, short and long arithmetic
+problems (generated answers of the default mix: max ≈ 2.9× mean), so a synchronous batch waits for its longest answers
+while the sampler's slots empty. Without `model.init_from`, one supervised warm-start is trained first and every run
+starts from it.
 
 Throughput counts trained answers (`learner/num_sequences`) and their tokens (`learner/loss_tokens`) between the end
 of step `--skip` (compilation done) and the last step; `time/elapsed_s` is taken before the final evaluation. Final
@@ -45,6 +45,8 @@ def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str):
   c.checkpoint.every_steps = max(10 * steps, 1)  # only the final one
   c.metrics.tensorboard = False
   if mix:
+    if c.data.source != "synthetic":
+      raise ValueError(f"--mix={mix!r} needs data.source='synthetic', not {c.data.source!r}; pass --mix=''")
     c.data.synthetic_mix = mix
   if init_from:
     c.model.init_from = init_from
