@@ -188,7 +188,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.reward.code_memory_mb = 1024  # address-space cap per sandboxed code test
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.cpu_devices = 8  # emulated devices when running on CPU
+  c.mesh.cpu_devices = 8  # emulated devices per process when running on CPU
+  c.mesh.sampler_processes = 1  # multi-process jobs (--num_processes > 1): how many processes are samplers
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
   c.mesh.sampler_tensor = 1  # sampler mesh: data x tensor (data = devices / tensor)
   # learner mesh: fsdp x tensor (fsdp = devices / tensor). 7B: 4-way tensor parallelism keeps 32k-token rows within
@@ -211,4 +212,5 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.tensorboard = True
+  c.metrics.save_batches = False  # every trained batch to <workdir>/batches/step_N.npz (to replay a step)
   return c

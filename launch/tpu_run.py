@@ -1,8 +1,12 @@
-r"""Starts an asynchronous RL run: one controller process, a sampler slice and a learner slice.
+r"""Starts an asynchronous RL run: one controller process, or one process of a multi-process job.
 
   python launch/tpu_run.py --config=configs/math.py[:PRESET] --workdir=DIR [--config.learner.lr=1e-5 ...]
 
-A workdir that already holds checkpoints is resumed. On CPU the device count comes from `config.mesh.cpu_devices`.
+One process (the default) splits its devices into a sampler slice and a learner slice. With `--num_processes=N`
+(and `--process_id`, `--coordinator_address=HOST:PORT` of process 0), this is one of N processes:
+`config.mesh.sampler_processes` of them are samplers, the rest form the learner (`areal_jax/system/roles.py`).
+`launch/local.py` starts all N on one machine. A workdir that already holds checkpoints is resumed. On CPU each
+process emulates `config.mesh.cpu_devices` devices.
 """
 
 import os
@@ -13,29 +17,32 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
+from areal_jax.system import roles  # pylint: disable=g-import-not-at-top  # does not import JAX
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory, local or gs://.")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host without Pathways).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: environment, else 1).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (it also uses PORT + 1).")
 
 
 def main(argv):
   del argv
   config = _CONFIG.value
+  layout = roles.from_flags_or_env(num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+                                   coordinator_address=_COORDINATOR.value,
+                                   sampler_processes=config.mesh.sampler_processes)
   emulate_cpu_devices(config.mesh.cpu_devices)  # before JAX starts
-  import jax  # pylint: disable=g-import-not-at-top
-
   if os.environ.get("JAX_PLATFORMS", "").startswith("proxy"):
     try:
       import pathwaysutils  # pylint: disable=g-import-not-at-top
       pathwaysutils.initialize()
     except ImportError:
       logging.warning("JAX_PLATFORMS=proxy but pathwaysutils is not installed")
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+  roles.start_jax(layout)
   from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
 
-  trainer.run(config, _WORKDIR.value)
+  trainer.run(config, _WORKDIR.value, layout)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """tools/bench_async.py end to end on a fast model: one shared warm-start, a sync and an async run, one table."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -12,7 +13,8 @@ from helpers import FAST
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tool():
+@functools.cache
+def _tool():  # once: the tool defines its absl flags at import
   spec = importlib.util.spec_from_file_location("bench_async", os.path.join(ROOT, "tools", "bench_async.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -22,14 +24,16 @@ def _tool():
 def test_bench_async_compares_sync_and_async_runs(tmp_path):
   bench = _tool()
   config = load_config(os.path.join(ROOT, "configs", "math.py"), **FAST)
-  results, report = bench.run_bench(config, etas=[0, 2], steps=3, skip=1, mix="1:3,2:1", root=str(tmp_path))
-  assert list(results) == [0, 2]
-  for eta, r in results.items():
+  runs = bench.runs_for([0, 2], processes=False)
+  results, report = bench.run_bench(config, runs=runs, steps=3, skip=1, mix="1:3,2:1", root=str(tmp_path))
+  assert [r.eta for r in results] == [0, 2]
+  for run, r in results.items():
     assert r["steps"] == 2 and r["seconds"] > 0 and r["samples_per_s"] > 0 and r["tokens_per_s"] > r["samples_per_s"]
-    assert r["staleness_max"] <= eta and 0 <= r["accuracy"] <= 1
-  assert results[0]["staleness_max"] == 0
+    assert r["staleness_max"] <= run.eta and 0 <= r["accuracy"] <= 1
+    assert 0 < r["sampler_busy"] <= 1.05 and 0 < r["learner_busy"] <= 1.05
+  assert results[runs[0]]["staleness_max"] == 0
   # Both runs started from the one cached warm-start: the same weights give the same step-0 evaluation.
-  assert results[0]["initial_accuracy"] == results[2]["initial_accuracy"]
+  assert results[runs[0]]["initial_accuracy"] == results[runs[1]]["initial_accuracy"]
   for eta in (0, 2):
     with open(tmp_path / f"eta{eta}" / "config.json") as f:
       run = json.load(f)
@@ -37,8 +41,16 @@ def test_bench_async_compares_sync_and_async_runs(tmp_path):
     assert run["data"]["synthetic_mix"] == "1:3,2:1" and run["model"]["init_from"].endswith("warmstart")
   lines = report.splitlines()
   assert "answer lengths" in lines[0] and "max/mean" in lines[0]
-  assert lines[-2].startswith("| 0 | PPO (sync) |") and "| 1.00× |" in lines[-2]
-  assert lines[-1].startswith("| 2 | decoupled |")
+  assert "| × sync |" in lines[2]
+  assert lines[-2].startswith("| sync | 1 | 0 | PPO |") and "| 1.00× |" in lines[-2]
+  assert lines[-1].startswith("| η=2 | 1 | 2 | decoupled |")
   assert (tmp_path / "bench_async.md").read_text().strip() == report
   with pytest.raises(ValueError, match="steps=1 must exceed skip=1"):
-    bench.run_bench(config, etas=[0], steps=1, skip=1, mix="", root=str(tmp_path))
+    bench.run_bench(config, runs=runs, steps=1, skip=1, mix="", root=str(tmp_path))
+
+
+def test_bench_async_process_layouts():
+  bench = _tool()
+  runs = bench.runs_for([0, 1, 4], processes=True)
+  assert [(r.label, r.processes, r.eta, r.cpu_devices) for r in runs] == [
+      ("colocated sync", 1, 0, 2), ("split sync", 2, 0, 1), ("split η=1", 2, 1, 1), ("split η=4", 2, 4, 1)]

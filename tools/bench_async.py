@@ -1,20 +1,30 @@
-r"""Asynchronous vs synchronous RL, side by side in one run (the paper's Table 7, on the devices at hand).
+r"""Asynchronous vs synchronous RL, side by side in one run (the paper's Table 7, on the hardware at hand).
 
-    python tools/bench_async.py [--etas=0,1,2,4,8] [--steps=30] [--workdir=/tmp/bench_async] [--config.*=...]
+    python tools/bench_async.py [--processes] [--etas=0,1,2,4,8] [--steps=20] [--workdir=/tmp/bench_async] \
+        [--config.*=...]
 
-Every run uses the same devices, model, data, seed and starting weights; only the staleness bound η differs. η = 0
-with the plain PPO loss is synchronous RL (generate a batch, train on it, repeat); η > 0 uses the decoupled loss. The
-workload is long-tailed like chain-of-thought answers: `--mix` sets `data.synthetic_mix`, short and long arithmetic
-problems (generated answers of the default mix: max ≈ 2.9× mean), so a synchronous batch waits for its longest answers
-while the sampler's slots empty. Without `model.init_from`, one supervised warm-start is trained first and every run
-starts from it.
+Every run uses the same model, data, seed and starting weights; only the staleness bound η and the process layout
+differ. η = 0 with the plain PPO loss is synchronous RL (generate a batch, train on it, repeat); η > 0 uses the
+decoupled loss. Without `--processes`, every run is one process whose devices are split into a sampler and a learner
+slice (`config.mesh`). With `--processes` (CPU, a machine of at least 2 cores):
+
+- `colocated sync`: one process using every core, generate-then-train (the verl-style baseline);
+- `split sync`: a learner process and a sampler process, each pinned to its own cores (`launch/local.py`), η = 0;
+- `split η=k`: the same split, asynchronous, for each η > 0 in `--etas`.
+
+The workload is long-tailed like chain-of-thought answers: `--mix` sets `data.synthetic_mix`, short and long
+arithmetic problems, so a synchronous batch waits for its longest answers. Without `model.init_from`, one supervised
+warm-start is trained first and every run starts from it. Every run is a fresh process (or processes), so each pays
+its own compilation; the first `--skip` steps are not timed.
 
 Throughput counts trained answers (`learner/num_sequences`) and their tokens (`learner/loss_tokens`) between the end
-of step `--skip` (compilation done) and the last step; `time/elapsed_s` is taken before the final evaluation. Final
-accuracy is the run's held-out evaluation after its last step (`eval.*` settings). The table, the answer-length
-distribution the runs generated, and every run's metrics go to `<workdir>`.
+of step `--skip` and the last step. Busy fractions are the seconds each role spent computing (sampler: scheduler
+steps; learner: train steps and weight publication) over the same wall time. Accuracy is the held-out evaluation at
+step 0 and after the last step (`eval.*`). The table, the answer-length distribution and every run's metrics go to
+`<workdir>`.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,18 +33,37 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from areal_jax.system import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
+from areal_jax.system.metrics import read_metrics  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_async", "Directory for the runs (each run in eta<η>/).")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_async", "Directory for the runs (one subdirectory each).")
 _ETAS = flags.DEFINE_list("etas", ["0", "1", "2", "4", "8"], "Staleness bounds to compare; 0 = synchronous.")
-_STEPS = flags.DEFINE_integer("steps", 30, "Learner steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Learner steps per run.")
 _SKIP = flags.DEFINE_integer("skip", 2, "Steps not timed at the start of each run (compilation).")
 _MIX = flags.DEFINE_string("mix", "1:12,4:1", "data.synthetic_mix of the workload ('' = keep the config's data).")
+_PROCESSES = flags.DEFINE_bool("processes", False, "Compare colocated sync, split sync and split async processes.")
 
 
-def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str):
+@dataclasses.dataclass(frozen=True)
+class Run:
+  name: str  # its subdirectory
+  label: str
+  eta: int
+  processes: int = 1  # 1: one process, sampler and learner slices of its devices; 2: a learner and a sampler process
+  cpu_devices: int | None = None  # emulated CPU devices per process; None = the config's
+
+
+def runs_for(etas, processes: bool) -> list[Run]:
+  if not processes:
+    return [Run(f"eta{e}", "sync" if e == 0 else f"η={e}", e) for e in etas]
+  return ([Run("colocated_sync", "colocated sync", 0, 1, cpu_devices=2), Run("split_sync", "split sync", 0, 2, 1)]
+          + [Run(f"split_eta{e}", f"split η={e}", e, 2, 1) for e in etas if e > 0])
+
+
+def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str, cpu_devices: int | None = None):
   """The config of one run: `config` with η, the matching loss, `steps` steps and one evaluation at the end."""
   c = config.copy_and_resolve_references()
   c.unlock()
@@ -44,6 +73,8 @@ def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str):
   c.eval.every_steps = max(steps, 1)
   c.checkpoint.every_steps = max(10 * steps, 1)  # only the final one
   c.metrics.tensorboard = False
+  if cpu_devices:
+    c.mesh.cpu_devices = cpu_devices
   if mix:
     if c.data.source != "synthetic":
       raise ValueError(f"--mix={mix!r} needs data.source='synthetic', not {c.data.source!r}; pass --mix=''")
@@ -54,15 +85,36 @@ def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str):
   return c
 
 
+def launch(config, workdir: str, processes: int) -> list[dict]:
+  """Runs `config` as `processes` processes (`launch/local.py`'s launcher) in a fresh `workdir`; its metrics rows."""
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  path = os.path.join(workdir, "bench_config.json")
+  with open(path, "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  rc = local_job.run_local(script=os.path.join(ROOT, "launch", "tpu_run.py"),
+                           args=[f"--config={os.path.join(ROOT, 'configs', 'from_json.py')}:{path}",
+                                 f"--workdir={workdir}"],
+                           num_processes=processes, sampler_processes=1)
+  if rc:
+    raise RuntimeError(f"bench run in {workdir} failed (exit status {rc}); its output is above")
+  return read_metrics(workdir)
+
+
 def summarize(rows: list[dict], skip: int) -> dict:
-  """Throughput, staleness and final accuracy of one run's metrics rows."""
+  """Throughput, busy fractions, staleness and accuracy of one run's metrics rows."""
   steps = [r for r in rows if r["step"] > 0]
-  t0 = next(r["time/elapsed_s"] for r in steps if r["step"] == skip)
+  first = next(r for r in steps if r["step"] == skip)
   timed = [r for r in steps if r["step"] > skip]
-  seconds = timed[-1]["time/elapsed_s"] - t0
+  seconds = timed[-1]["time/elapsed_s"] - first["time/elapsed_s"]
   samples = sum(r["learner/num_sequences"] for r in timed)
   tokens = sum(r["learner/loss_tokens"] for r in timed)
+
+  def busy(key):
+    return (timed[-1][key] - first[key]) / seconds
+
   return {"steps": len(timed), "seconds": seconds, "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
+          "sampler_busy": busy("sampler/busy_s"), "learner_busy": busy("learner/busy_s"),
           "staleness_mean": sum(r["staleness/mean"] for r in steps) / len(steps),
           "staleness_max": max(r["staleness/max"] for r in steps),
           "accuracy": steps[-1].get("eval/accuracy", float("nan")),
@@ -83,54 +135,52 @@ def length_line(lengths) -> str:
           f"p90 {np.percentile(x, 90):.0f}, max {x.max()} (max/mean {x.max() / x.mean():.2f})")
 
 
-def table(results: dict[int, dict]) -> str:
-  sync = results.get(0)
-  lines = ["| η | loss | trained samples/s | tokens/s | ratio to sync | staleness mean / max | accuracy (start → final) |",
-           "|---|---|---|---|---|---|---|"]
-  for eta, r in results.items():
-    ratio = f"{r['samples_per_s'] / sync['samples_per_s']:.2f}×" if sync else "–"
-    lines.append(f"| {eta} | {'decoupled' if eta else 'PPO (sync)'} | {r['samples_per_s']:.2f} | "
-                 f"{r['tokens_per_s']:.0f} | {ratio} | {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | "
-                 f"{r['initial_accuracy']:.3f} → {r['accuracy']:.3f} |")
+def table(results: dict[Run, dict]) -> str:
+  baselines = [run for run in results if run.eta == 0]
+  head = (["run", "processes", "η", "loss", "trained samples/s", "tokens/s"] + [f"× {b.label}" for b in baselines]
+          + ["sampler busy", "learner busy", "staleness mean / max", "accuracy (start → final)"])
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for run, r in results.items():
+    ratios = [f"{r['samples_per_s'] / results[b]['samples_per_s']:.2f}×" for b in baselines]
+    cells = [run.label, str(run.processes), str(run.eta), "decoupled" if run.eta else "PPO",
+             f"{r['samples_per_s']:.2f}", f"{r['tokens_per_s']:.0f}", *ratios, f"{r['sampler_busy']:.0%}",
+             f"{r['learner_busy']:.0%}", f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f}",
+             f"{r['initial_accuracy']:.3f} → {r['accuracy']:.3f}"]
+    lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
-def run_bench(config, *, etas, steps: int, skip: int, mix: str, root: str) -> tuple[dict[int, dict], str]:
-  """Runs one warm-start (unless `model.init_from` is set) and one run per η; returns (results by η, report)."""
-  from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
-
+def run_bench(config, *, runs: list[Run], steps: int, skip: int, mix: str, root: str) -> tuple[dict[Run, dict], str]:
+  """One warm-start (unless `model.init_from` is set), then every run; returns (results by run, report)."""
   if steps <= skip:
     raise ValueError(f"steps={steps} must exceed skip={skip} (the untimed compilation steps)")
   init_from = config.model.init_from
   if not init_from and config.warmstart.steps:  # one warm-start, shared by every run
     warm = os.path.join(root, "warmstart_run")
-    trainer.run(bench_config(config, eta=0, steps=0, init_from="", mix=mix), warm)
+    launch(bench_config(config, eta=0, steps=0, init_from="", mix=mix), warm, 1)
     init_from = os.path.join(warm, "warmstart")
   results, lengths = {}, []
-  for eta in etas:
-    workdir = os.path.join(root, f"eta{eta}")
-    shutil.rmtree(workdir, ignore_errors=True)
-    logging.info("bench_async: eta=%d in %s", eta, workdir)
-    rows = trainer.run(bench_config(config, eta=eta, steps=steps, init_from=init_from, mix=mix), workdir)
-    results[eta] = summarize(rows, skip)
+  for run in runs:
+    workdir = os.path.join(root, run.name)
+    logging.info("bench_async: %s in %s", run.label, workdir)
+    c = bench_config(config, eta=run.eta, steps=steps, init_from=init_from, mix=mix, cpu_devices=run.cpu_devices)
+    results[run] = summarize(launch(c, workdir, run.processes), skip)
     lengths += answer_lengths(os.path.join(workdir, "rollouts.jsonl"))
-    logging.info("bench_async: eta=%d: %s", eta, json.dumps(results[eta]))
+    logging.info("bench_async: %s: %s", run.label, json.dumps(results[run]))
   report = (f"workload: data.synthetic_mix={mix or config.data.synthetic_mix!r}, B={config.rollout.batch_size}, "
             f"G={config.rollout.group_size}, {config.sampler.num_slots} slots, {steps} steps per run "
             f"({skip} untimed); {length_line(lengths)}\n\n{table(results)}")
   with open(os.path.join(root, "bench_async.md"), "w") as f:
     f.write(report + "\n")
   with open(os.path.join(root, "bench_async.json"), "w") as f:
-    json.dump({str(k): v for k, v in results.items()}, f, indent=2)
+    json.dump({run.name: {**dataclasses.asdict(run), **r} for run, r in results.items()}, f, indent=2)
   return results, report
 
 
 def main(argv):
   del argv
-  config = _CONFIG.value
-  emulate_cpu_devices(config.mesh.cpu_devices)  # before JAX starts
-  _, report = run_bench(config, etas=[int(e) for e in _ETAS.value], steps=_STEPS.value, skip=_SKIP.value,
-                        mix=_MIX.value, root=_WORKDIR.value)
+  _, report = run_bench(_CONFIG.value, runs=runs_for([int(e) for e in _ETAS.value], _PROCESSES.value),
+                        steps=_STEPS.value, skip=_SKIP.value, mix=_MIX.value, root=_WORKDIR.value)
   print(report)
 
 

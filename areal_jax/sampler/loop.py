@@ -39,6 +39,7 @@ class SamplerLoop:
     self._finished: queue.Queue = queue.Queue()
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
+    self._busy_s = 0.0  # wall time spent in scheduler steps (prefill, decode, weight swaps)
     self._publish_stats()
 
   # --- controller-facing API --------------------------------------------------------------------------------------
@@ -70,15 +71,15 @@ class SamplerLoop:
         if deadline is not None and time.monotonic() >= deadline:
           raise
 
-  def stats(self) -> dict[str, int]:
-    """Counters (tokens, decode_steps, preemptions, weight_updates, ...), answers running and waiting, version;
-    a snapshot the loop thread publishes after each step (safe to read from any thread)."""
+  def stats(self) -> dict[str, float]:
+    """Counters (tokens, decode_steps, preemptions, weight_updates, ...), answers running and waiting, version,
+    `busy_s` (seconds spent stepping); a snapshot the loop thread publishes after each step (safe from any thread)."""
     return dict(self._stats)
 
   def _publish_stats(self) -> None:
     s = self.scheduler
     self._stats = {**s.counters, "running": len(s.running), "waiting": sum(map(len, s.waiting)) + len(s.resume),
-                   "version": s.version}
+                   "version": s.version, "busy_s": self._busy_s}
 
   def check(self) -> None:
     if self.error is not None:
@@ -123,8 +124,10 @@ class SamplerLoop:
         sched = self.scheduler
         self._drain(block=sched.idle and not sched.has_update)
         if not (sched.idle and not sched.has_update):
+          start = time.perf_counter()
           for seq in sched.step():
             self._finished.put(seq)
+          self._busy_s += time.perf_counter() - start
         self._publish_stats()
     except BaseException as e:  # surfaced by check()/get()/stop()
       self.error = e

@@ -90,6 +90,7 @@ class RolloutController:
     self._replay = collections.deque(replay)
     self._inflight: dict[int, _Pending] = {}
     self._undone: dict[int, PromptRecord] = {}  # drawn, not yet trained on or filtered (group id -> record)
+    self._unqueued: dict[int, int] = {}  # admitted, not yet queued or filtered (group id -> learner version then)
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -118,6 +119,15 @@ class RolloutController:
     with self._lock:
       for g in groups:
         self._undone.pop(g.trajectories[0].group_id, None)
+
+  def unqueued_at_or_below(self, version: int) -> bool:
+    """Whether a group admitted under learner version <= `version` is still generating or being scored.
+
+    The learner at version v waits for those admitted at v - eta before taking a batch: trained any later, they would
+    be more than eta versions stale (groups finish out of order; the queue hands out the oldest first).
+    """
+    with self._lock:
+      return any(v <= version for v in self._unqueued.values())
 
   def snapshot(self) -> tuple[dict, list[Group]]:
     """(checkpoint state, groups filtered since the last snapshot), taken together so no group falls between.
@@ -156,6 +166,7 @@ class RolloutController:
         gid, self._next_id = self._next_id, self._next_id + 1
         self._inflight[gid] = _Pending(record=record)
         self._undone[gid] = record
+        self._unqueued[gid] = self.staleness.version
       self.staleness.started()
       self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
                                sampling=self.sampling))
@@ -203,3 +214,5 @@ class RolloutController:
     self.staleness.finished(kept=keep)
     if keep:
       self.out.put(group, version=min(t.version_start for t in trajs), stop=self._stop)
+    with self._lock:
+      self._unqueued.pop(gid, None)

@@ -54,6 +54,10 @@ class TrajectoryQueue:
     with self._cond:
       return len(self._heap)
 
+  def full(self) -> bool:
+    with self._cond:
+      return len(self._heap) >= self.maxsize
+
   def put(self, group, *, version: int, stop: threading.Event | None = None) -> bool:
     """Queues `group`, generated from policy `version` on; blocks while full; False if `stop` was set first."""
     with self._cond:

@@ -1,10 +1,16 @@
-"""`run(config, workdir)`: the asynchronous RL job in one controller process.
+"""`run(config, workdir, layout)`: the asynchronous RL job, in one controller process or as one of several.
 
-Three threads and a process pool:
+One process (the default) runs three threads and a process pool:
 - the sampler loop (sampler slice) generates without pause and takes new weights between decode steps;
 - the rollout controller admits prompt groups under the staleness bound and queues scored groups;
 - reward workers (processes) verify answers;
 - this thread is the learner (learner slice): B groups → PPO step → weights pushed device-to-device → version + 1.
+
+In a multi-process job (`roles.ProcessLayout`) the same code runs per role. The leader (learner process 0) keeps the
+rollout controller, reward workers, queue, checkpoints and metrics, and drives the sampler processes through a
+`SamplerHub` (requests and answers over authenticated connections, weights over `jax.experimental.transfer`).
+Other learner processes follow the leader step by step on their shards of one fsdp x tensor mesh (`_follow`).
+Sampler processes run `sampler_process.run_sampler`.
 
 Resume order (a workdir with checkpoints is resumed automatically): 1. model config from the config; 2. parameters
 and optimizer state of the latest checkpoint, straight onto the learner's shardings; 3. learner step and policy
@@ -36,13 +42,18 @@ from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
-from areal_jax.system import warmstart, weight_sync
+from areal_jax.system import sampler_process, warmstart, weight_sync
+from areal_jax.system.batches import save_batch
 from areal_jax.system.checkpoint import Checkpointer
+from areal_jax.system.control import ControlServer, Peer, connect
 from areal_jax.system.controller import RewardChannels, RolloutController
 from areal_jax.system.evaluation import Evaluator
 from areal_jax.system.metrics import MetricsWriter, append_lines, truncate_jsonl
+from areal_jax.system.roles import ProcessLayout, authkey
 from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.sampler_hub import SamplerHub
 from areal_jax.system.slices import build_slices
+from areal_jax.system.weight_transfer import WeightPublisher, local_copy
 from areal_jax.tokenizer import load_tokenizer
 
 
@@ -63,13 +74,13 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
       model = hf_io.load_hf(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
     else:
       model = orbax_io.load_orbax(init, dtype=config.model.dtype)
-    return jax.device_put(nnx.state(model, nnx.Param), shardings)
+    return _place(nnx.state(model, nnx.Param), shardings)
   if not config.warmstart.steps:
     return learner.params
   cache = workdir / "warmstart"
   if (cache / "model_config.json").exists():
     logging.info("warm-start: loading cached %s", cache)
-    return jax.device_put(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
+    return _place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
   pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
   logging.info("warm-start: %d steps on %d worked solutions", config.warmstart.steps, len(pairs))
   params, loss = warmstart.sft(learner.fns, learner.params, pairs, steps=config.warmstart.steps,
@@ -100,18 +111,63 @@ class _QuietLibraries(logging.Filter):
     return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
 
 
-def run(config, workdir: str) -> list[dict]:
-  """Trains until `config.total_steps` learner steps; returns the metrics rows written by this invocation."""
+CONNECT_TIMEOUT_S = 600.0  # how long the leader waits for every other process to connect
+
+
+def _place(tree, shardings):
+  """Host-loaded weights onto the learner's shardings (through the host when the mesh spans processes)."""
+  if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+    return jax.device_put(tree, shardings)
+  return jax.device_put(jax.device_get(tree), shardings)
+
+
+def _learner_mesh(config, layout: ProcessLayout):
+  """(learner mesh, in-process sampler mesh or None): the device split of one process, or every learner
+  process's devices in one fsdp x tensor mesh."""
+  if not layout.multi_process:
+    slices = build_slices(config.mesh)
+    return slices.learner, slices.sampler
+  try:
+    return make_mesh(jax.devices(), {"fsdp": -1, "tensor": config.mesh.learner_tensor}), None
+  except ValueError as e:
+    raise ValueError(f"config.mesh.learner_tensor={config.mesh.learner_tensor}: {e}") from e
+
+
+def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]:
+  """Trains until `config.total_steps` learner steps; returns the metrics rows written by this invocation (the
+  leader's; other processes of a multi-process job return [])."""
   start_time = time.time()
+  layout = layout or ProcessLayout.single()
   for handler in logging.getLogger().handlers:
     handler.addFilter(_QuietLibraries())
   workdir = epath.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  config_lib.validate(config, num_devices=jax.device_count())
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  if layout.role == "sampler":
+    config_lib.validate(config)
+    sampler_process.run_sampler(config, str(workdir), layout, model_cfg=_model_config(config))
+    return []
+  # The leader listens at once, so the other processes can connect while it compiles.
+  control = ControlServer(layout, authkey(str(workdir))) if layout.multi_process and layout.is_leader else None
+  leader = None if layout.is_leader else connect(layout, authkey(str(workdir)), timeout_s=CONNECT_TIMEOUT_S)
+  try:
+    return _run_learner(config, workdir, layout, start_time, control, leader)
+  finally:
+    if control is not None:
+      control.close()
+    if leader is not None:
+      leader.close()
+
+
+def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time: float, control: ControlServer | None,
+                 leader: Peer | None) -> list[dict]:
+  is_leader = layout.is_leader
+  if is_leader:
+    workdir.mkdir(parents=True, exist_ok=True)
+  config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())
+  if is_leader:
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
   # --- devices and meshes ---------------------------------------------------------------------------------------
-  slices = build_slices(config.mesh)
+  learner_mesh, sampler_mesh = _learner_mesh(config, layout)
 
   # --- data ---------------------------------------------------------------------------------------------------------
   tokenizer = load_tokenizer(config.model.tokenizer)
@@ -123,7 +179,7 @@ def run(config, workdir: str) -> list[dict]:
   model_cfg = _model_config(config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"model vocab_size {model_cfg.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}")
-  learner = Learner(model_cfg=model_cfg, config=LearnerConfig.from_config(config.learner), mesh=slices.learner,
+  learner = Learner(model_cfg=model_cfg, config=LearnerConfig.from_config(config.learner), mesh=learner_mesh,
                     temperature=config.sampler.temperature, seed=config.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
   ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
@@ -140,14 +196,45 @@ def run(config, workdir: str) -> list[dict]:
   else:
     learner.params = _initial_params(config, learner, train, tokenizer, workdir)
     learner.opt_state = learner.fns.init_opt_state(learner.params)
+
+  def checkpoint(controller_state, force=False):
+    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
+        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
+        "model_config": orbax_io.config_to_json(model_cfg)})
+
+  if leader is not None:
+    try:
+      _follow(leader, learner, ckpt, step)
+    finally:
+      ckpt.close()
+    return []
   for name in ("metrics.jsonl", "rollouts.jsonl"):
     truncate_jsonl(workdir / name, step)
 
-  # --- sampler, rewards, controller ---------------------------------------------------------------------------------
-  abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
-  engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler), mesh=slices.sampler)
-  loop = SamplerLoop(engine=engine, params=weight_sync.transfer(learner.params, engine.param_shardings),
-                     version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+  # --- sampler(s), rewards, controller ------------------------------------------------------------------------------
+  local = local_copy(learner.params, learner_mesh)  # a collective when the learner spans processes
+  learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
+  if layout.multi_process:
+    publisher = WeightPublisher(abstract_params=learner.fns.abstract_params, tensor=config.mesh.sampler_tensor,
+                                devices=learner_local, host=layout.host)
+    peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
+    followers = control.wait(range(1, layout.num_learners), timeout_s=CONNECT_TIMEOUT_S)
+    loop = SamplerHub(peers=peers, publisher=publisher).start()
+
+    def push(local_params, version):
+      loop.update_params(publisher.stage(local_params), version)
+
+    push(local, learner.version)
+  else:
+    followers = {}
+    abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
+    engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler), mesh=sampler_mesh)
+    loop = SamplerLoop(engine=engine, params=weight_sync.transfer(local, engine.param_shardings),
+                       version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+
+    def push(local_params, version):
+      loop.update_params(weight_sync.transfer(local_params, engine.param_shardings), version)
+
   rewards = RewardChannels(lambda **kw: RewardService.from_config(config.reward, **kw))
   r = config.rollout
   staleness = StalenessControl(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
@@ -163,7 +250,7 @@ def run(config, workdir: str) -> list[dict]:
       filter_uniform=config.learner.filter_uniform_groups,
       next_group_id=controller_state["next_group_id"] if controller_state else 0,
       replay=[by_uid[u] for u in controller_state["undone"]] if controller_state else ())
-  eval_mesh = make_mesh(list(slices.learner.devices.flat), {"data": -1, "tensor": config.mesh.learner_tensor})
+  eval_mesh = make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor})
   evaluator = Evaluator(model_cfg=model_cfg, records=evalset.records, mesh=eval_mesh,
                         sampler_cfg=SamplerConfig.from_config(config.sampler).replace(num_pages=0, memory_fraction=0.5),
                         eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, score=_scorer(rewards),
@@ -172,26 +259,27 @@ def run(config, workdir: str) -> list[dict]:
                           start_step=step)
   rows = []
 
-  def checkpoint(controller_state, force=False):
-    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
-        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "model_config": orbax_io.config_to_json(model_cfg)})
-
   # --- the learner loop ---------------------------------------------------------------------------------------------
   try:
     if step == 0:
-      result = evaluator(learner.params, version=0)
+      result = evaluator(local, version=0)
       rows.append({"step": 0, "version": 0, **result.metrics(), "time/elapsed_s": time.time() - start_time})
       metrics.write(0, rows[-1])
-    loop.start()
+    if isinstance(loop, SamplerLoop):
+      loop.start()
     controller.start()
-    last_t, last_tokens = time.time(), loop.stats().get("tokens", 0)
+    last_t, last_stats, learner_busy = time.time(), loop.stats(), 0.0
     controller_state = None
     while step < config.total_steps:
       groups, waiting_since = None, time.time()
       while groups is None:
         controller.check()
         loop.check()
+        # Groups admitted under version v - eta are trained in this step or never within the bound: wait for them
+        # (unless the queue is full: queue_size >= (eta + 1) * B keeps that from happening).
+        if controller.unqueued_at_or_below(learner.version - r.max_head_offpolicyness) and not queue.full():
+          time.sleep(0.005)
+          continue
         groups = queue.get_batch(r.batch_size, timeout=1.0)
         if groups is None and time.time() - waiting_since > 120:
           logging.warning("step %d: no batch of %d groups after %.0fs (%d queued; %s); groups whose answers all "
@@ -199,14 +287,21 @@ def run(config, workdir: str) -> list[dict]:
                           r.batch_size, time.time() - waiting_since, len(queue), dict(controller.counters))
           waiting_since = time.time()
       trajectories = [t for g in groups for t in g.trajectories]
+      if config.metrics.save_batches:
+        save_batch(str(workdir), step + 1, trajectories)
+      busy_start = time.time()
+      for peer in followers.values():
+        peer.send("step", {"step": step + 1, "trajectories": trajectories})
       stats = learner.train_step(trajectories)
       step += 1
       controller.mark_trained(groups)
       sync_start = time.time()
-      loop.update_params(weight_sync.transfer(learner.params, engine.param_shardings), learner.version)
+      local = local_copy(learner.params, learner_mesh)
+      push(local, learner.version)
       staleness.set_version(learner.version)
       sync_s = time.time() - sync_start
-      now, tokens = time.time(), loop.stats().get("tokens", 0)
+      now, loop_stats = time.time(), loop.stats()
+      learner_busy += now - busy_start
       finished = controller.take_rewards()
       row = {
           "version": learner.version,
@@ -215,30 +310,63 @@ def run(config, workdir: str) -> list[dict]:
           "staleness/mean": stats.pop("learner/staleness_mean"),
           "staleness/max": stats.pop("learner/staleness_max"),
           **stats,
-          "sampler/tokens_per_s": (tokens - last_tokens) / max(now - last_t, 1e-9),
+          "sampler/tokens_per_s": (loop_stats.get("tokens", 0) - last_stats.get("tokens", 0)) / max(now - last_t, 1e-9),
+          "sampler/busy_s": loop_stats.get("busy_s", 0.0),
+          "learner/busy_s": learner_busy,
           "sync/seconds": sync_s,
           "rollout/queue_groups": len(queue),
           "rollout/groups_filtered": controller.counters["groups_filtered"],
           "rollout/reward_failures": controller.counters["reward_failures"],
           "time/elapsed_s": now - start_time,
       }
-      last_t, last_tokens = now, tokens
+      if isinstance(loop, SamplerHub):  # the publish time here; the samplers' pull times from their reports
+        row |= {"sync/publish_seconds": sync_s, **loop.sync_metrics()}
+      last_t, last_stats = now, loop_stats
       if step % config.eval.every_steps == 0 or step == config.total_steps:
-        row |= evaluator(learner.params, version=learner.version).metrics()
+        row |= evaluator(local, version=learner.version).metrics()
       metrics.write(step, row)
       controller_state, filtered = controller.snapshot()
       _log_rollouts(workdir, step, learner.version, groups, filtered)
       rows.append({"step": step, **row})
       checkpoint(controller_state)
     if step % config.checkpoint.every_steps and controller_state is not None:
+      for peer in followers.values():
+        peer.send("save", {"step": step})
       checkpoint(controller_state, force=True)  # the last step, when not on the checkpoint schedule
   finally:
+    for peer in followers.values():
+      try:
+        peer.send("stop")
+      except OSError:
+        pass
     controller.stop()
     loop.stop()
     rewards.close()
     ckpt.close()
     metrics.close()
   return rows
+
+
+def _follow(leader: Peer, learner: Learner, ckpt: Checkpointer, step: int) -> None:
+  """A learner process other than the leader: the leader's train steps, copies and saves, on this process's shards.
+
+  Every call that runs a program over the learner mesh is made here in the leader's order (SPMD across processes).
+  """
+  local_copy(learner.params, learner.mesh)  # the initial publication
+  while True:
+    kind, payload = leader.recv()
+    if kind == "stop":
+      return
+    if kind == "step":
+      step = payload["step"]
+      learner.train_step(payload["trajectories"])
+      local_copy(learner.params, learner.mesh)
+      force = False
+    elif kind == "save":
+      force = True
+    else:
+      raise RuntimeError(f"learner follower: unknown message {kind!r}")
+    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={"step": step})
 
 
 def _log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtered) -> None:

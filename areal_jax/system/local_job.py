@@ -1,0 +1,145 @@
+"""Runs the N processes of a multi-process job on one machine, each pinned to its own cores.
+
+Each process is `launch/tpu_run.py` with `--num_processes/--process_id/--coordinator_address` added, started with
+its CPU affinity already set (XLA sizes its CPU thread pool from the affinity mask when JAX starts, so the pinning
+reaches XLA too), a shared random authkey for the control connections, and its output prefixed with its role.
+SIGINT/SIGTERM are forwarded. If a process dies, the others are stopped within seconds and the job exits non-zero
+naming the dead role; starting it again with the same workdir resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from areal_jax.system.roles import AUTHKEY_ENV, ProcessLayout
+
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+FINISH_GRACE_S = 60.0  # after the leader finished: how long the others get to exit on their own
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+  """A port p with p and p + 1 free (control connections and the learners' jax.distributed coordinator)."""
+  for _ in range(100):
+    with socket.socket() as a:
+      a.bind((host, 0))
+      port = a.getsockname()[1]
+      with socket.socket() as b:
+        try:
+          b.bind((host, port + 1))
+        except OSError:
+          continue
+    return port
+  raise RuntimeError(f"no two consecutive free ports on {host}")
+
+
+def core_sets(num_processes: int, cpus_per_process: int | None) -> list[list[int]]:
+  """Cores for each process: consecutive blocks of the cores this process may use (wrapping when there are too few)."""
+  cores = sorted(os.sched_getaffinity(0))
+  k = cpus_per_process or max(1, len(cores) // num_processes)
+  return [[cores[(i * k + j) % len(cores)] for j in range(k)] for i in range(num_processes)]
+
+
+def _signal_name(code: int) -> str:
+  if code < 0:
+    try:
+      return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+      return f"signal {-code}"
+  return f"status {code}"
+
+
+@dataclasses.dataclass
+class _Child:
+  name: str
+  proc: subprocess.Popen
+  cores: list[int]
+
+
+def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
+              cpus_per_process: int | None = None, python: str = sys.executable) -> int:
+  """Starts the job, waits for it, returns 0 if every process finished cleanly (else 1)."""
+  port = free_port_pair()
+  address = f"127.0.0.1:{port}"
+  layouts = [ProcessLayout.create(num_processes=num_processes, process_id=i, coordinator_address=address,
+                                  sampler_processes=sampler_processes) for i in range(num_processes)]
+  env = dict(os.environ, **{AUTHKEY_ENV: secrets.token_hex(16)})
+  children: list[_Child] = []
+  for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
+    cmd = [python, "-u", script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
+           f"--coordinator_address={address}"]
+    child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
+                     MKL_NUM_THREADS=str(len(cores)))
+    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
+    children.append(_Child(layout.name, proc, cores))
+    threading.Thread(target=_prefix, args=(proc.stdout, layout.name), daemon=True).start()
+    print(f"local: {layout.name} is process {layout.process_id} (pid {proc.pid}) on cores {cores}", flush=True)
+
+  def forward(signum, _frame):
+    for c in children:
+      _signal_group(c.proc, signum)
+
+  old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return _supervise(children)
+  finally:
+    for s, handler in old.items():
+      signal.signal(s, handler)
+
+
+def _prefix(stream, name: str) -> None:
+  for line in stream:
+    sys.stdout.write(f"[{name}] {line}")
+    sys.stdout.flush()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+  try:
+    os.killpg(proc.pid, signum)  # the process and what it started (reward workers)
+  except ProcessLookupError:
+    pass
+
+
+def _stop(children: Sequence[_Child]) -> None:
+  for c in children:
+    if c.proc.poll() is None:
+      _signal_group(c.proc, signal.SIGTERM)
+  deadline = time.monotonic() + STOP_GRACE_S
+  for c in children:
+    try:
+      c.proc.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      _signal_group(c.proc, signal.SIGKILL)
+      c.proc.wait()
+
+
+def _supervise(children: list[_Child]) -> int:
+  leader_done_at = None
+  while True:
+    for c in children:
+      code = c.proc.poll()
+      if code is not None and code != 0:
+        print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; stopping the other processes. "
+              "Run the same command again to resume from the last checkpoint.", flush=True)
+        _stop(children)
+        return 1
+    if all(c.proc.poll() == 0 for c in children):
+      return 0
+    if children[0].proc.poll() == 0:  # the leader finished: the others are told to stop and should exit soon
+      leader_done_at = leader_done_at or time.monotonic()
+      if time.monotonic() - leader_done_at > FINISH_GRACE_S:
+        late = [c.name for c in children if c.proc.poll() is None]
+        print(f"local: {', '.join(late)} still running {FINISH_GRACE_S:.0f} s after the leader finished; stopping "
+              "them", flush=True)
+        _stop(children)
+        return 1
+    time.sleep(0.2)

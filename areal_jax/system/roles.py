@@ -1,0 +1,132 @@
+"""Which role each process of a multi-process job plays, and where the processes meet.
+
+A job of N processes (`--num_processes`, `--process_id`, `--coordinator_address`, as for `jax.distributed`) has
+`mesh.sampler_processes` = S sampler processes; the other L = N - S are the learner:
+
+    process id   0 .. L-1        learner (rank 0 is the leader: rollout controller, checkpoints, metrics)
+    process id   L .. N-1        sampler (each runs its own engine on its local devices)
+
+Ports on the coordinator's host (the leader's): `port` takes control connections (requests, trajectories, weight
+notices, learner batches; `multiprocessing.connection`, authenticated), `port + 1` is the `jax.distributed` coordinator
+of the learner processes only (samplers keep their devices to themselves and never join a collective).
+
+One process (N = 1) is the single-controller mode: `ProcessLayout.single()`, both roles in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+AUTHKEY_ENV = "AREAL_JAX_AUTHKEY"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessLayout:
+  num_processes: int = 1
+  process_id: int = 0
+  coordinator_address: str = ""  # host:port of the leader (process 0)
+  sampler_processes: int = 0
+
+  @classmethod
+  def single(cls) -> ProcessLayout:
+    return cls()
+
+  @classmethod
+  def create(cls, *, num_processes: int, process_id: int, coordinator_address: str,
+             sampler_processes: int) -> ProcessLayout:
+    """Checks the flags and `mesh.sampler_processes` together, naming the value at fault."""
+    if num_processes < 1:
+      raise ValueError(f"--num_processes={num_processes}: must be >= 1")
+    if num_processes == 1:
+      return cls.single()
+    if not 0 <= process_id < num_processes:
+      raise ValueError(f"--process_id={process_id}: must lie in [0, {num_processes}) for --num_processes="
+                       f"{num_processes}")
+    if not 0 < sampler_processes < num_processes:
+      raise ValueError(f"config.mesh.sampler_processes={sampler_processes}: must leave at least one of "
+                       f"--num_processes={num_processes} processes to each role")
+    host, sep, port = coordinator_address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+      raise ValueError(f"--coordinator_address={coordinator_address!r}: expected host:port")
+    return cls(num_processes=num_processes, process_id=process_id, coordinator_address=coordinator_address,
+               sampler_processes=sampler_processes)
+
+  @property
+  def multi_process(self) -> bool:
+    return self.num_processes > 1
+
+  @property
+  def num_learners(self) -> int:
+    return self.num_processes - self.sampler_processes
+
+  @property
+  def role(self) -> str:
+    return "learner" if self.process_id < self.num_learners else "sampler"
+
+  @property
+  def is_leader(self) -> bool:
+    return self.process_id == 0
+
+  @property
+  def sampler_index(self) -> int:
+    """0 .. S-1 for sampler processes."""
+    return self.process_id - self.num_learners
+
+  @property
+  def name(self) -> str:
+    if not self.multi_process:
+      return "controller"
+    return f"learner {self.process_id}" if self.role == "learner" else f"sampler {self.sampler_index}"
+
+  @property
+  def host(self) -> str:
+    return self.coordinator_address.rpartition(":")[0].strip("[]")
+
+  @property
+  def control_address(self) -> tuple[str, int]:
+    return self.host, int(self.coordinator_address.rpartition(":")[2])
+
+  @property
+  def learner_coordinator(self) -> str:
+    host, port = self.control_address
+    return f"{host}:{port + 1}"
+
+
+def authkey(workdir: str) -> bytes:
+  """The control connections' shared secret: $AREAL_JAX_AUTHKEY (set it on a shared network; `launch/local.py`
+  sets a random one), else one derived from the workdir, which only keeps apart jobs that trust each other."""
+  key = os.environ.get(AUTHKEY_ENV)
+  return key.encode() if key else hashlib.sha256(b"areal_jax:" + str(workdir).encode()).digest()
+
+
+def from_flags_or_env(*, num_processes: int | None, process_id: int | None, coordinator_address: str | None,
+                      sampler_processes: int) -> ProcessLayout:
+  """Flags win; unset ones come from $AREAL_JAX_NUM_PROCESSES / _PROCESS_ID / _COORDINATOR_ADDRESS, then from
+  SLURM ($SLURM_NTASKS, $SLURM_PROCID); no flags and no environment is the single-process mode."""
+  env = os.environ
+
+  def pick(flag, name, slurm=None):
+    if flag is not None:
+      return flag
+    if f"AREAL_JAX_{name}" in env:
+      return env[f"AREAL_JAX_{name}"]
+    return env.get(slurm) if slurm else None
+
+  n = int(pick(num_processes, "NUM_PROCESSES", "SLURM_NTASKS") or 1)
+  return ProcessLayout.create(num_processes=n, process_id=int(pick(process_id, "PROCESS_ID", "SLURM_PROCID") or 0),
+                              coordinator_address=str(pick(coordinator_address, "COORDINATOR_ADDRESS") or ""),
+                              sampler_processes=sampler_processes)
+
+
+def start_jax(layout: ProcessLayout) -> None:
+  """Joins the learner processes into one JAX job (`jax.distributed`, gloo collectives on CPU); samplers and the
+  single-process mode keep a JAX of their own. Call before any other JAX work."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if layout.role != "learner" or layout.num_learners == 1:
+    return
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(layout.learner_coordinator, num_processes=layout.num_learners,
+                             process_id=layout.process_id)

@@ -1,0 +1,139 @@
+"""The leader's view of the sampler processes, with the interface of a `SamplerLoop`.
+
+The rollout controller submits prompt groups to it exactly as to an in-process loop, so admission (paper Eq. 3) is
+decided in one place for all sampler processes. A group goes whole to the sampler process with the fewest answers
+outstanding; finished answers from every sampler arrive on one `output_queue`. `update_params` publishes a version
+with `jax.experimental.transfer` and tells every sampler to pull it; each pull is checked against the published
+fingerprint when the sampler reports it.
+
+A sampler process that dies, or reports an error, makes `check()` raise with its name: the run stops and is resumed
+from its last checkpoint (prompts in flight are generated again).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import numpy as np
+
+from areal_jax.sampler.requests import Request
+from areal_jax.system.control import Peer
+from areal_jax.system.weight_transfer import WeightPublisher, check_fingerprint
+
+
+class SamplerHub:
+
+  def __init__(self, *, peers: dict[int, Peer], publisher: WeightPublisher):
+    self.peers = dict(enumerate(peers[k] for k in sorted(peers)))  # sampler index -> peer
+    self.publisher = publisher
+    self.output_queue: queue.Queue = queue.Queue()
+    self.error: BaseException | None = None
+    self.version = -1
+    self._outstanding = dict.fromkeys(self.peers, 0)
+    self._stats = {i: {} for i in self.peers}
+    self._pulls = {i: {} for i in self.peers}  # the latest pull each sampler reported
+    self._fingerprints: dict[int, np.ndarray] = {}
+    self._lock = threading.Lock()
+    self._stopping = False
+    self._threads = [threading.Thread(target=self._read, args=(i,), name=f"hub-{i}", daemon=True) for i in self.peers]
+
+  def start(self) -> SamplerHub:
+    for t in self._threads:
+      t.start()
+    return self
+
+  def submit(self, request: Request) -> None:
+    self.check()
+    with self._lock:
+      i = min(self._outstanding, key=lambda k: (self._outstanding[k], k))
+      self._outstanding[i] += request.num_answers
+    # Generated from the newest published version on (the sampler holds it until pulled), so staleness stays <= eta.
+    self.peers[i].send("request", {"request": request, "min_version": self.version})
+
+  def update_params(self, staged, version: int) -> None:
+    """Offers `staged` (from `publisher.stage`) as `version`; samplers swap it in between two decode steps."""
+    self.check()
+    uuids, fp = self.publisher.offer(staged, version, list(self.peers))
+    with self._lock:
+      self._fingerprints[version] = fp
+    for i, peer in self.peers.items():
+      peer.send("weights", {"version": version, "uuid": uuids[i], "address": self.publisher.address})
+    self.version = version
+
+  def check(self) -> None:
+    if self.error is not None:
+      raise RuntimeError(f"sampler process failed: {self.error}") from self.error
+
+  def stats(self) -> dict[str, float]:
+    """Counters summed over the sampler processes (tokens, busy_s, ...), as `SamplerLoop.stats`."""
+    with self._lock:
+      out: dict[str, float] = {}
+      for s in self._stats.values():
+        for k, v in s.items():
+          out[k] = out.get(k, 0) + v
+      return out
+
+  def sync_metrics(self) -> dict[str, float]:
+    """`sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the latest pulls, and the same per sampler."""
+    with self._lock:
+      pulls = {i: p for i, p in self._pulls.items() if p}
+    if not pulls:
+      return {}
+    mb = self.publisher.nbytes / 1e6
+    out = {"sync/seconds": max(p["seconds"] for p in pulls.values()),
+           "sync/mb_per_s": float(np.mean([mb / max(p["seconds"], 1e-9) for p in pulls.values()])),
+           "sync/version_lag": float(self.version - min(p["version"] for p in pulls.values()))}
+    for i, p in pulls.items():
+      out[f"sync/sampler{i}/seconds"] = p["seconds"]
+      out[f"sync/sampler{i}/mb_per_s"] = mb / max(p["seconds"], 1e-9)
+    return out
+
+  def stop(self) -> None:
+    self._stopping = True
+    for peer in self.peers.values():
+      try:
+        peer.send("stop")
+      except OSError:
+        pass
+
+  # --- one reader thread per sampler process ----------------------------------------------------------------------
+
+  def _read(self, i: int) -> None:
+    peer = self.peers[i]
+    try:
+      while True:
+        kind, payload = peer.recv()
+        if kind == "trajectory":
+          with self._lock:
+            self._outstanding[i] -= 1
+          self.output_queue.put(payload)
+        elif kind == "stats":
+          with self._lock:
+            self._stats[i] = payload
+        elif kind == "pulled":
+          self._pulled(i, payload)
+        elif kind == "error":
+          raise RuntimeError(f"{peer.name} (process {peer.process_id}) failed:\n{payload}")
+        elif kind == "bye":
+          return
+        else:
+          raise RuntimeError(f"{peer.name} sent an unknown message {kind!r}")
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+      if not self._stopping:
+        logging.error("%s", e)
+        self.error = e
+
+  def _pulled(self, i: int, report: dict) -> None:
+    version = report["version"]
+    with self._lock:
+      want = self._fingerprints[version]
+    check_fingerprint(np.asarray(report["fingerprint"]), want, paths=self.publisher.paths,
+                      what=f"weights of version {version} on {self.peers[i].name}")
+    self.publisher.pulled(version, i)
+    with self._lock:
+      self._pulls[i] = report
+      # A version every sampler has pulled needs no fingerprint any more.
+      for v in [v for v in self._fingerprints if v < min(p.get("version", -1) for p in self._pulls.values())]:
+        del self._fingerprints[v]

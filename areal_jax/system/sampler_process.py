@@ -1,0 +1,172 @@
+"""`run_sampler(config, workdir, layout)`: a sampler process of a multi-process run.
+
+It owns its local devices (a data x tensor mesh of its own; it never joins the learner's collectives), connects to
+the leader, and then, until told to stop:
+- generates the prompt groups the leader sends (a `SamplerLoop`: continuous batching, paged KV cache);
+- sends every finished answer back (detokenised here, scored by the leader's reward workers);
+- pulls each new policy version in a background thread, beside decoding, and swaps it in between two decode steps
+  (answers in flight are re-prefilled under it);
+- reports its counters once a second.
+
+Any failure (the leader gone, a pull that hangs or arrives corrupted, a device error) is reported to the leader when
+possible and ends the process with a non-zero status.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+
+import jax
+from flax import nnx
+
+from areal_jax.models import create
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sharding import make_mesh
+from areal_jax.system import weight_sync
+from areal_jax.system.control import Peer, connect
+from areal_jax.system.roles import ProcessLayout, authkey
+from areal_jax.system.weight_transfer import WeightPuller, local_ip_towards
+from areal_jax.tokenizer import load_tokenizer
+
+PULL_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 600.0
+
+
+def run_sampler(config, workdir: str, layout: ProcessLayout, *, model_cfg) -> None:
+  tokenizer = load_tokenizer(config.model.tokenizer)
+  mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": config.mesh.sampler_tensor})
+  abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
+  _, abstract_params = nnx.split(abstract_model)
+  engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler),
+                  mesh=mesh)
+  logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
+  leader = connect(layout, authkey(workdir), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
+  _Sampler(leader, engine, abstract_params, layout=layout, tensor=config.mesh.sampler_tensor,
+           eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode).run()
+
+
+class _Sampler:
+
+  def __init__(self, leader: Peer, engine: Engine, abstract_params, *, layout: ProcessLayout, tensor: int, eos_ids,
+               detokenize):
+    self.leader, self.engine, self.layout = leader, engine, layout
+    self.abstract_params, self.tensor = abstract_params, tensor
+    self.eos_ids, self.detokenize = eos_ids, detokenize
+    self.loop: SamplerLoop | None = None
+    self.puller: WeightPuller | None = None
+    self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
+    self.version = -1  # the newest version handed to the loop
+    self.held: list[dict] = []  # requests waiting for the version they were admitted under
+    self.lock = threading.Lock()
+    self.error: BaseException | None = None
+    self.stop = threading.Event()
+
+  def run(self) -> None:
+    try:
+      self._serve()
+    except BaseException as e:
+      self._report(e)
+      raise
+    finally:
+      self.stop.set()
+      if self.loop is not None:
+        self.loop.stop(timeout=10)
+      self.leader.close()
+
+  def _report(self, e: BaseException) -> None:
+    try:
+      self.leader.send("error", "".join(traceback.format_exception(e)))
+    except OSError:
+      pass
+
+  def _serve(self) -> None:
+    # The first message is the initial weights: pull them before generating anything.
+    kind, notice = self.leader.recv()
+    if kind == "stop":
+      return
+    if kind != "weights":
+      raise RuntimeError(f"{self.layout.name}: expected the initial weights, got {kind!r}")
+    host = local_ip_towards(self.layout.host)
+    self.puller = WeightPuller(address=notice["address"], abstract_params=self.abstract_params, tensor=self.tensor,
+                               devices=jax.local_devices(), host=host)
+    params = self._pull(notice)
+    self.loop = SamplerLoop(engine=self.engine, params=params, version=notice["version"], eos_ids=self.eos_ids,
+                            detokenize=self.detokenize).start()
+    self.version = notice["version"]
+    threads = [threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
+               for f in (self._forward, self._pull_loop)]
+    for t in threads:
+      t.start()
+    while not self.stop.is_set():
+      if self.error is not None:
+        raise self.error
+      kind, payload = self.leader.recv()
+      if kind == "request":
+        with self.lock:
+          if payload["min_version"] <= self.version:
+            self.loop.submit(payload["request"])
+          else:
+            self.held.append(payload)
+      elif kind == "weights":
+        self.notices.put(payload)
+      elif kind == "stop":
+        logging.info("%s: stopping", self.layout.name)
+        self.stop.set()
+        self.leader.send("bye")
+      else:
+        raise RuntimeError(f"{self.layout.name}: unknown message {kind!r}")
+
+  def _guard(self, fn):
+    def run():
+      try:
+        fn()
+      except BaseException as e:  # pylint: disable=broad-except  # ends the process through the main thread
+        logging.exception("%s: %s failed", self.layout.name, fn.__name__)
+        self.error = e
+        self._report(e)
+        self.leader.close()  # wakes the main thread's recv
+
+    return run
+
+  def _pull(self, notice: dict):
+    """Pulls one version, reports it (with its fingerprint) and returns it on the engine's shardings."""
+    start = time.perf_counter()
+    pulled, fp = self.puller.pull(notice["uuid"], timeout_s=PULL_TIMEOUT_S)
+    seconds = time.perf_counter() - start
+    params = weight_sync.transfer(pulled, self.engine.param_shardings)  # onto this process's data x tensor mesh
+    self.leader.send("pulled", {"version": notice["version"], "seconds": seconds, "fingerprint": fp})
+    return params
+
+  def _pull_loop(self) -> None:
+    while not self.stop.is_set():
+      try:
+        notice = self.notices.get(timeout=0.2)
+      except queue.Empty:
+        continue
+      # Every published version is pulled (the learner holds each until then); the loop swaps in the newest.
+      params = self._pull(notice)
+      with self.lock:
+        self.loop.update_params(params, notice["version"])  # swapped in before any request submitted after it
+        self.version = notice["version"]
+        ready = [h for h in self.held if h["min_version"] <= self.version]
+        self.held = [h for h in self.held if h["min_version"] > self.version]
+        for h in ready:
+          self.loop.submit(h["request"])
+
+  def _forward(self) -> None:
+    last = 0.0
+    while not self.stop.is_set():
+      try:
+        traj = self.loop.get(timeout=0.2)
+        self.leader.send("trajectory", traj)
+      except queue.Empty:
+        pass
+      if time.monotonic() - last > 1.0:
+        last = time.monotonic()
+        self.leader.send("stats", self.loop.stats())

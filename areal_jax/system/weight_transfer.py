@@ -1,0 +1,185 @@
+"""Weights between processes: the learner publishes each version, sampler processes pull it onto their devices.
+
+    # learner leader                                        # each sampler process
+    pub = WeightPublisher(abstract_params=..., tensor=t,     puller = WeightPuller(address=pub.address, ...)
+                          devices=local_devices, host=h)
+    staged = pub.stage(local)     # a fresh copy            params, fp = puller.pull(uuid, timeout_s=...)
+    uuids, fp = pub.offer(staged, version, pullers=[0, 1])  # fp == the publisher's fingerprint, else corrupt
+
+`jax.experimental.transfer` copies shard i of the published array into shard i of the puller's, with no resharding,
+so both sides use the same layout: the sampler's parameter shardings on a (data 1 x tensor t) mesh of their first t
+local devices. The sampler then reshards device-to-device onto its own (data x tensor) mesh. A published copy stays
+alive until every puller has reported it (`pulled`); each puller gets its own uuid (a uuid can be pulled once).
+
+Pulls run under a watchdog (a pull whose peer is gone can hang past its own timeout), and every pull is checked
+against the publisher's fingerprint (a position-weighted sum per leaf), so a layout mismatch that would copy the
+wrong bytes fails loudly instead of training on garbage.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import transfer
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
+from areal_jax.system import weight_sync
+
+
+def local_ip_towards(host: str) -> str:
+  """The address of this machine's interface that reaches `host` (no packet is sent)."""
+  if host in ("localhost", "127.0.0.1", "::1"):
+    return "127.0.0.1"
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((host, 9))
+    return s.getsockname()[0]
+
+
+def _server(devices: Sequence[jax.Device], host: str):
+  # Both ends must name the same (non-zero) number of transport addresses.
+  return transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
+
+
+def transfer_mesh(devices: Sequence[jax.Device], tensor: int) -> Mesh:
+  if len(devices) < tensor:
+    raise ValueError(f"mesh.sampler_tensor={tensor}: needs {tensor} local devices, this process has {len(devices)}")
+  return make_mesh(list(devices)[:tensor], {"data": 1, "tensor": tensor})
+
+
+@jax.jit
+def _fingerprint(leaves):
+  def one(x):
+    x = x.astype(jnp.float32).ravel()
+    w = 1.0 + (jnp.arange(x.size, dtype=jnp.int32) % 13).astype(jnp.float32)
+    return jnp.stack([jnp.sum(x), jnp.sum(x * w)])
+
+  return jnp.stack([one(x) for x in leaves])
+
+
+def fingerprint(tree) -> np.ndarray:
+  """[leaves, 2] float32: each leaf's sum and position-weighted sum (same program on both ends: exact match)."""
+  return np.asarray(jax.device_get(_fingerprint(jax.tree.leaves(tree))))
+
+
+def check_fingerprint(got: np.ndarray, want: np.ndarray, *, paths: Sequence[str], what: str) -> None:
+  if got.shape != want.shape:
+    raise ValueError(f"{what}: {got.shape[0]} leaves pulled, {want.shape[0]} published")
+  bad = np.flatnonzero(np.any(got != want, axis=1))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{what}: leaf {paths[i]} arrived corrupted (sums {got[i].tolist()} != published "
+                     f"{want[i].tolist()}; {bad.size} leaves differ)")
+
+
+def local_copy(params, mesh: Mesh):
+  """`params` (sharded over `mesh`) as arrays this process can address: unchanged when `mesh` is all local, else
+  every parameter whole on this process's first device of `mesh`.
+
+  When `mesh` spans several processes this is a collective: every learner process must call it, in the same order.
+  """
+  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if len(mine) == mesh.devices.size:
+    return params
+  replicated = jax.jit(weight_sync._identity, out_shardings=NamedSharding(mesh, P()))(params)  # pylint: disable=protected-access
+  return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards if s.device == mine[0]), replicated)
+
+
+def _leaf_paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+class WeightPublisher:
+  """The learner leader's transfer server: offers each policy version to the sampler processes."""
+
+  def __init__(self, *, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
+    self.mesh = transfer_mesh(devices, tensor)
+    self.shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
+    self.abstract = abstract_params
+    self.paths = _leaf_paths(abstract_params)
+    self.server = _server(devices, host)
+    self._live: dict[int, tuple[list, set[int]]] = {}  # version -> (published leaves, pullers still to pull)
+    self._lock = threading.Lock()
+
+  @property
+  def address(self) -> str:
+    return self.server.address()
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract))
+
+  def stage(self, params):
+    """A fresh copy of `params` (any device of this process) in the pull layout, checked against the sampler's
+    parameter tree first (never the learner's live buffers: the train step donates those)."""
+    weight_sync.check_compatible(params, self.abstract, what="published weights")
+    return weight_sync.transfer(params, self.shardings)
+
+  def offer(self, staged, version: int, pullers: Sequence[int]) -> tuple[dict[int, int], np.ndarray]:
+    """Registers `staged` once per puller; returns ({puller: uuid}, fingerprint)."""
+    leaves = jax.tree.leaves(staged)
+    fp = fingerprint(leaves)
+    uuids = {}
+    for i in pullers:
+      uuids[i] = version * 4096 + i
+      self.server.await_pull(uuids[i], leaves)
+    with self._lock:
+      self._live[version] = (leaves, set(pullers))
+    return uuids, fp
+
+  def pulled(self, version: int, puller: int) -> None:
+    """`puller` has version `version`: once every puller has it, the published copy is released."""
+    with self._lock:
+      if version in self._live:
+        leaves, waiting = self._live[version]
+        waiting.discard(puller)
+        if not waiting:
+          del self._live[version]
+
+  def forget(self, puller: int) -> None:
+    """A puller that left: stop holding copies for it."""
+    for version in list(self._live):
+      self.pulled(version, puller)
+
+
+class WeightPuller:
+  """A sampler process's end: pulls a published version onto its own devices."""
+
+  def __init__(self, *, address: str, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
+    self.mesh = transfer_mesh(devices, tensor)
+    shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
+    self._targets, self._treedef = jax.tree.flatten(jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings))
+    self.paths = _leaf_paths(abstract_params)
+    self.nbytes = sum(a.size * a.dtype.itemsize for a in self._targets)
+    self.address = address
+    self.server = _server(devices, host)
+    self._conn = self.server.connect(address)
+
+  def pull(self, uuid: int, *, timeout_s: float):
+    """(parameter tree on the pull mesh, its fingerprint); TimeoutError when the pull does not finish in time."""
+    box: dict = {}
+
+    def work():
+      try:
+        leaves = self._conn.pull(uuid, self._targets)
+        jax.block_until_ready(leaves)
+        box["leaves"] = leaves
+      except BaseException as e:  # pylint: disable=broad-except  # re-raised below, in the caller's thread
+        box["error"] = e
+
+    thread = threading.Thread(target=work, name=f"weight-pull-{uuid}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+      raise TimeoutError(f"weight pull {uuid} from {self.address} did not finish in {timeout_s:.0f} s "
+                         "(is the learner alive?)")
+    if "error" in box:
+      raise RuntimeError(f"weight pull {uuid} from {self.address} failed: {box['error']}") from box["error"]
+    leaves = box["leaves"]
+    return jax.tree.unflatten(self._treedef, leaves), fingerprint(leaves)

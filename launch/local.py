@@ -1,0 +1,37 @@
+r"""Runs a multi-process job on this machine: learner and sampler processes, each pinned to its own cores.
+
+  python launch/local.py --config=configs/math.py[:PRESET] --workdir=DIR --num_processes=2 [--cpus_per_process=1] \
+      [--config.mesh.sampler_processes=1 --config.mesh.cpu_devices=1 ...]
+
+Every other flag is passed to each `launch/tpu_run.py` process. If a process dies the others are stopped and the job
+exits non-zero naming it; the same command resumes from the last checkpoint.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from areal_jax.system import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (passed on).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
+_CPUS = flags.DEFINE_integer("cpus_per_process", None, "Cores pinned to each process (default: cores / processes).")
+_OWN = ("--num_processes", "--cpus_per_process")
+
+
+def main(argv):
+  passed = [a for a in sys.argv[1:] if not a.startswith(_OWN)]
+  del argv
+  sys.exit(local_job.run_local(script=os.path.join(ROOT, "launch", "tpu_run.py"), args=passed,
+                               num_processes=_NUM_PROCESSES.value,
+                               sampler_processes=_CONFIG.value.mesh.sampler_processes,
+                               cpus_per_process=_CPUS.value))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,157 @@
+"""Multi-process jobs on CPU, started with launch/local.py: roles in separate processes, each pinned to its cores."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from areal_jax.config import load_config
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.learner import Learner
+from areal_jax.models.config import ModelConfig
+from areal_jax.sharding import make_mesh
+from areal_jax.system.batches import load_batch
+from areal_jax.system.checkpoint import Checkpointer
+from areal_jax.system.metrics import read_metrics
+from helpers import FAST
+from test_system_e2e import CONFIG, ROOT, _epoch_order, _rollouts
+
+PROCESS_OVERRIDES = dict(FAST, **{"mesh.cpu_devices": 1})
+
+
+def _command(workdir, num_processes, overrides):
+  args = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+          f"--num_processes={num_processes}"]
+  return args + [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def _run(workdir, num_processes, overrides, timeout=400):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(_command(workdir, num_processes, overrides), env=env, capture_output=True, text=True,
+                         timeout=timeout)
+
+
+def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_path):
+  eta = 1
+  overrides = dict(PROCESS_OVERRIDES, total_steps=4, **{"rollout.max_head_offpolicyness": eta})
+  proc = _run(tmp_path, 2, overrides)
+  assert proc.returncode == 0, proc.stdout[-4000:]
+  assert re.search(r"learner 0 is process 0 .* on cores \[\d+\]", proc.stdout)
+  assert re.search(r"sampler 0 is process 1 .* on cores \[\d+\]", proc.stdout)
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+  for m in metrics[1:]:
+    assert m["version"] == m["step"] and m["staleness/max"] <= eta
+    # Every pull the sampler made was checked against the published fingerprint (a mismatch stops the run).
+    assert m["sync/sampler0/seconds"] > 0 and m["sync/mb_per_s"] > 0 and m["sync/version_lag"] >= 0
+    assert m["sampler/busy_s"] > 0 and m["learner/busy_s"] > 0
+  trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
+  assert len(trained) == 4 * overrides["rollout.batch_size"]
+  versions = [v for r in trained for v in r["version_start"] + r["version_end"]]
+  assert max(versions) >= 1, "the sampler never generated with pulled (non-initial) weights"
+  for r in trained:
+    assert all((r["step"] - 1) - v <= eta for v in r["version_start"]), r
+    assert all(a <= b for a, b in zip(r["version_start"], r["version_end"]))
+
+
+def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  overrides = dict(PROCESS_OVERRIDES, total_steps=6)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(_command(workdir, 2, overrides), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+  lines = []
+  try:
+    deadline = time.time() + 300
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
+      assert proc.poll() is None, "".join(lines)[-3000:]
+      assert time.time() < deadline, "no checkpoint at step 2 within 300 s"
+      time.sleep(0.2)
+    out = proc.stdout
+    sampler_pid = None
+    while sampler_pid is None:  # the launcher printed every process's pid first
+      lines.append(out.readline())
+      if m := re.search(r"sampler 0 is process 1 \(pid (\d+)\)", lines[-1]):
+        sampler_pid = int(m.group(1))
+    os.kill(sampler_pid, signal.SIGKILL)
+    killed_at = time.time()
+    lines += out.readlines()
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  assert proc.returncode != 0
+  assert time.time() - killed_at < 30, "the job took too long to stop after its sampler died"
+  log = "".join(lines)
+  assert "local: sampler 0" in log and "exited with signal SIGKILL" in log, log[-3000:]
+
+  done = _run(workdir, 2, overrides)
+  assert done.returncode == 0, done.stdout[-4000:]
+  assert "resumed" in done.stdout
+  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, 7))
+  logged = [r["uid"] for r in _rollouts(workdir)]
+  assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
+  undone = ckpt.read_meta(6)["controller"]["undone"]
+  ckpt.close()
+  assert not set(undone) & set(logged)
+  config = load_config(CONFIG, **overrides)
+  assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
+
+
+def test_two_learner_processes_take_the_single_process_step(tmp_path):
+  """learner 0 + learner 1 (fsdp across the two processes, gloo) + one sampler; the step they take equals one
+  process's step on the same batch, from the same random init."""
+  overrides = dict(PROCESS_OVERRIDES, total_steps=1, **{
+      "warmstart.steps": 0, "checkpoint.every_steps": 1, "eval.every_steps": 100, "metrics.save_batches": True,
+      # Untrained, every answer scores 0: raw (unnormalised) advantages and no warmup make the step move anyway.
+      "learner.ppo_n_minibatches": 2, "learner.adv_norm": "none", "learner.warmup_steps": 0})
+  proc = _run(tmp_path, 3, dict(overrides, **{"mesh.sampler_processes": 1}))
+  assert proc.returncode == 0, proc.stdout[-4000:]
+  assert "learner 1 is process 1" in proc.stdout and "sampler 0 is process 2" in proc.stdout
+
+  config = load_config(CONFIG, **overrides)
+  mesh = make_mesh(jax.devices()[:2], {"fsdp": 2, "tensor": 1})
+  learner = Learner(model_cfg=ModelConfig.from_config(config.model), config=LearnerConfig.from_config(config.learner),
+                    mesh=mesh, temperature=config.sampler.temperature, seed=config.seed)
+  ckpt = Checkpointer(os.path.join(tmp_path, "checkpoints"), every_steps=1)
+  want, _, meta = ckpt.restore(1, params=learner.params, opt_state=learner.opt_state)
+  ckpt.close()
+  assert meta["version"] == 1
+  learner.train_step(load_batch(str(tmp_path), 1))
+  got = jax.tree_util.tree_flatten_with_path(jax.device_get(learner.params))[0]
+  for (path, a), b in zip(got, jax.tree.leaves(jax.device_get(want))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+  moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+              for (_, a), b in zip(got, jax.tree.leaves(jax.device_get(learner.fns.init_params(config.seed)))))
+  assert moved > 1e-4, "the step did not move the parameters: the comparison would prove nothing"
+
+
+def test_local_launcher_rejects_a_bad_layout(tmp_path):
+  proc = _run(tmp_path, 2, dict(PROCESS_OVERRIDES, **{"mesh.sampler_processes": 2}), timeout=60)
+  assert proc.returncode != 0
+  assert "config.mesh.sampler_processes=2" in proc.stdout + proc.stderr
+
+
+def test_batches_round_trip(tmp_path):
+  n = 3
+  from areal_jax.system.batches import save_batch  # pylint: disable=g-import-not-at-top
+  from areal_jax.types import Trajectory  # pylint: disable=g-import-not-at-top
+
+  trajs = [Trajectory(prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(i + 1, dtype=np.int32),
+                      logprobs=-np.ones(i + 1, np.float32), versions=np.full(i + 1, i, np.int32),
+                      finish_reason="eos", group_id=i // 2, reward=float(i % 2)) for i in range(4)]
+  save_batch(str(tmp_path), n, trajs)
+  back = load_batch(str(tmp_path), n)
+  assert len(back) == 4
+  for a, b in zip(trajs, back):
+    for k in ("prompt_ids", "response_ids", "logprobs", "versions"):
+      np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
+      assert getattr(a, k).dtype == getattr(b, k).dtype
+    assert (a.finish_reason, a.group_id, a.reward) == (b.finish_reason, b.group_id, b.reward)

@@ -1,0 +1,93 @@
+"""Weights over jax.experimental.transfer: published by the learner, pulled onto the sampler's devices, leaf by leaf."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.sharding import LEARNER_RULES, SAMPLER_RULES, make_mesh, state_shardings
+from areal_jax.system import weight_sync
+from areal_jax.system.weight_transfer import (WeightPublisher, WeightPuller, check_fingerprint, fingerprint,
+                                              local_copy)
+from helpers import tiny_model
+
+
+@pytest.mark.parametrize("learner_axes,tensor,sampler_axes", [
+    ({"fsdp": 4, "tensor": 1}, 1, {"data": 4, "tensor": 1}),
+    ({"fsdp": 2, "tensor": 2}, 2, {"data": 2, "tensor": 2}),
+    ({"fsdp": 1, "tensor": 4}, 1, {"data": 2, "tensor": 2}),  # the puller's layout follows the publisher's tensor
+])
+def test_pulled_weights_equal_the_learners_leaf_by_leaf(learner_axes, tensor, sampler_axes):
+  devices = jax.devices()
+  params = nnx.state(tiny_model(), nnx.Param)
+  learner_mesh = make_mesh(devices[:4], learner_axes)
+  learner_params = jax.device_put(params, state_shardings(params, learner_mesh, LEARNER_RULES))
+
+  pub = WeightPublisher(abstract_params=params, tensor=tensor, devices=devices[:4], host="127.0.0.1")
+  puller = WeightPuller(address=pub.address, abstract_params=params, tensor=tensor, devices=devices[4:],
+                        host="127.0.0.1")
+  staged = pub.stage(local_copy(learner_params, learner_mesh))
+  uuids, published_fp = pub.offer(staged, version=3, pullers=[0])
+  pulled, fp = puller.pull(uuids[0], timeout_s=60)
+  check_fingerprint(fp, published_fp, paths=pub.paths, what="test")
+  sampler_mesh = make_mesh(devices[4:], sampler_axes)
+  on_sampler = weight_sync.transfer(pulled, state_shardings(params, sampler_mesh, SAMPLER_RULES))
+
+  want = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+  for got_tree in (pulled, on_sampler):
+    assert {d for x in jax.tree.leaves(got_tree) for d in x.sharding.device_set} <= set(devices[4:])
+    for (path, w), g in zip(want, jax.tree.leaves(jax.device_get(got_tree))):
+      np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
+  pub.pulled(3, 0)
+  assert not pub._live  # pylint: disable=protected-access  # released once every puller has it
+
+
+def test_a_leaf_that_arrives_permuted_is_named():
+  params = nnx.state(tiny_model(), nnx.Param)
+  leaves, treedef = jax.tree.flatten(params)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  i = next(k for k, x in enumerate(leaves) if x.ndim == 2)
+  swapped = list(leaves)
+  swapped[i] = leaves[i][::-1]  # same values, wrong places: what a mismatched shard layout produces
+  with pytest.raises(ValueError, match="arrived corrupted") as e:
+    check_fingerprint(fingerprint(jax.tree.unflatten(treedef, swapped)), fingerprint(params), paths=paths, what="v7")
+  assert paths[i] in str(e.value)
+
+
+def test_publishing_a_tree_of_the_wrong_shape_is_refused():
+  params = nnx.state(tiny_model(), nnx.Param)
+  pub = WeightPublisher(abstract_params=params, tensor=1, devices=jax.devices()[:1], host="127.0.0.1")
+  bad = jax.tree.map(lambda x: x[..., :1] if x.ndim == 2 else x, params)
+  with pytest.raises(ValueError, match="published weights: leaf"):
+    pub.stage(bad)
+
+
+def test_a_pull_that_never_arrives_times_out():
+  # In a child process: a hung pull thread cannot be cancelled, so it must not outlive the test's interpreter.
+  code = textwrap.dedent("""
+      import os, sys
+      os.environ["JAX_PLATFORMS"] = "cpu"
+      sys.path.insert(0, TESTS)
+      import jax
+      from flax import nnx
+      from areal_jax.system.weight_transfer import WeightPublisher, WeightPuller
+      from helpers import tiny_model
+      params = nnx.state(tiny_model(), nnx.Param)
+      pub = WeightPublisher(abstract_params=params, tensor=1, devices=jax.devices(), host="127.0.0.1")
+      puller = WeightPuller(address=pub.address, abstract_params=params, tensor=1, devices=jax.devices(),
+                            host="127.0.0.1")
+      try:
+        puller.pull(12345, timeout_s=2)  # never offered
+      except TimeoutError as e:
+        print("TIMEOUT:", e, flush=True)
+        os._exit(0)
+      os._exit(1)
+  """).replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "TIMEOUT: weight pull 12345" in proc.stdout and "did not finish in 2 s" in proc.stdout
