@@ -132,7 +132,7 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   """`logprobs`, `accumulate`, `apply` of the config's learner on `topology` (mesh fsdp × mesh.learner_tensor)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
-  cfg = LearnerConfig.from_config(config.learner)
+  cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
   fns = build_step(ModelConfig.from_config(config.model), cfg, mesh, temperature=config.sampler.temperature)
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0

@@ -21,6 +21,7 @@ _CHOICES = {
     "sampler.attention": ("auto", "jax", "pallas_tpu"),
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "learner.adv_norm": ("group", "batch", "none"),
+    "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "reward.kind": ("math", "code"),
 }
 
@@ -121,8 +122,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
   r = c.rollout
   if r.max_head_offpolicyness < 0:
     _fail("rollout.max_head_offpolicyness", r.max_head_offpolicyness, "must be >= 0 (0 = synchronous RL)")
-  if r.queue_size < r.batch_size:
-    _fail("rollout.queue_size", r.queue_size, f"must hold one batch (rollout.batch_size={r.batch_size})")
+  if r.queue_size < (r.max_head_offpolicyness + 1) * r.batch_size:
+    _fail("rollout.queue_size", r.queue_size,
+          f"must hold (rollout.max_head_offpolicyness + 1) x rollout.batch_size = "
+          f"{(r.max_head_offpolicyness + 1) * r.batch_size} groups: every group the staleness bound lets finish untrained")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
 

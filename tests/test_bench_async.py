@@ -53,4 +53,4 @@ def test_bench_async_process_layouts():
   bench = _tool()
   runs = bench.runs_for([0, 1, 4], processes=True)
   assert [(r.label, r.processes, r.eta, r.cpu_devices) for r in runs] == [
-      ("colocated sync", 1, 0, 2), ("split sync", 2, 0, 1), ("split η=1", 2, 1, 1), ("split η=4", 2, 4, 1)]
+      ("colocated sync", 1, 0, None), ("split sync", 2, 0, 1), ("split η=1", 2, 1, 1), ("split η=4", 2, 4, 1)]

@@ -42,6 +42,31 @@ def make_trajectories(seed, n=16, group_size=4, max_prompt=10, max_response=40):
   return out
 
 
+def padded_batch(trajs, adv):
+  """One sequence per row, right-padded: tokens, valid [n, T]; loss mask, behaviour logprobs, advantages [n, T-1]."""
+  t_max = max(t.num_tokens for t in trajs)
+  tokens, valid = np.zeros((len(trajs), t_max), np.int32), np.zeros((len(trajs), t_max), np.int32)
+  mask, behav, adv_bt = (np.zeros((len(trajs), t_max - 1), np.float32) for _ in range(3))
+  for i, t in enumerate(trajs):
+    p, r = len(t.prompt_ids), len(t.response_ids)
+    tokens[i, :p + r] = np.concatenate([t.prompt_ids, t.response_ids])
+    valid[i, :p + r] = 1
+    mask[i, p - 1:p + r - 1], behav[i, p - 1:p + r - 1], adv_bt[i, p - 1:p + r - 1] = 1, t.logprobs, adv[i]
+  return tokens, valid, mask, behav, adv_bt
+
+
+def accumulate_packed(fns, params, layouts, trajs, tok_adv, inv_denominator, weights=None):
+  """Gradients and statistics accumulated over the packed micro-batches of `layouts` (proximal = current)."""
+  grads, stats = fns.zero_accumulators()
+  inv = jax.device_put(np.float32(inv_denominator), fns.replicated)
+  for layout in layouts:
+    mb = assemble(layout, trajs, tok_adv, weights)
+    b = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
+    b["proximal_logprobs"] = fns.logprobs(params, {k: b[k] for k in BATCH_INT_KEYS})
+    grads, stats = fns.accumulate(params, grads, stats, b, inv)
+  return grads, stats
+
+
 def test_packed_microbatch_gradients_equal_one_padded_batch():
   cfg = LearnerConfig(max_tokens_per_mb=64, min_bucket=64, eps_clip_higher=0.28, behav_imp_weight_cap=1.3)
   temperature = 0.7
@@ -55,23 +80,10 @@ def test_packed_microbatch_gradients_equal_one_padded_batch():
 
   layouts = plan_packed([t.num_tokens for t in trajs], max_tokens=64, rows=1, min_bucket=64)
   assert len(layouts) >= 4
-  grads, stats = fns.zero_accumulators()
-  inv = jax.device_put(np.float32(1 / n_loss), fns.replicated)
-  for layout in layouts:
-    mb = assemble(layout, trajs, tok_adv)
-    b = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
-    b["proximal_logprobs"] = fns.logprobs(params, {k: b[k] for k in BATCH_INT_KEYS})
-    grads, stats = fns.accumulate(params, grads, stats, b, inv)
+  grads, stats = accumulate_packed(fns, params, layouts, trajs, tok_adv, 1 / n_loss)
 
   # Reference: one sequence per row, right-padded, the loss straight from Eq. 5 on [batch, time].
-  t_max = max(t.num_tokens for t in trajs)
-  tokens, valid = np.zeros((len(trajs), t_max), np.int32), np.zeros((len(trajs), t_max), np.int32)
-  mask, behav, adv_bt = (np.zeros((len(trajs), t_max - 1), np.float32) for _ in range(3))
-  for i, t in enumerate(trajs):
-    p, r = len(t.prompt_ids), len(t.response_ids)
-    tokens[i, :p + r] = np.concatenate([t.prompt_ids, t.response_ids])
-    valid[i, :p + r] = 1
-    mask[i, p - 1:p + r - 1], behav[i, p - 1:p + r - 1], adv_bt[i, p - 1:p + r - 1] = 1, t.logprobs, adv[i]
+  tokens, valid, mask, behav, adv_bt = padded_batch(trajs, adv)
 
   def padded_loss(params):
     logits = nnx.merge(fns.graphdef, params)(tokens, segment_ids=valid)

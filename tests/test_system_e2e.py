@@ -75,12 +75,17 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
   config = load_config(CONFIG, **overrides)
   rows = trainer.run(config, workdir)
   assert rows[0]["step"] >= 3, "the second run must resume from a checkpoint, not start over"
-  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, 7))
+  assert_every_prompt_once(workdir, config, last_step=6)
+
+
+def assert_every_prompt_once(workdir, config, *, last_step):
+  """Steps 0..last_step logged once each; no prompt trained on twice; every prompt drawn is done or pending, and
+  together they are exactly a prefix of the epoch's order (none skipped)."""
+  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, last_step + 1))
   logged = [r["uid"] for r in _rollouts(workdir)]
   assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
-  undone = ckpt.read_meta(6)["controller"]["undone"]
+  undone = ckpt.read_meta(last_step)["controller"]["undone"]
   ckpt.close()
   assert not set(undone) & set(logged)
-  # Every prompt drawn so far is done or still pending, and they are exactly a prefix of the epoch's order.
   assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))

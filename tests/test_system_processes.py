@@ -20,7 +20,7 @@ from areal_jax.system.batches import load_batch
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.metrics import read_metrics
 from helpers import FAST
-from test_system_e2e import CONFIG, ROOT, _epoch_order, _rollouts
+from test_system_e2e import CONFIG, ROOT, _rollouts, assert_every_prompt_once
 
 PROCESS_OVERRIDES = dict(FAST, **{"mesh.cpu_devices": 1})
 
@@ -94,15 +94,7 @@ def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
   done = _run(workdir, 2, overrides)
   assert done.returncode == 0, done.stdout[-4000:]
   assert "resumed" in done.stdout
-  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, 7))
-  logged = [r["uid"] for r in _rollouts(workdir)]
-  assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
-  undone = ckpt.read_meta(6)["controller"]["undone"]
-  ckpt.close()
-  assert not set(undone) & set(logged)
-  config = load_config(CONFIG, **overrides)
-  assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
+  assert_every_prompt_once(workdir, load_config(CONFIG, **overrides), last_step=6)
 
 
 def test_two_learner_processes_take_the_single_process_step(tmp_path):
@@ -118,8 +110,9 @@ def test_two_learner_processes_take_the_single_process_step(tmp_path):
 
   config = load_config(CONFIG, **overrides)
   mesh = make_mesh(jax.devices()[:2], {"fsdp": 2, "tensor": 1})
-  learner = Learner(model_cfg=ModelConfig.from_config(config.model), config=LearnerConfig.from_config(config.learner),
-                    mesh=mesh, temperature=config.sampler.temperature, seed=config.seed)
+  learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
+  learner = Learner(model_cfg=ModelConfig.from_config(config.model), config=learner_cfg, mesh=mesh,
+                    temperature=config.sampler.temperature, seed=config.seed)
   ckpt = Checkpointer(os.path.join(tmp_path, "checkpoints"), every_steps=1)
   want, _, meta = ckpt.restore(1, params=learner.params, opt_state=learner.opt_state)
   ckpt.close()

@@ -59,7 +59,7 @@ class Run:
 def runs_for(etas, processes: bool) -> list[Run]:
   if not processes:
     return [Run(f"eta{e}", "sync" if e == 0 else f"η={e}", e) for e in etas]
-  return ([Run("colocated_sync", "colocated sync", 0, 1, cpu_devices=2), Run("split_sync", "split sync", 0, 2, 1)]
+  return ([Run("colocated_sync", "colocated sync", 0, 1), Run("split_sync", "split sync", 0, 2, 1)]
           + [Run(f"split_eta{e}", f"split η={e}", e, 2, 1) for e in etas if e > 0])
 
 
@@ -68,6 +68,7 @@ def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str, cpu_
   c = config.copy_and_resolve_references()
   c.unlock()
   c.rollout.max_head_offpolicyness = eta
+  c.rollout.queue_size = max(c.rollout.queue_size, (eta + 1) * c.rollout.batch_size)  # what the bound lets finish
   c.learner.use_decoupled_loss = eta > 0
   c.total_steps = steps
   c.eval.every_steps = max(steps, 1)

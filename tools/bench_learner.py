@@ -74,7 +74,8 @@ def main():
   spec.loader.exec_module(config_module)
   config = config_module.get_config("tiny")
   model_cfg = ModelConfig.from_config(config.model).replace(max_position_embeddings=args.max_len)
-  learner_cfg = LearnerConfig.from_config(config.learner).replace(max_tokens_per_mb=args.max_tokens)
+  learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
+  learner_cfg = learner_cfg.replace(max_tokens_per_mb=args.max_tokens)
 
   devices = jax.devices()[:args.devices]
   mesh = make_learner_mesh(devices)

@@ -7,6 +7,11 @@ import dataclasses
 from areal_jax.learner.advantages import ADV_NORMS
 from areal_jax.learner.ppo import KL_ESTIMATORS
 
+# How token losses become a minibatch's loss: token-mean (Σ ℓ / Σ tokens: AReaL, the paper), seq-mean-token-mean
+# (the mean over sequences of each sequence's token mean: GRPO), seq-mean-token-sum-norm (the mean over sequences of
+# each sequence's token sum / loss_agg_max_tokens: Dr. GRPO).
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
@@ -34,6 +39,8 @@ class LearnerConfig:
   reward_scale: float = 5.0
   adv_norm: str = "group"
   filter_uniform_groups: bool = True
+  loss_agg: str = "token-mean"
+  loss_agg_max_tokens: int = 0  # the constant of seq-mean-token-sum-norm; 0 = the sampler's max_new_tokens
 
   def __post_init__(self):
     def bad(field, why):
@@ -54,15 +61,33 @@ class LearnerConfig:
       bad("kl_estimator", f"choose one of {KL_ESTIMATORS}")
     if self.adv_norm not in ADV_NORMS:
       bad("adv_norm", f"choose one of {ADV_NORMS}")
+    if self.loss_agg not in LOSS_AGGS:
+      bad("loss_agg", f"choose one of {LOSS_AGGS}")
+    if self.loss_agg_max_tokens < 0:
+      bad("loss_agg_max_tokens", "must be >= 0")
 
   @classmethod
-  def from_config(cls, c) -> LearnerConfig:
-    """From the `learner` group of an ml_collections config; unknown keys raise."""
+  def from_config(cls, c, *, max_new_tokens: int = 0) -> LearnerConfig:
+    """From the `learner` group of an ml_collections config; unknown keys raise. `max_new_tokens` (the sampler's)
+    stands in for `loss_agg_max_tokens=0`."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(c.keys()) - names)
     if unknown:
       raise ValueError(f"unknown learner config keys {unknown}; known: {sorted(names)}")
-    return cls(**dict(c.items()))
+    out = cls(**dict(c.items()))
+    return out.replace(loss_agg_max_tokens=out.loss_agg_max_tokens or max_new_tokens)
+
+  def loss_weighting(self, response_lengths) -> tuple[list[float], float]:
+    """(weight of each sequence's loss tokens, denominator) of one minibatch under `loss_agg`: its loss is
+    Σ_i weight_i · Σ_t ℓ_it / denominator, computed on the host so micro-batches and data shards add up exactly."""
+    n = len(response_lengths)
+    if self.loss_agg == "token-mean":
+      return [1.0] * n, float(sum(response_lengths))
+    if self.loss_agg == "seq-mean-token-mean":
+      return [1.0 / r for r in response_lengths], float(n)
+    if not self.loss_agg_max_tokens:
+      raise ValueError("learner.loss_agg='seq-mean-token-sum-norm' needs learner.loss_agg_max_tokens > 0")
+    return [1.0] * n, float(n * self.loss_agg_max_tokens)
 
   def replace(self, **kw) -> LearnerConfig:
     return dataclasses.replace(self, **kw)

@@ -40,7 +40,8 @@ class StepPlan:
   """A learner step's host-side input: minibatches of packed micro-batches and what went into them."""
 
   minibatches: tuple[tuple[MicroBatch, ...], ...]
-  loss_tokens: tuple[int, ...]  # response tokens per minibatch (the loss denominator of each update)
+  loss_tokens: tuple[int, ...]  # response tokens per minibatch
+  denominators: tuple[float, ...]  # the loss denominator of each update (`loss_agg`)
   seq_lengths: tuple[int, ...]  # prompt + response tokens of every sequence trained on
   num_filtered: int  # answers dropped with their uniform-reward groups
   host_stats: dict[str, float]
@@ -111,7 +112,7 @@ class Learner:
     host_stats = {"reward_mean": float(rewards.mean()),
                   "staleness_mean": float(np.mean([self.version - t.version_start for t in trajectories])),
                   "staleness_max": float(max(self.version - t.version_start for t in trajectories))}
-    minibatches, loss_tokens = [], []
+    minibatches, loss_tokens, denominators = [], [], []
     if kept:
       adv = sequence_advantages(rewards[keep], groups[keep], scale=cfg.reward_scale, norm=cfg.adv_norm)
       tok_adv = token_advantages(adv, [len(t.response_ids) for t in kept])
@@ -119,10 +120,12 @@ class Learner:
       for idx in balanced_split(lengths, min(cfg.ppo_n_minibatches, len(kept))):
         sub, sub_adv = [kept[i] for i in idx], [tok_adv[i] for i in idx]
         layouts = planner([lengths[i] for i in idx])
-        minibatches.append(tuple(assemble(layout, sub, sub_adv) for layout in layouts))
+        weights, denominator = cfg.loss_weighting([len(t.response_ids) for t in sub])
+        minibatches.append(tuple(assemble(layout, sub, sub_adv, weights) for layout in layouts))
         loss_tokens.append(sum(len(t.response_ids) for t in sub))
+        denominators.append(denominator)
       host_stats["advantage_abs_mean"] = float(np.abs(adv).mean())
-    return StepPlan(minibatches=tuple(minibatches), loss_tokens=tuple(loss_tokens),
+    return StepPlan(minibatches=tuple(minibatches), loss_tokens=tuple(loss_tokens), denominators=tuple(denominators),
                     seq_lengths=tuple(t.num_tokens for t in kept), num_filtered=len(trajectories) - len(kept),
                     host_stats=host_stats)
 
@@ -142,8 +145,8 @@ class Learner:
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
     sums, grad_norms = [], []
-    for minibatch, n in zip(batches, plan.loss_tokens):
-      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1)), fns.replicated)
+    for minibatch, n in zip(batches, plan.denominators):
+      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1e-9)), fns.replicated)
       grads, stats = fns.zero_accumulators()
       for b in minibatch:
         grads, stats = fns.accumulate(self.params, grads, stats, b, inv_tokens)
@@ -193,11 +196,14 @@ class Learner:
         "learner/tokens_per_s": tokens / elapsed,
         "learner/step_time_s": elapsed,
         "learner/mfu": model_flops / elapsed / self.peak_flops() if tokens else 0.0,
+        "learner/nonfinite_tokens": total["nonfinite"],
     }
     if cfg.kl_coef:
       out["learner/ref_kl"] = total["ref_kl"] / n
-    if not np.isfinite(out["learner/loss"]):
-      raise FloatingPointError(f"learner step {self.version}: loss is {out['learner/loss']}")
+    for key in ("learner/loss", "learner/grad_norm"):
+      if not np.isfinite(out[key]):
+        raise FloatingPointError(f"learner step {self.version}: {key.split('/')[1]} is {out[key]}; stopping before "
+                                 "these parameters are published or checkpointed (the last checkpoint is intact)")
     return out
 
   def peak_flops(self) -> float:

@@ -115,6 +115,7 @@ class MicroBatch:
   loss_mask: np.ndarray  # float32, 1 where the next token is a response token
   behavior_logprobs: np.ndarray  # float32
   advantages: np.ndarray  # float32
+  loss_weights: np.ndarray  # float32, each loss token's weight in its sequence (`loss_agg`); 0 elsewhere
   layout: Layout
 
   def arrays(self) -> dict[str, np.ndarray]:
@@ -125,11 +126,13 @@ class MicroBatch:
     return int(np.count_nonzero(self.segment_ids))
 
 
-def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Sequence[np.ndarray]) -> MicroBatch:
-  """Packs the sequences named by `layout` into arrays. `advantages[i]` is per response token of trajectory i."""
+def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Sequence[np.ndarray],
+             token_weights: Sequence[float] | None = None) -> MicroBatch:
+  """Packs the sequences named by `layout` into arrays. `advantages[i]` is per response token of trajectory i;
+  `token_weights[i]` (default 1) weighs each of its loss tokens."""
   shape = (len(layout.rows), layout.length)
   a = {k: np.zeros(shape, np.int32) for k in ("tokens", "positions", "segment_ids")}
-  a |= {k: np.zeros(shape, np.float32) for k in ("loss_mask", "behavior_logprobs", "advantages")}
+  a |= {k: np.zeros(shape, np.float32) for k in ("loss_mask", "behavior_logprobs", "advantages", "loss_weights")}
   for r, row in enumerate(layout.rows):
     offset = 0
     for seg, i in enumerate(row, start=1):
@@ -151,6 +154,7 @@ def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Seq
       a["loss_mask"][r, pred] = 1.0
       a["behavior_logprobs"][r, pred] = t.logprobs
       a["advantages"][r, pred] = advantages[i]
+      a["loss_weights"][r, pred] = 1.0 if token_weights is None else token_weights[i]
       offset += p + n
   return MicroBatch(layout=layout, **a)
 

@@ -27,14 +27,21 @@ def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_
   """Per-token loss `m · w · -min(...)` [..] and per-token statistics (already zero where `loss_mask` is 0).
 
   Statistics: `clipped` (the clipped branch is the active one), `dual_clipped`, `importance_weight` (w, before the
-  cap), `capped` (w > cap), `approx_kl` (k3 estimate of KL(π_prox‖π_θ)), `tokens` (the mask itself).
+  cap), `capped` (w > cap), `approx_kl` (k3 estimate of KL(π_prox‖π_θ)), `tokens` (the mask itself), `nonfinite`.
+
+  Non-finite logprobs never reach the loss: a token whose behaviour logprob is -inf/NaN gets w = 1 (as AReaL does);
+  one whose proximal logprob is non-finite has no defined ratio and is left out of the loss (it stays in the
+  caller's denominator). Both are counted in `nonfinite`.
   """
   if c_clip is not None and c_clip <= 1.0:
     raise ValueError(f"c_clip={c_clip}: the dual clip must be > 1 (or None to disable it)")
   mask = loss_mask.astype(bool)
   eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-  proximal_logprobs = jax.lax.stop_gradient(proximal_logprobs)
-  behavior_logprobs = jax.lax.stop_gradient(behavior_logprobs)
+  finite_prox, finite_behav = jnp.isfinite(proximal_logprobs), jnp.isfinite(behavior_logprobs)
+  nonfinite = mask & ~(finite_prox & finite_behav)
+  mask = mask & finite_prox
+  proximal_logprobs = jax.lax.stop_gradient(jnp.where(finite_prox, proximal_logprobs, 0.0))
+  behavior_logprobs = jax.lax.stop_gradient(jnp.where(finite_behav, behavior_logprobs, proximal_logprobs))
   advantages = jax.lax.stop_gradient(advantages)
 
   log_u = jnp.where(mask, logprobs - proximal_logprobs, 0.0)
@@ -67,6 +74,7 @@ def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_
       "capped": zero(capped),
       "approx_kl": zero(kl_estimate(proximal_logprobs, jax.lax.stop_gradient(logprobs), "k3")),  # KL(prox‖θ)
       "tokens": zero(jnp.ones_like(w)),
+      "nonfinite": nonfinite.astype(jnp.float32),
   }
   return loss, stats
 

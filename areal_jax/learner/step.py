@@ -5,8 +5,9 @@ from abstract shapes (`StepFns.lower`) for a topology that is not attached. The 
 (parameters, optimizer state, micro-batch arrays) with explicit in/out shardings and donated state:
 
 * `logprobs(params, batch) -> [rows, length]`: forward only (proximal or reference logprobs).
-* `accumulate(params, grads, stats, batch, inv_tokens) -> (grads, stats)`: adds one micro-batch's gradient of
-  `Σ m·loss / minibatch tokens` (so the sum over micro-batches is the token-level mean) and its statistic sums.
+* `accumulate(params, grads, stats, batch, inv_denominator) -> (grads, stats)`: adds one micro-batch's gradient of
+  `Σ m·w·loss / D` (token weights w and the minibatch's denominator D from `loss_agg`, so the sum over micro-batches
+  and data shards is the minibatch's loss exactly) and its statistic sums.
 * `apply(params, opt_state, grads) -> (params, opt_state, grad_norm)`: one optimizer update.
 
 Each compiles once per row length (bucket); `apply` and the initialisers compile once.
@@ -35,9 +36,10 @@ from areal_jax.sharding import LEARNER_RULES, Rules, make_mesh, spec, state_shar
 
 # Micro-batch arrays fed to `accumulate`; `logprobs` reads the first three.
 BATCH_INT_KEYS = ("tokens", "positions", "segment_ids")
-BATCH_FLOAT_KEYS = ("loss_mask", "behavior_logprobs", "advantages")
+BATCH_FLOAT_KEYS = ("loss_mask", "behavior_logprobs", "advantages", "loss_weights")
 # Statistic sums over loss tokens returned by `accumulate` (`importance_weight_max` is a max).
-SUM_STATS = ("loss", "clipped", "dual_clipped", "importance_weight", "capped", "approx_kl", "entropy", "tokens")
+SUM_STATS = ("loss", "clipped", "dual_clipped", "importance_weight", "capped", "approx_kl", "entropy", "tokens",
+             "nonfinite")
 
 
 def make_learner_mesh(devices, *, tensor: int = 1, data: int = 1) -> Mesh:
@@ -89,7 +91,8 @@ def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
 
 def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, cfg: LearnerConfig,
                     temperature: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`Σ m·ℓ · inv_tokens` of one micro-batch (PPO + optional KL and entropy terms) and its statistic sums."""
+  """`Σ m·w·ℓ · inv_tokens` of one micro-batch (PPO + optional KL and entropy terms; w = `loss_weights`) and its
+  statistic sums."""
   lp, ent = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
                             temperature=temperature, chunk=cfg.logits_chunk, with_entropy=True)
   mask = batch["loss_mask"] > 0
@@ -107,7 +110,7 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
   terms["loss"] = jax.lax.stop_gradient(token_loss)
   stats = {k: v.sum() for k, v in terms.items()}
   stats["importance_weight_max"] = terms["importance_weight"].max()
-  return token_loss.sum() * inv_tokens, stats
+  return (token_loss * batch["loss_weights"]).sum() * inv_tokens, stats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Trained batches on disk (`metrics.save_batches`): `<workdir>/batches/step_<N>.npz`, the scored trajectories of
-learner step N exactly as the learner got them, to replay a step elsewhere (a NaN hunt, a single-process check of a
-multi-process step)."""
+learner step N (every field the learner reads: tokens, behaviour logprobs, versions, rewards, groups), to replay a
+step elsewhere (a NaN hunt, a single-process check of a multi-process step). Texts and timings are not kept."""
 
 from __future__ import annotations
 

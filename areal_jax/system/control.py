@@ -40,6 +40,13 @@ class Peer:
     with self._lock:
       self.conn.send((kind, payload))
 
+  def poll(self, timeout: float) -> bool:
+    """Whether a message (or the end of the connection) is waiting, after at most `timeout` seconds."""
+    try:
+      return self.conn.poll(timeout)
+    except (EOFError, OSError):
+      return True  # recv() will say the peer is gone
+
   def recv(self):
     """The next (kind, payload); ConnectionError naming the peer when the other side is gone."""
     try:
@@ -62,19 +69,21 @@ class ControlServer:
     self._listener = Listener(layout.control_address, authkey=authkey)
     self._peers: dict[int, Peer] = {}
     self._cond = threading.Condition()
-    self._error: BaseException | None = None
     threading.Thread(target=self._accept, name="control-accept", daemon=True).start()
 
   def _accept(self) -> None:
     expected = self.layout.num_processes - 1
     while len(self._peers) < expected:
+      conn = None
       try:
         conn = self._listener.accept()
         hello, info = conn.recv()
+        pid = int(info["process_id"])
       except Exception as e:  # pylint: disable=broad-except  # a stranger or a wrong key: log it, keep listening
         logging.warning("control: rejected a connection: %s", e)
+        if conn is not None:
+          conn.close()
         continue
-      pid = info["process_id"]
       peer = Peer(conn, name=dataclasses.replace(self.layout, process_id=pid).name, process_id=pid)
       if hello != "hello" or not 0 < pid < self.layout.num_processes or pid in self._peers:
         logging.warning("control: rejected %r from process %s", hello, pid)
@@ -109,7 +118,7 @@ def connect(layout: ProcessLayout, authkey: bytes, *, timeout_s: float, **info) 
     try:
       conn = Client(layout.control_address, authkey=authkey)
       break
-    except (ConnectionRefusedError, FileNotFoundError, OSError) as e:
+    except OSError as e:  # not listening yet
       if time.monotonic() > deadline:
         raise TimeoutError(f"{layout.name}: the leader at {layout.coordinator_address} did not accept a control "
                            f"connection within {timeout_s:.0f} s ({e})") from e

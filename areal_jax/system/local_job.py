@@ -61,7 +61,11 @@ def _signal_name(code: int) -> str:
 class _Child:
   name: str
   proc: subprocess.Popen
-  cores: list[int]
+
+
+# argv: cores, then the python arguments to exec with that affinity (set before JAX starts, so XLA's pool follows it).
+_PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
+        "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
 
 
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
@@ -74,13 +78,14 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
   env = dict(os.environ, **{AUTHKEY_ENV: secrets.token_hex(16)})
   children: list[_Child] = []
   for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
-    cmd = [python, "-u", script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
-           f"--coordinator_address={address}"]
+    # Pinned by a small exec wrapper rather than preexec_fn (unsafe once threads run in this process).
+    cmd = [python, "-c", _PIN, ",".join(map(str, cores)), "-u", script, *args, f"--num_processes={num_processes}",
+           f"--process_id={layout.process_id}", f"--coordinator_address={address}"]
     child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
                      MKL_NUM_THREADS=str(len(cores)))
     proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
-    children.append(_Child(layout.name, proc, cores))
+                            start_new_session=True)
+    children.append(_Child(layout.name, proc))
     threading.Thread(target=_prefix, args=(proc.stdout, layout.name), daemon=True).start()
     print(f"local: {layout.name} is process {layout.process_id} (pid {proc.pid}) on cores {cores}", flush=True)
 

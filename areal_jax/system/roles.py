@@ -19,7 +19,8 @@ import dataclasses
 import hashlib
 import os
 
-AUTHKEY_ENV = "AREAL_JAX_AUTHKEY"
+ENV_PREFIX = "AREAL_JAX_"
+AUTHKEY_ENV = ENV_PREFIX + "AUTHKEY"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +50,8 @@ class ProcessLayout:
                        f"--num_processes={num_processes} processes to each role")
     host, sep, port = coordinator_address.rpartition(":")
     if not sep or not host or not port.isdigit():
-      raise ValueError(f"--coordinator_address={coordinator_address!r}: expected host:port")
+      raise ValueError(f"--coordinator_address={coordinator_address!r} (or ${ENV_PREFIX}COORDINATOR_ADDRESS): expected "
+                       "host:port of process 0")
     return cls(num_processes=num_processes, process_id=process_id, coordinator_address=coordinator_address,
                sampler_processes=sampler_processes)
 
@@ -114,9 +116,12 @@ def from_flags_or_env(*, num_processes: int | None, process_id: int | None, coor
       return env[f"AREAL_JAX_{name}"]
     return env.get(slurm) if slurm else None
 
+  coordinator = pick(coordinator_address, "COORDINATOR_ADDRESS")
+  if not coordinator:  # SLURM alone does not make a multi-process job: a task may run a single-process run
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
   n = int(pick(num_processes, "NUM_PROCESSES", "SLURM_NTASKS") or 1)
   return ProcessLayout.create(num_processes=n, process_id=int(pick(process_id, "PROCESS_ID", "SLURM_PROCID") or 0),
-                              coordinator_address=str(pick(coordinator_address, "COORDINATOR_ADDRESS") or ""),
+                              coordinator_address=str(coordinator or ""),
                               sampler_processes=sampler_processes)
 
 

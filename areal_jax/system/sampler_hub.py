@@ -15,12 +15,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import numpy as np
 
 from areal_jax.sampler.requests import Request
 from areal_jax.system.control import Peer
 from areal_jax.system.weight_transfer import WeightPublisher, check_fingerprint
+
+MAX_LIVE_VERSIONS = 2
 
 
 class SamplerHub:
@@ -53,8 +56,15 @@ class SamplerHub:
     self.peers[i].send("request", {"request": request, "min_version": self.version})
 
   def update_params(self, staged, version: int) -> None:
-    """Offers `staged` (from `publisher.stage`) as `version`; samplers swap it in between two decode steps."""
+    """Offers `staged` (from `publisher.stage`) as `version`; samplers swap it in between two decode steps.
+
+    Waits while `MAX_LIVE_VERSIONS` earlier versions are still being pulled: each holds a copy of the weights on the
+    learner's device, so a sampler that pulls slower than the learner steps must not pile them up.
+    """
     self.check()
+    while self.publisher.live_versions() >= MAX_LIVE_VERSIONS:
+      self.check()
+      time.sleep(0.002)
     uuids, fp = self.publisher.offer(staged, version, list(self.peers))
     with self._lock:
       self._fingerprints[version] = fp
@@ -67,12 +77,13 @@ class SamplerHub:
       raise RuntimeError(f"sampler process failed: {self.error}") from self.error
 
   def stats(self) -> dict[str, float]:
-    """Counters summed over the sampler processes (tokens, busy_s, ...), as `SamplerLoop.stats`."""
+    """Counters summed over the sampler processes (tokens, busy_s, running, ...; `version`: the oldest), as
+    `SamplerLoop.stats`."""
     with self._lock:
       out: dict[str, float] = {}
       for s in self._stats.values():
         for k, v in s.items():
-          out[k] = out.get(k, 0) + v
+          out[k] = min(out.get(k, v), v) if k == "version" else out.get(k, 0) + v
       return out
 
   def sync_metrics(self) -> dict[str, float]:

@@ -106,6 +106,8 @@ class _Sampler:
     while not self.stop.is_set():
       if self.error is not None:
         raise self.error
+      if not self.leader.poll(0.2):
+        continue
       kind, payload = self.leader.recv()
       if kind == "request":
         with self.lock:
@@ -128,9 +130,8 @@ class _Sampler:
         fn()
       except BaseException as e:  # pylint: disable=broad-except  # ends the process through the main thread
         logging.exception("%s: %s failed", self.layout.name, fn.__name__)
-        self.error = e
+        self.error = e  # the main thread raises it within 0.2 s
         self._report(e)
-        self.leader.close()  # wakes the main thread's recv
 
     return run
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 
 import jax
@@ -179,15 +181,18 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   model_cfg = _model_config(config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"model vocab_size {model_cfg.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}")
-  learner = Learner(model_cfg=model_cfg, config=LearnerConfig.from_config(config.learner), mesh=learner_mesh,
-                    temperature=config.sampler.temperature, seed=config.seed)
+  learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
+  learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
+                    seed=config.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
   ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
                       max_to_keep=config.checkpoint.max_to_keep)
 
   # --- resume or start ----------------------------------------------------------------------------------------------
   step, controller_state = 0, None
-  if (latest := ckpt.latest_step()) is not None:
+  latest = ckpt.latest_step()
+  followers = _agree_on_start(layout, control, leader, latest, ckpt.directory)
+  if latest is not None:
     learner.params, learner.opt_state, meta = ckpt.restore(latest, params=learner.params, opt_state=learner.opt_state)
     step, controller_state = meta["step"], meta["controller"]
     learner.restore_counters(version=meta["version"], updates=meta["updates"])
@@ -218,7 +223,6 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
     publisher = WeightPublisher(abstract_params=learner.fns.abstract_params, tensor=config.mesh.sampler_tensor,
                                 devices=learner_local, host=layout.host)
     peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
-    followers = control.wait(range(1, layout.num_learners), timeout_s=CONNECT_TIMEOUT_S)
     loop = SamplerHub(peers=peers, publisher=publisher).start()
 
     def push(local_params, version):
@@ -226,7 +230,6 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
 
     push(local, learner.version)
   else:
-    followers = {}
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
     engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler), mesh=sampler_mesh)
     loop = SamplerLoop(engine=engine, params=weight_sync.transfer(local, engine.param_shardings),
@@ -258,6 +261,10 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
   rows = []
+  followers_done = threading.Event()
+  for peer in followers.values():
+    threading.Thread(target=_watch_follower, args=(peer, followers_done), name=f"watch-{peer.name}",
+                     daemon=True).start()
 
   # --- the learner loop ---------------------------------------------------------------------------------------------
   try:
@@ -276,11 +283,11 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
         controller.check()
         loop.check()
         # Groups admitted under version v - eta are trained in this step or never within the bound: wait for them
-        # (unless the queue is full: queue_size >= (eta + 1) * B keeps that from happening).
+        # (unless the queue is full: queue_size >= (eta + 1) * B, checked by the config, keeps that from happening).
         if controller.unqueued_at_or_below(learner.version - r.max_head_offpolicyness) and not queue.full():
           time.sleep(0.005)
-          continue
-        groups = queue.get_batch(r.batch_size, timeout=1.0)
+        else:
+          groups = queue.get_batch(r.batch_size, timeout=1.0)
         if groups is None and time.time() - waiting_since > 120:
           logging.warning("step %d: no batch of %d groups after %.0fs (%d queued; %s); groups whose answers all "
                           "score the same are dropped (learner.filter_uniform_groups)", step + 1,
@@ -334,6 +341,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
         peer.send("save", {"step": step})
       checkpoint(controller_state, force=True)  # the last step, when not on the checkpoint schedule
   finally:
+    followers_done.set()
     for peer in followers.values():
       try:
         peer.send("stop")
@@ -345,6 +353,37 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
     ckpt.close()
     metrics.close()
   return rows
+
+
+def _agree_on_start(layout: ProcessLayout, control: ControlServer | None, leader: Peer | None, latest: int | None,
+                    directory) -> dict[int, Peer]:
+  """Learner processes check that they resume the same checkpoint (a workdir on a disk they do not share would have
+  them run different programs and hang in a collective). Returns the leader's follower connections."""
+  if layout.num_learners == 1:
+    return {}
+  if leader is not None:
+    kind, payload = leader.recv()
+    if kind != "start" or payload["checkpoint"] != latest:
+      raise RuntimeError(f"{layout.name}: the leader starts from checkpoint {payload.get('checkpoint')}, this process "
+                         f"found {latest} in {directory}; every learner process must see the same workdir")
+    return {}
+  followers = control.wait(range(1, layout.num_learners), timeout_s=CONNECT_TIMEOUT_S)
+  for peer in followers.values():
+    peer.send("start", {"checkpoint": latest})
+  return followers
+
+
+def _watch_follower(peer: Peer, done: threading.Event) -> None:
+  """Followers send nothing: a message here means the connection ended. Before the run's end that is a dead learner
+  process, and the leader may be waiting for it inside a collective it cannot leave: exit."""
+  try:
+    peer.recv()
+  except ConnectionError as e:
+    if not done.is_set():
+      logging.error("%s; stopping (a restart resumes from the last checkpoint)", e)
+      for handler in logging.getLogger().handlers:
+        handler.flush()
+      os._exit(1)  # pylint: disable=protected-access
 
 
 def _follow(leader: Peer, learner: Learner, ckpt: Checkpointer, step: int) -> None:

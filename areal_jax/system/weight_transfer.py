@@ -86,8 +86,13 @@ def local_copy(params, mesh: Mesh):
   mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   if len(mine) == mesh.devices.size:
     return params
-  replicated = jax.jit(weight_sync._identity, out_shardings=NamedSharding(mesh, P()))(params)  # pylint: disable=protected-access
-  return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards if s.device == mine[0]), replicated)
+  gather = jax.jit(weight_sync._identity, out_shardings=NamedSharding(mesh, P()))  # pylint: disable=protected-access
+
+  def one(x):  # one leaf at a time: a whole replica of the model never sits on every device at once
+    whole = gather(x)
+    return next(s.data for s in whole.addressable_shards if s.device == mine[0])
+
+  return jax.tree.map(one, params)
 
 
 def _leaf_paths(tree) -> list[str]:
@@ -141,10 +146,10 @@ class WeightPublisher:
         if not waiting:
           del self._live[version]
 
-  def forget(self, puller: int) -> None:
-    """A puller that left: stop holding copies for it."""
-    for version in list(self._live):
-      self.pulled(version, puller)
+  def live_versions(self) -> int:
+    """Versions published and not yet pulled by every puller (each holds one copy of the weights on device)."""
+    with self._lock:
+      return len(self._live)
 
 
 class WeightPuller:
@@ -155,8 +160,6 @@ class WeightPuller:
     shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
     self._targets, self._treedef = jax.tree.flatten(jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings))
-    self.paths = _leaf_paths(abstract_params)
-    self.nbytes = sum(a.size * a.dtype.itemsize for a in self._targets)
     self.address = address
     self.server = _server(devices, host)
     self._conn = self.server.connect(address)
