@@ -119,7 +119,8 @@ def test_nonfinite_logprobs_never_reach_the_loss():
 
 def test_a_nan_step_stops_naming_the_step():
   cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=1, warmup_steps=0)
-  learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), params=nnx.split(create(CFG, 5))[1])
-  trajs = [t.replace(reward=float("nan")) for t in make_trajectories(2)]  # NaN advantages: NaN loss and gradient
+  params = jax.tree.map(lambda x: x * np.nan if x.ndim == 2 else x, nnx.split(create(CFG, 5))[1])  # a diverged model
+  learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), params=params)
+  trajs = make_trajectories(2)
   with pytest.raises(FloatingPointError, match=r"learner step 1: (loss|grad_norm) is nan.*last checkpoint is intact"):
     learner.train_step(trajs)
