@@ -43,6 +43,11 @@ def main(argv):
   from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
 
   trainer.run(config, _WORKDIR.value, layout)
+  if layout.role == "sampler":
+    # Done and said goodbye. Skip interpreter teardown: destroying the transfer client after the learner's server
+    # has gone can abort in C++ and turn a clean stop into a crash.
+    logging.flush()
+    os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

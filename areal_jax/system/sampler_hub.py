@@ -101,13 +101,18 @@ class SamplerHub:
       out[f"sync/sampler{i}/mb_per_s"] = mb / max(p["seconds"], 1e-9)
     return out
 
-  def stop(self) -> None:
+  def stop(self, timeout_s: float = 120.0) -> None:
+    """Tells every sampler to stop and waits for its goodbye (it first finishes a pull in flight, which needs this
+    process's transfer server alive)."""
     self._stopping = True
     for peer in self.peers.values():
       try:
         peer.send("stop")
       except OSError:
         pass
+    for t in self._threads:
+      if t.is_alive():
+        t.join(timeout_s)
 
   # --- one reader thread per sampler process ----------------------------------------------------------------------
 

@@ -99,9 +99,9 @@ class _Sampler:
     self.loop = SamplerLoop(engine=self.engine, params=params, version=notice["version"], eos_ids=self.eos_ids,
                             detokenize=self.detokenize).start()
     self.version = notice["version"]
-    threads = [threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
-               for f in (self._forward, self._pull_loop)]
-    for t in threads:
+    threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
+               for f in (self._forward, self._pull_loop)}
+    for t in threads.values():
       t.start()
     while not self.stop.is_set():
       if self.error is not None:
@@ -120,6 +120,9 @@ class _Sampler:
       elif kind == "stop":
         logging.info("%s: stopping", self.layout.name)
         self.stop.set()
+        # A pull in flight finishes first: the leader keeps its transfer server up until it hears "bye".
+        threads["_pull_loop"].join(PULL_TIMEOUT_S)
+        threads["_forward"].join(10)
         self.leader.send("bye")
       else:
         raise RuntimeError(f"{self.layout.name}: unknown message {kind!r}")
@@ -129,6 +132,8 @@ class _Sampler:
       try:
         fn()
       except BaseException as e:  # pylint: disable=broad-except  # ends the process through the main thread
+        if self.stop.is_set():
+          return  # shutting down: the connection may already be closed
         logging.exception("%s: %s failed", self.layout.name, fn.__name__)
         self.error = e  # the main thread raises it within 0.2 s
         self._report(e)
