@@ -1,6 +1,5 @@
 """Multi-process jobs on CPU, started with launch/local.py: roles in separate processes, each pinned to its cores."""
 
-import json
 import os
 import re
 import signal

@@ -28,6 +28,8 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from areal_jax.system.roles import ProcessLayout
 
+CONNECT_TIMEOUT_S = 600.0  # how long a process waits for the others to connect (compilation may come first)
+
 
 class Peer:
   """One connection, safe to send on from several threads."""

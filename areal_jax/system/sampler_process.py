@@ -29,13 +29,12 @@ from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sharding import make_mesh
 from areal_jax.system import weight_sync
-from areal_jax.system.control import Peer, connect
+from areal_jax.system.control import CONNECT_TIMEOUT_S, Peer, connect
 from areal_jax.system.roles import ProcessLayout, authkey
 from areal_jax.system.weight_transfer import WeightPuller, local_ip_towards
 from areal_jax.tokenizer import load_tokenizer
 
 PULL_TIMEOUT_S = 600.0
-CONNECT_TIMEOUT_S = 600.0
 
 
 def run_sampler(config, workdir: str, layout: ProcessLayout, *, model_cfg) -> None:

@@ -47,7 +47,7 @@ from areal_jax.sharding import make_mesh
 from areal_jax.system import sampler_process, warmstart, weight_sync
 from areal_jax.system.batches import save_batch
 from areal_jax.system.checkpoint import Checkpointer
-from areal_jax.system.control import ControlServer, Peer, connect
+from areal_jax.system.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
 from areal_jax.system.controller import RewardChannels, RolloutController
 from areal_jax.system.evaluation import Evaluator
 from areal_jax.system.metrics import MetricsWriter, append_lines, truncate_jsonl
@@ -113,7 +113,6 @@ class _QuietLibraries(logging.Filter):
     return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
 
 
-CONNECT_TIMEOUT_S = 600.0  # how long the leader waits for every other process to connect
 
 
 def _place(tree, shardings):
