@@ -59,6 +59,15 @@ def test_worked_solution_does_products_first():
   assert solution == "4*5=20\n3+20=23\n23-2=21\n\\boxed{21}"
 
 
+def test_level_one_works_the_sum_in_columns():
+  assert synthetic.column_sum(17, 25) == "7+5=12\n1+2+1=4\n\\boxed{42}"
+  assert synthetic.column_sum(3, 40) == "3+0=3\n0+4+0=4\n\\boxed{43}"
+  assert synthetic.column_sum(49, 49) == "9+9=18\n4+4+1=9\n\\boxed{98}"
+  for p in synthetic.generate(200, difficulty=1, seed=1):
+    a, b = map(int, re.fullmatch(r"what is (\d+)\+(\d+)\?", p.question).groups())
+    assert p.solution == synthetic.column_sum(a, b)
+
+
 def test_exclusion_and_distinct():
   held = synthetic.generate(128, difficulty=1, seed=0, split="eval", distinct=True)
   assert len({p.question for p in held}) == 128
@@ -81,7 +90,7 @@ def test_mix_long_tail_and_bad_mix():
   ops = np.array([sum(p.question.count(o) for o in "+-*") for p in problems])
   assert set(ops) == {1, 4} and abs((ops == 4).mean() - 0.1) < 0.03
   lengths = np.array([len(p.solution) for p in problems])
-  assert lengths.max() > 2.2 * lengths.mean()  # the long tail the async benchmark needs
+  assert lengths.max() > 2 * lengths.mean()  # the long tail the async benchmark needs
   assert synthetic.generate(5, difficulty=1, seed=0)[0].uid == "synthetic-1/train:0"  # plain difficulty unchanged
   for bad in ("1:9,4", "5:1", "1:0", "1:1,1:2", "a:1", ""):
     with pytest.raises(DataError, match="data.synthetic_mix"):

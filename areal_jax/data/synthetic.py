@@ -8,6 +8,14 @@ characters, solution <= 56) so that the tiny model's 48-token prompts and 64-tok
                                 12+21=33
                                 \boxed{33}
 
+Difficulty 1 (the CPU default) works the sum in columns, ones then tens with the carry: a model trained from scratch
+learns single-digit facts in a few hundred steps, where the one-line sum `17+25=42` takes thousands (measured: 400
+warm-start steps of 16 reach 0.34 pass@1 in columns, 0.04 in one line).
+
+    what is 17+25?         ->   7+5=12
+                                1+2+1=4
+                                \boxed{42}
+
 The answer is `\boxed{}`ed like real math data, and the reference is checked by `verify_math` like any other.
 
 A mix of difficulties (`data.synthetic_mix="1:9,4:1"`: difficulty:weight pairs) gives the long-tail answer lengths
@@ -27,6 +35,12 @@ LEVELS = {1: ("+", 50), 2: ("+-", 50), 3: ("+-*", 30), 4: ("+-*", 30)}
 _SPLITS = {"train": 0, "eval": 1}
 
 
+def column_sum(a: int, b: int) -> str:
+  """`a+b` (0 <= a, b < 100) worked in columns: ones, then tens plus the carry, then the boxed sum."""
+  ones = a % 10 + b % 10
+  return f"{a % 10}+{b % 10}={ones}\n{a // 10}+{b // 10}+{ones // 10}={a // 10 + b // 10 + ones // 10}\n\\boxed{{{a + b}}}"
+
+
 def make_problem(rng: np.random.Generator, difficulty: int) -> tuple[str, str, int]:
   """(expression, worked solution, answer) for one random problem."""
   ops, bound = LEVELS[difficulty]
@@ -36,6 +50,8 @@ def make_problem(rng: np.random.Generator, difficulty: int) -> tuple[str, str, i
     near_mul = (i > 0 and chosen[i - 1] == "*") or (i < difficulty and chosen[i] == "*")
     nums.append(int(rng.integers(2, 10)) if near_mul else int(rng.integers(0, bound)))
   expr = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(chosen, nums[1:]))
+  if difficulty == 1:
+    return expr, column_sum(*nums), sum(nums)
   steps = []
   terms, signs = [nums[0]], []  # products first, left to right
   for o, n in zip(chosen, nums[1:]):

@@ -84,12 +84,13 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
     logging.info("warm-start: loading cached %s", cache)
     return _place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
   pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
-  logging.info("warm-start: %d steps on %d worked solutions", config.warmstart.steps, len(pairs))
-  params, loss = warmstart.sft(learner.fns, learner.params, pairs, steps=config.warmstart.steps,
-                               batch_size=config.warmstart.batch_size, lr=config.warmstart.lr,
-                               max_tokens=config.learner.max_tokens_per_mb, seed=config.seed)
+  w = config.warmstart
+  logging.info("warm-start: up to %d steps on %d worked solutions", w.steps, len(pairs))
+  params, loss, taken = warmstart.sft(learner.fns, learner.params, pairs, steps=w.steps, batch_size=w.batch_size,
+                                      lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
+                                      target_loss=w.target_loss)
   orbax_io.save_orbax(nnx.merge(learner.fns.graphdef, params), str(cache))
-  logging.info("warm-start: done, loss %.4f, cached in %s", loss, cache)
+  logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
   return params
 
 

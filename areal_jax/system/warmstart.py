@@ -21,6 +21,9 @@ from areal_jax.learner.step import BATCH_INT_KEYS, StepFns, packed_logprobs
 from areal_jax.types import Trajectory
 
 
+_WINDOW = 10  # steps averaged for `target_loss`
+
+
 def _examples(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Trajectory]:
   return [Trajectory(prompt_ids=np.asarray(p, np.int32), response_ids=np.asarray(r, np.int32),
                      logprobs=np.zeros(len(r), np.float32), versions=np.zeros(len(r), np.int32), finish_reason="eos")
@@ -28,13 +31,19 @@ def _examples(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Traj
 
 
 def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, steps: int,
-        batch_size: int, lr: float, max_tokens: int, seed: int = 0, log_every: int = 50) -> tuple[nnx.State, float]:
-  """Trains `params` (on `fns.mesh`) to predict each pair's response from its prompt; returns (params, last loss).
+        batch_size: int, lr: float, max_tokens: int, seed: int = 0, target_loss: float = 0.0,
+        log_every: int = 50) -> tuple[nnx.State, float, int]:
+  """Trains `params` (on `fns.mesh`) to predict each pair's response from its prompt; returns (params, last loss,
+  steps taken).
 
   `pairs` are (prompt ids, response ids incl. eos); batches are drawn with a seeded shuffle, epoch after epoch.
+  `target_loss` > 0 stops early once the mean loss of the last `_WINDOW` steps is at or below it: a model trained
+  from scratch learns arithmetic in a sudden drop whose timing varies with the seed, and stopping at a loss rather
+  than a step count starts RL from the same competence whatever the seed.
   """
-  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, min(50, steps // 10 + 1), steps, lr * 0.1),
-                          b1=0.9, b2=0.95, weight_decay=0.0)
+  warmup = min(50, steps // 10 + 1)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1)  # steps >= 1
+  optimizer = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0)
   opt_state = jax.jit(optimizer.init)(params)
   graphdef = fns.graphdef
 
@@ -54,7 +63,7 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
   examples = _examples(pairs)
   rng = np.random.default_rng(seed)
   order, pos = rng.permutation(len(examples)), 0
-  loss, start = float("nan"), time.time()
+  loss, start, recent = float("nan"), time.time(), []
   for i in range(steps):
     if pos + batch_size > len(order):
       order, pos = rng.permutation(len(examples)), 0
@@ -67,7 +76,13 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
       mb = assemble(layout, batch_ex, [np.ones(len(t.response_ids), np.float32) for t in batch_ex])
       arrays = {k: getattr(mb, k) for k in BATCH_INT_KEYS + ("loss_mask",)}
       params, opt_state, loss_arr = step(params, opt_state, jax.device_put(arrays, fns.batch_sharding))
+    recent = recent[-(_WINDOW - 1):] + [loss_arr]
     if (i + 1) % log_every == 0 or i + 1 == steps:
       loss = float(loss_arr)
       logging.info("warm-start step %d/%d: loss %.4f (%.0fs)", i + 1, steps, loss, time.time() - start)
-  return params, loss
+    if target_loss > 0 and (i + 1) % _WINDOW == 0 and float(jnp.mean(jnp.stack(recent))) <= target_loss:
+      loss = float(loss_arr)
+      logging.info("warm-start: mean loss of the last %d steps <= target %.4g at step %d (%.0fs)", _WINDOW,
+                   target_loss, i + 1, time.time() - start)
+      return params, loss, i + 1
+  return params, loss, steps
