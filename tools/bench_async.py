@@ -1,9 +1,9 @@
 r"""Asynchronous vs synchronous RL, side by side in one run (the paper's Table 7, on the hardware at hand).
 
-    python tools/bench_async.py [--processes] [--etas=0,1,2,4,8] [--steps=20] [--workdir=/tmp/bench_async] \
-        [--config.*=...]
+    python tools/bench_async.py [--processes] [--etas=0,1,2,4,8] [--steps=20] [--seeds=0,1,2] \
+        [--workdir=/tmp/bench_async] [--config.*=...]
 
-Every run uses the same model, data, seed and starting weights; only the staleness bound η and the process layout
+Every run uses the same model, data, seeds and starting weights; only the staleness bound η and the process layout
 differ. η = 0 with the plain PPO loss is synchronous RL (generate a batch, train on it, repeat); η > 0 uses the
 decoupled loss. Without `--processes`, every run is one process whose devices are split into a sampler and a learner
 slice (`config.mesh`). With `--processes` (CPU, a machine of at least 2 cores):
@@ -20,8 +20,11 @@ its own compilation; the first `--skip` steps are not timed.
 Throughput counts trained answers (`learner/num_sequences`) and their tokens (`learner/loss_tokens`) between the end
 of step `--skip` and the last step. Busy fractions are the seconds each role spent computing (sampler: scheduler
 steps; learner: train steps and weight publication) over the same wall time. Accuracy is the held-out evaluation at
-step 0 and after the last step (`eval.*`). The table, the answer-length distribution and every run's metrics go to
-`<workdir>`.
+step 0 and after the last step (`eval.*`). Every run trains the same number of answers (steps x B x G), so the
+final accuracies compare equal amounts of training. With several `--seeds` (`config.seed`: sampling, evaluation
+samples) every run is repeated per seed from the same warm-start; the table gives mean ± standard deviation over the
+seeds, and the accuracy gap to the first synchronous run is taken seed by seed (same seed, same start) before
+averaging. The table, the answer-length distribution and every run's metrics go to `<workdir>`.
 """
 
 import dataclasses
@@ -44,6 +47,7 @@ _ETAS = flags.DEFINE_list("etas", ["0", "1", "2", "4", "8"], "Staleness bounds t
 _STEPS = flags.DEFINE_integer("steps", 20, "Learner steps per run.")
 _SKIP = flags.DEFINE_integer("skip", 2, "Steps not timed at the start of each run (compilation).")
 _MIX = flags.DEFINE_string("mix", "1:12,4:1", "data.synthetic_mix of the workload ('' = keep the config's data).")
+_SEEDS = flags.DEFINE_list("seeds", ["0"], "config.seed of each repetition of every run.")
 _PROCESSES = flags.DEFINE_bool("processes", False, "Compare colocated sync, split sync and split async processes.")
 
 
@@ -63,10 +67,13 @@ def runs_for(etas, processes: bool) -> list[Run]:
           + [Run(f"split_eta{e}", f"split η={e}", e, 2, 1) for e in etas if e > 0])
 
 
-def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str, cpu_devices: int | None = None):
+def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str, cpu_devices: int | None = None,
+                 seed: int | None = None):
   """The config of one run: `config` with η, the matching loss, `steps` steps and one evaluation at the end."""
   c = config.copy_and_resolve_references()
   c.unlock()
+  if seed is not None:
+    c.seed = seed
   c.rollout.max_head_offpolicyness = eta
   c.rollout.queue_size = max(c.rollout.queue_size, (eta + 1) * c.rollout.batch_size)  # what the bound lets finish
   c.learner.use_decoupled_loss = eta > 0
@@ -136,23 +143,61 @@ def length_line(lengths) -> str:
           f"p90 {np.percentile(x, 90):.0f}, max {x.max()} (max/mean {x.max() / x.mean():.2f})")
 
 
-def table(results: dict[Run, dict]) -> str:
+def _mean_std(values) -> tuple[float, float]:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  x = np.asarray(values, np.float64)
+  return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+
+def _fmt(values, digits: int, sign: bool = False) -> str:
+  mean, std = _mean_std(values)
+  text = f"{mean:+.{digits}f}" if sign else f"{mean:.{digits}f}"
+  return text + (f" ± {std:.{digits}f}" if len(values) > 1 else "")
+
+
+def aggregate(results: dict[Run, list[dict]]) -> dict[Run, dict]:
+  """Per run over its seeds: means and standard deviations, and the accuracy gap to the first synchronous run taken
+  seed by seed (`accuracy_gap`, one value per seed)."""
+  base = next((run for run in results if run.eta == 0), None)
+  out = {}
+  for run, per_seed in results.items():
+    agg = {k: _mean_std([r[k] for r in per_seed]) for k in per_seed[0]}
+    agg["seeds"] = len(per_seed)
+    if base is not None:
+      agg["accuracy_gap"] = [r["accuracy"] - b["accuracy"] for r, b in zip(per_seed, results[base])]
+    out[run] = agg
+  return out
+
+
+def table(results: dict[Run, list[dict]]) -> str:
+  """Markdown table, one line per run (mean ± std over its seeds)."""
   baselines = [run for run in results if run.eta == 0]
+  base = baselines[0] if baselines else None
   head = (["run", "processes", "η", "loss", "trained samples/s", "tokens/s"] + [f"× {b.label}" for b in baselines]
-          + ["sampler busy", "learner busy", "staleness mean / max", "accuracy (start → final)"])
+          + ["sampler busy", "learner busy", "staleness mean / max", "accuracy (start → final)"]
+          + ([f"accuracy − {base.label}"] if base else []))
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for run, r in results.items():
-    ratios = [f"{r['samples_per_s'] / results[b]['samples_per_s']:.2f}×" for b in baselines]
+  agg = aggregate(results)
+  for run, per_seed in results.items():
+    col = lambda k: [r[k] for r in per_seed]
+    mean = lambda run, k: agg[run][k][0]
+    ratios = [f"{mean(run, 'samples_per_s') / mean(b, 'samples_per_s'):.2f}×" for b in baselines]
     cells = [run.label, str(run.processes), str(run.eta), "decoupled" if run.eta else "PPO",
-             f"{r['samples_per_s']:.2f}", f"{r['tokens_per_s']:.0f}", *ratios, f"{r['sampler_busy']:.0%}",
-             f"{r['learner_busy']:.0%}", f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f}",
-             f"{r['initial_accuracy']:.3f} → {r['accuracy']:.3f}"]
+             _fmt(col("samples_per_s"), 2), f"{mean(run, 'tokens_per_s'):.0f}", *ratios,
+             f"{mean(run, 'sampler_busy'):.0%}", f"{mean(run, 'learner_busy'):.0%}",
+             f"{mean(run, 'staleness_mean'):.2f} / {max(col('staleness_max')):.0f}",
+             f"{mean(run, 'initial_accuracy'):.3f} → {_fmt(col('accuracy'), 3)}"]
+    if base:
+      cells.append(_fmt(agg[run]["accuracy_gap"], 3, sign=True))
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
-def run_bench(config, *, runs: list[Run], steps: int, skip: int, mix: str, root: str) -> tuple[dict[Run, dict], str]:
-  """One warm-start (unless `model.init_from` is set), then every run; returns (results by run, report)."""
+def run_bench(config, *, runs: list[Run], steps: int, skip: int, mix: str, root: str,
+              seeds: tuple[int, ...] = (0,)) -> tuple[dict[Run, list[dict]], str]:
+  """One warm-start (unless `model.init_from` is set), then every run once per seed; returns (results by run, one
+  summary per seed, in `seeds` order; report)."""
   if steps <= skip:
     raise ValueError(f"steps={steps} must exceed skip={skip} (the untimed compilation steps)")
   init_from = config.model.init_from
@@ -160,28 +205,32 @@ def run_bench(config, *, runs: list[Run], steps: int, skip: int, mix: str, root:
     warm = os.path.join(root, "warmstart_run")
     launch(bench_config(config, eta=0, steps=0, init_from="", mix=mix), warm, 1)
     init_from = os.path.join(warm, "warmstart")
-  results, lengths = {}, []
-  for run in runs:
-    workdir = os.path.join(root, run.name)
-    logging.info("bench_async: %s in %s", run.label, workdir)
-    c = bench_config(config, eta=run.eta, steps=steps, init_from=init_from, mix=mix, cpu_devices=run.cpu_devices)
-    results[run] = summarize(launch(c, workdir, run.processes), skip)
-    lengths += answer_lengths(os.path.join(workdir, "rollouts.jsonl"))
-    logging.info("bench_async: %s: %s", run.label, json.dumps(results[run]))
+  results, lengths = {run: [] for run in runs}, []
+  for seed in seeds:  # seed-major: a partial bench still compares every run
+    for run in runs:
+      workdir = os.path.join(root, run.name if len(seeds) == 1 else f"{run.name}_seed{seed}")
+      logging.info("bench_async: %s, seed %d, in %s", run.label, seed, workdir)
+      c = bench_config(config, eta=run.eta, steps=steps, init_from=init_from, mix=mix, cpu_devices=run.cpu_devices,
+                       seed=seed)
+      results[run].append(summarize(launch(c, workdir, run.processes), skip))
+      lengths += answer_lengths(os.path.join(workdir, "rollouts.jsonl"))
+      logging.info("bench_async: %s, seed %d: %s", run.label, seed, json.dumps(results[run][-1]))
   report = (f"workload: data.synthetic_mix={mix or config.data.synthetic_mix!r}, B={config.rollout.batch_size}, "
             f"G={config.rollout.group_size}, {config.sampler.num_slots} slots, {steps} steps per run "
-            f"({skip} untimed); {length_line(lengths)}\n\n{table(results)}")
+            f"({skip} untimed), seeds {', '.join(map(str, seeds))}; {length_line(lengths)}\n\n{table(results)}")
   with open(os.path.join(root, "bench_async.md"), "w") as f:
     f.write(report + "\n")
   with open(os.path.join(root, "bench_async.json"), "w") as f:
-    json.dump({run.name: {**dataclasses.asdict(run), **r} for run, r in results.items()}, f, indent=2)
+    json.dump({run.name: {**dataclasses.asdict(run), "seeds": list(seeds), "per_seed": r}
+               for run, r in results.items()}, f, indent=2)
   return results, report
 
 
 def main(argv):
   del argv
   _, report = run_bench(_CONFIG.value, runs=runs_for([int(e) for e in _ETAS.value], _PROCESSES.value),
-                        steps=_STEPS.value, skip=_SKIP.value, mix=_MIX.value, root=_WORKDIR.value)
+                        steps=_STEPS.value, skip=_SKIP.value, mix=_MIX.value, root=_WORKDIR.value,
+                        seeds=tuple(int(s) for s in _SEEDS.value))
   print(report)
 
 
