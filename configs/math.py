@@ -17,9 +17,12 @@ Presets (`--config=configs/math.py:PRESET`):
               min      2.2    4.5    6.5    8.4   10.2
       seed 1  acc     0.594  0.648  0.703  0.762  0.830   (warm-start 270 steps; first RL step at 2.3 min)
               min      1.8    3.9    5.9    7.8    9.7
+      seed 2  acc     0.086  0.113  0.156  0.137  0.182   (warm-start 300 steps, loss 0.14; first RL step at 2.5 min)
+              min      2.0    4.5    6.8    9.2   11.7
 
-  +21.7 and +23.6 points, every evaluation above step 0, in 10.4 and 9.9 minutes: short of the +25 points in 10
-  minutes this default aims at. Seed 2 is not measured yet.
+  +21.7, +23.6 and +9.6 points, every evaluation above step 0, in 10.4, 9.9 and 11.9 minutes: short of the +25
+  points in 10 minutes this default aims at. Seed 2's warm-start had not learned to add within its 300 steps, and RL
+  from 9% is slow.
 
 * `qwen2.5-1.5b`: DeepSeek-R1-Distill-Qwen-1.5B / Qwen2.5-1.5B shapes with the paper's Table 3 hyperparameters
   (Adam 2e-5, wd 0.05, betas (0.9, 0.95), eps 1e-5, clip 1.0, PPO eps 0.2, temperature 1.0, 512 prompts x 16 answers,
