@@ -37,8 +37,9 @@ _SPLITS = {"train": 0, "eval": 1}
 
 def column_sum(a: int, b: int) -> str:
   """`a+b` (0 <= a, b < 100) worked in columns: ones, then tens plus the carry, then the boxed sum."""
-  ones = a % 10 + b % 10
-  return f"{a % 10}+{b % 10}={ones}\n{a // 10}+{b // 10}+{ones // 10}={a // 10 + b // 10 + ones // 10}\n\\boxed{{{a + b}}}"
+  ones, carry = a % 10 + b % 10, (a % 10 + b % 10) // 10
+  tens = a // 10 + b // 10 + carry
+  return f"{a % 10}+{b % 10}={ones}\n{a // 10}+{b // 10}+{carry}={tens}\n\\boxed{{{a + b}}}"
 
 
 def make_problem(rng: np.random.Generator, difficulty: int) -> tuple[str, str, int]:
