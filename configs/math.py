@@ -153,6 +153,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.top_p = 1.0
   c.sampler.top_k = -1
   c.sampler.attention = "auto"  # auto | jax | pallas_tpu
+  c.sampler.attention_block = 0  # tokens per block of the pure-JAX paged attention; 0 = 32 on CPU, 256 elsewhere
+  c.sampler.decode_steps = 8  # decode steps per device call (new answers and weights wait for the call to end)
   c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
 
   c.learner = ml_collections.ConfigDict()

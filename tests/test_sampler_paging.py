@@ -10,7 +10,7 @@ from flax import nnx
 
 from areal_jax.models import create
 from areal_jax.sampler import Engine, PagePool, PoolExhausted, Request, SamplerConfig, SamplingParams, Scheduler
-from areal_jax.sampler.state import ResultTokens
+from areal_jax.sampler.state import DecodeSteps
 from helpers import TINY, tiny_model
 
 CFG = TINY
@@ -39,9 +39,9 @@ def test_pool_refcounts():
 class FakePrograms:
   """Device functions replaced by host stand-ins: random tokens (EOS = 1 now and then), no arrays touched."""
 
-  def __init__(self, num_slots, seed):
+  def __init__(self, num_slots, decode_steps, seed):
     self.rng = np.random.default_rng(seed)
-    self.s = num_slots
+    self.s, self.decode_steps = num_slots, decode_steps
     self.attention = "jax"
 
   def prefill(self, params, tokens, lengths, rows):
@@ -53,20 +53,24 @@ class FakePrograms:
   def insert(self, state, prefix, first, chunks, upd):
     return state
 
-  def decode(self, params, state, active, grow):
-    tokens = self.rng.integers(1, 64, self.s).astype(np.int32)
-    return state, ResultTokens(tokens=tokens, valid=active, lengths=tokens, log_prob=np.zeros(self.s, np.float32))
+  def decode(self, params, state, budget, stop_eos, eos, grow):
+    tokens = self.rng.integers(1, 64, (self.s, self.decode_steps)).astype(np.int32)
+    ends = stop_eos[:, None] & np.isin(tokens, eos)
+    first_end = np.where(ends.any(1), ends.argmax(1) + 1, self.decode_steps)
+    count = np.minimum(budget, first_end).astype(np.int32)
+    return state, DecodeSteps(tokens=tokens, log_prob=np.zeros(tokens.shape, np.float32), count=count)
 
 
-@pytest.mark.parametrize("data,groups", [(1, 500), (2, 1000)])
-def test_thousands_of_requests_leave_no_page_behind(data, groups):
+@pytest.mark.parametrize("data,groups,decode_steps", [(1, 500, 1), (2, 1000, 6)])
+def test_thousands_of_requests_leave_no_page_behind(data, groups, decode_steps):
   """The host side alone (allocator, slot table, admission, preemption) over thousands of answers of random
   lengths, on one and on two data shards."""
   model = nnx.eval_shape(lambda: create(CFG))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:data]).reshape(data, 1), ("data", "tensor"))
-  cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=data * 16, max_seq_len=48, max_prefill_tokens=64)
+  cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=data * 16, max_seq_len=48, max_prefill_tokens=64,
+                      decode_steps=decode_steps)
   engine = Engine(model=model, config=cfg, mesh=mesh)
-  engine.programs = FakePrograms(cfg.num_slots, seed=data)
+  engine.programs = FakePrograms(cfg.num_slots, decode_steps, seed=data)
   sched = Scheduler(engine=engine, params=None, eos_ids=[1])
   sched.state = None
   rng = np.random.default_rng(0)
@@ -87,8 +91,9 @@ def test_thousands_of_requests_leave_no_page_behind(data, groups):
     steps += 1
     if steps % 97 == 0:
       engine.pool.check()
-      for slot, seq in sched.running.items():  # a slot holds exactly the pages its cached tokens fill
-        assert len(engine.slot_pages[slot]) == -(-engine.slot_length[slot] // cfg.page_size)
+      for slot, seq in sched.running.items():  # a slot holds the pages its cached tokens fill, and one call's more
+        held, length = len(engine.slot_pages[slot]), engine.slot_length[slot]
+        assert -(-length // cfg.page_size) <= held <= -(-(length + decode_steps) // cfg.page_size)
   assert sum(expected.values()) > groups
   assert {g: len(v) for g, v in done.items()} == expected
   assert sched.counters["preemptions"] > 0

@@ -46,29 +46,39 @@ def models():
 
 @pytest.fixture(scope="module")
 def engine(models):
-  cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=72, max_seq_len=40, max_prefill_tokens=64)
+  cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=72, max_seq_len=40, max_prefill_tokens=64, decode_steps=3)
   return Engine(model=models[0], config=cfg)
 
 
 def test_update_mid_generation_recomputes_caches(models, engine):
+  """Decoding 3 tokens per device call, an update lands at the next call: every token drawn after `update_params`
+  records the new version, and its logprob is the new weights'."""
   params = {v: engine.load_params(m) for v, m in models.items()}
   sched = Scheduler(engine=engine, params=params[0], version=0)
   rng = np.random.default_rng(0)
   for g in range(5):
     sched.submit(Request(group_id=g, prompt_ids=rng.integers(2, 64, size=rng.integers(3, 14)), num_answers=2,
                          sampling=SamplingParams(temperature=TEMPERATURE, max_new_tokens=20, seed=1)))
-  done = []
+  done, drawn_before = [], {}  # answer -> tokens it had when version v was published
   for step in range(200):
-    if step in (5, 11):  # two updates while every answer is mid-way
-      sched.update_params(params[1 if step == 5 else 2], 1 if step == 5 else 2)
+    if step in (2, 4):  # two updates while every answer is mid-way
+      version = 1 if step == 2 else 2
+      sched.update_params(params[version], version)
+      drawn_before.update({(id(s), version): len(s.tokens) for s in sched.running.values()})
     done += sched.step()
     if sched.idle:
       break
   assert sched.counters["weight_updates"] == 2 and sched.counters["recomputed"] >= 8
+  assert sched.counters["decode_steps"] > sched.counters["decode_calls"]
   trajectories = [s.trajectory() for s in done]
   assert len(trajectories) == 10
   spans = [set(t.versions.tolist()) for t in trajectories]
   assert sum(s == {0, 1, 2} for s in spans) >= 8  # interrupted twice, continued under each new version
+  for seq, t in zip(done, trajectories):
+    for version in (1, 2):
+      n = drawn_before.get((id(seq), version))
+      if n is not None:
+        assert np.all(t.versions[n:] >= version) and np.all(t.versions[:n] < version), (t.versions, n, version)
   check_against_learner(models, trajectories)
   engine.pool.check()
   assert engine.pool.num_free(0) == engine.pool.capacity

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models import ModelConfig, create
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.engine import pages_per_shard, param_bytes_per_device
+from areal_jax.sampler.engine import MAX_EOS_IDS, pages_per_shard, param_bytes_per_device
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
 from areal_jax.sampler.state import decode_state_shapes, decode_state_shardings, prefix_shardings
 from areal_jax.sharding import SAMPLER_RULES, state_shardings
@@ -56,8 +56,9 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
   i32 = jnp.int32
   prefill_args = (_sds((1, t), i32, mesh), _sds((1,), i32, mesh), _sds((s,), i32, mesh))
   lowered = {
-      "decode": programs.decode.lower(params, state, _sds((s,), jnp.bool_, mesh, P("data")),
-                                     _sds((3, s), i32, mesh)),
+      "decode": programs.decode.lower(params, state, _sds((s,), i32, mesh, P("data")),
+                                     _sds((s,), jnp.bool_, mesh, P("data")), _sds((MAX_EOS_IDS,), i32, mesh),
+                                     _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh)),
       "prefill": programs.prefill.lower(params, *prefill_args),
   }
   prefix = jax.eval_shape(programs.prefill, params, *prefill_args)[0]

@@ -26,7 +26,7 @@ class Completion:
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = -1, n: int = 1, seed: int = 0, eos_ids: Sequence[int] = (),
              stop: Sequence[Sequence[int]] = (), num_slots: int = 64, page_size: int = 16,
-             mesh: Mesh | None = None, version: int = 0) -> list[list[Completion]]:
+             mesh: Mesh | None = None, version: int = 0, decode_steps: int = 8) -> list[list[Completion]]:
   """For each prompt (token ids), n completions. Answer i of prompt j is drawn with PRNG key (seed, j, i), so
   results do not depend on batching. The cache holds every slot at full length (lower `num_slots` to save memory);
   engines of equal shapes share compiled programs, so repeated calls (evaluation) compile once."""
@@ -40,7 +40,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   slots = -(-slots // data) * data
   pages_per_seq = -(-max_seq_len // page_size)
   cfg = SamplerConfig(num_slots=slots, page_size=page_size, num_pages=data * (slots // data * pages_per_seq + 1),
-                      max_seq_len=max_seq_len, max_new_tokens=max_new_tokens)
+                      max_seq_len=max_seq_len, max_new_tokens=max_new_tokens, decode_steps=decode_steps)
   engine = Engine(model=model, config=cfg, mesh=mesh)
   sched = Scheduler(engine=engine, params=engine.load_params(model), version=version, eos_ids=eos_ids)
   sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,

@@ -6,12 +6,14 @@
     prefix, first = engine.prefill(params, padded_tokens, true_length, keys=keys)  # G keys -> G first tokens
     state = engine.bulk_insert(prefix, state, slots)  # the G answers share the prompt's full pages
     state, result = engine.generate(params, state)  # one token for every active slot
+    state, steps = engine.generate_steps(params, state, budget)  # up to budget[s] tokens per slot, one device call
+    engine.advance(jax.device_get(steps.count))
     engine.free_resource(slot)
 
 The engine owns the host-side bookkeeping of its slots (pages held, tokens cached, active) and the page pool; the
 device work is in `programs.py`. Slots are split evenly over the mesh's data shards, and a slot only holds pages of
-its own shard. `generate` raises `PoolExhausted` before touching the device when a slot needs a new page and its shard
-has none left; the caller (the scheduler) preempts a sequence and retries.
+its own shard. `generate`/`generate_steps` raise `PoolExhausted` before touching the device when the slots need new pages
+and their shard has too few left; the caller (the scheduler) preempts a sequence and retries.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.paging import SCRATCH_PAGE, PagePool, PoolExhausted
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
-from areal_jax.sampler.state import (DecodeState, Prefix, ResultTokens, decode_state_shapes, decode_state_shardings,
-                                     page_bytes)
+from areal_jax.sampler.state import (DecodeState, DecodeSteps, Prefix, ResultTokens, decode_state_shapes,
+                                     decode_state_shardings, page_bytes)
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
 from areal_jax.system.weight_sync import check_compatible
+
+
+MAX_EOS_IDS = 8  # `generate_steps` takes up to this many EOS ids (padded: one compiled decode program)
 
 
 def _pow2(n: int) -> int:
@@ -156,25 +161,69 @@ class Engine:
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step of every active slot; allocates the pages the step writes into first."""
+    act = self.active.copy()
+    lengths = self.slot_length + 2
+    decode_state, steps = self.generate_steps(params, decode_state, act.astype(np.int32))
+    self.advance(act.astype(np.int32))
+    return decode_state, ResultTokens(tokens=steps.tokens[:, 0], valid=act, lengths=lengths,
+                                      log_prob=steps.log_prob[:, 0])
+
+  def generate_steps(self, params, decode_state: DecodeState, budget: np.ndarray, *,
+                     stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = ()) -> tuple[DecodeState, DecodeSteps]:
+    """Up to `budget[s]` (at most `sampler.decode_steps`) tokens for every active slot s in one device call; a slot
+    with `stop_eos[s]` stops early once it draws one of `eos_ids` (its pending token is never cached then).
+
+    Pages for the whole budget are allocated first (`PoolExhausted` if a shard lacks them). The device decides how
+    many tokens each slot drew, so the caller reads `DecodeSteps.count` and passes it to `advance` before the next
+    call.
+    """
     cfg = self.cfg
-    act = np.flatnonzero(self.active)
-    full = act[self.slot_length[act] >= cfg.max_seq_len]
-    if len(full):
-      raise ValueError(f"slot {full[0]} holds {self.slot_length[full[0]]} tokens, the cache length "
-                       f"sampler.max_seq_len={cfg.max_seq_len}; free it before the next step")
-    need = self.slots_needing_pages()
-    demand = np.bincount(need // self.slots_per_shard, minlength=self.num_shards)
+    budget = np.where(self.active, np.minimum(np.asarray(budget, np.int64), cfg.decode_steps), 0)
+    over = np.flatnonzero(self.slot_length + budget > cfg.max_seq_len)
+    if len(over):
+      raise ValueError(f"slot {over[0]} holds {self.slot_length[over[0]]} tokens; {budget[over[0]]} more exceed the "
+                       f"cache length sampler.max_seq_len={cfg.max_seq_len}")
+    if len(eos_ids) > MAX_EOS_IDS:
+      raise ValueError(f"{len(eos_ids)} EOS ids; at most {MAX_EOS_IDS}")
+    grow = self._grow(budget)
+    stop = np.zeros(cfg.num_slots, bool) if stop_eos is None else np.asarray(stop_eos, bool)
+    eos = np.full(MAX_EOS_IDS, -1, np.int32)
+    eos[:len(eos_ids)] = list(eos_ids)
+    return self.programs.decode(params, decode_state, budget.astype(np.int32), stop, eos, grow)
+
+  def advance(self, count: np.ndarray) -> None:
+    """Records that active slots cached `count[s]` more tokens (what a `generate_steps` call reported)."""
+    self.slot_length += np.where(self.active, np.asarray(count, np.int64), 0)
+
+  def page_demand(self, budget: np.ndarray) -> np.ndarray:
+    """New pages per data shard that `budget[s]` more tokens for every active slot s write into."""
+    p = self.cfg.page_size
+    held = np.array([len(pages) for pages in self.slot_pages], np.int64)
+    need = np.where(self.active, np.maximum(0, -(-(self.slot_length + budget) // p) - held), 0)
+    return np.bincount(np.arange(len(need)) // self.slots_per_shard, weights=need,
+                       minlength=self.num_shards).astype(np.int64)
+
+  def _grow(self, budget: np.ndarray) -> np.ndarray:
+    """Allocates the pages `budget` needs (all or none); returns the decode program's (slot, column, page) rows."""
+    demand = self.page_demand(budget)
     for shard in range(self.num_shards):
       if demand[shard] > self.pool.num_free(shard):
         raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
-    grow = np.full((3, cfg.num_slots), cfg.num_slots, np.int32)
-    for i, slot in enumerate(need):
-      page = self.pool.alloc(self.shard_of(slot), 1)[0]
-      grow[:, i] = (slot, len(self.slot_pages[slot]), page)
-      self.slot_pages[slot].append(page)
-    decode_state, result = self.programs.decode(params, decode_state, self.active.copy(), grow)
-    self.slot_length[act] += 1
-    return decode_state, result
+    p, s = self.cfg.page_size, self.cfg.num_slots
+    grow = np.full((3, s * self.pages_ahead), s, np.int32)
+    n = 0
+    for slot in np.flatnonzero(budget):
+      want = -(-(int(self.slot_length[slot]) + int(budget[slot])) // p) - len(self.slot_pages[slot])
+      for page in self.pool.alloc(self.shard_of(slot), max(0, want)):
+        grow[:, n] = (slot, len(self.slot_pages[slot]), page)
+        self.slot_pages[slot].append(page)
+        n += 1
+    return grow
+
+  @property
+  def pages_ahead(self) -> int:
+    """The most new pages one slot can need in one `generate_steps` call."""
+    return -(-self.cfg.decode_steps // self.cfg.page_size)
 
   def free_resource(self, slot: int) -> None:
     """Releases the slot's pages (shared ones return to the pool with their last holder) and marks it idle."""
@@ -195,12 +244,6 @@ class Engine:
   def free_slots(self, shard: int) -> list[int]:
     lo = shard * self.slots_per_shard
     return [s for s in range(lo, lo + self.slots_per_shard) if not self.active[s]]
-
-  def slots_needing_pages(self) -> np.ndarray:
-    """Active slots whose next write starts a page they do not hold yet."""
-    act = np.flatnonzero(self.active)
-    held = np.array([len(self.slot_pages[s]) for s in act], np.int64)
-    return act[self.slot_length[act] >= held * self.cfg.page_size]
 
   def pages_to_insert(self, length: int, num_slots: int) -> int:
     """Pages that inserting a prefix of `length` tokens into `num_slots` slots of one shard allocates."""
@@ -269,12 +312,7 @@ class Engine:
       if t >= top:
         break
       t = self.bucket(t + 1)
-    active, self.active = self.active, np.zeros_like(self.active)
-    try:
-      decode_state, _ = self.programs.decode(params, decode_state, self.active.copy(),
-                                             np.full((3, self.cfg.num_slots), self.cfg.num_slots, np.int32))
-    finally:
-      self.active = active
+    decode_state, _ = self.generate_steps(params, decode_state, np.zeros(self.cfg.num_slots, np.int32))
     return decode_state
 
   def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements) -> DecodeState:

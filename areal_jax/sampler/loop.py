@@ -4,7 +4,7 @@
     loop.start()
     loop.submit(Request(group_id=7, prompt_ids=ids, num_answers=16, sampling=SamplingParams(max_new_tokens=512)))
     traj = loop.output_queue.get()  # one per finished answer, group_id 7, ...
-    loop.update_params(new_params, version=1)  # e.g. from the learner thread; applied between two decode steps
+    loop.update_params(new_params, version=1)  # e.g. from the learner thread; applied between two decode calls
     loop.stop()
 
 One thread runs the scheduler (admission, decode steps, weight swaps); a second one detokenises finished answers and
@@ -50,7 +50,7 @@ class SamplerLoop:
     self.input_queue.put(request)
 
   def update_params(self, params, version: int) -> None:
-    """New weights (already on the sampler's shardings) used from the next decode step on; every running answer's
+    """New weights (already on the sampler's shardings) used from the next decode call on; every running answer's
     cache is recomputed under them and its next tokens record `version`."""
     self.check()
     self.scheduler.update_params(params, version)

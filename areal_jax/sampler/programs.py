@@ -9,8 +9,11 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
   sets the slots' page-table rows, pending tokens and sampling settings.
-* `decode(params, state, active [S], grow [3, S]) -> (state, ResultTokens [S])`: adds the step's new pages
-  (slot, column, page) to the page table, runs every slot one token, writes its keys/values, draws the next token.
+* `decode(params, state, budget [S], stop_eos [S], eos [E], grow [3, G]) -> (state, DecodeSteps)`: adds new pages
+  (slot, column, page) to the page table, then runs up to `cfg.decode_steps` steps in one `lax.while_loop`: each step
+  caches every live slot's pending token, draws its next one and records it. Slot s stops after `budget[s]` tokens,
+  or (if `stop_eos[s]`) once its pending token is in `eos`; the loop ends when no slot is live. Drawing uses
+  `fold_in(key, index)` as one step at a time does, so the tokens do not depend on the number of steps per call.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.sampler import attention
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.sampling import sample
-from areal_jax.sampler.state import DecodeState, PrefixArrays, ResultTokens, decode_state_shardings, prefix_shardings
+from areal_jax.sampler.state import DecodeState, DecodeSteps, PrefixArrays, decode_state_shardings, prefix_shardings
 from areal_jax.sharding import SAMPLER_RULES, use_rules
 
 
@@ -84,7 +87,8 @@ def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) ->
 def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh) -> Programs:
   """Cached: engines with the same graph, configs and mesh share compiled programs."""
   impl = resolve_attention(cfg, model_cfg, mesh)
-  pages_per_block = max(1, cfg.attention_block // cfg.page_size)
+  block = cfg.attention_block or (32 if mesh.devices.flat[0].platform == "cpu" else 256)
+  pages_per_block = max(1, block // cfg.page_size)
   decode_attend = attention.sharded_decode_attention(mesh, model_cfg.num_kv_heads, impl=impl,
                                                      pages_per_block=pages_per_block)
   write_chunks = attention.sharded_write_chunks(mesh, model_cfg.num_kv_heads)
@@ -116,22 +120,36 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
         temperature=put(state.temperature, upd.temperature), top_p=put(state.top_p, upd.top_p),
         top_k=put(state.top_k, upd.top_k))
 
-  def decode(params, state: DecodeState, active, grow):
+  def decode(params, state: DecodeState, budget, stop_eos, eos, grow):
     model = nnx.merge(graphdef, params)
-    page_table = state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop")
-    pos = state.lengths
-    with use_rules(mesh, SAMPLER_RULES):
-      def attend(i, q, k, v):
-        out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], state.k[i], state.v[i], page_table, pos, active)
-        return out[:, None], (kp, vp)
+    state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
+    k_steps = cfg.decode_steps
+    ends = lambda tokens: stop_eos & jnp.any(tokens[:, None] == eos[None, :], axis=-1)
 
-      h, kv = model.run_layers(model.embed_tokens(state.tokens[:, None]), pos[:, None], attend)
-      logits = model.logits(h[:, 0])
-      tokens, log_prob = sample(logits, state.keys, state.index, state.temperature, state.top_p, state.top_k)
-    step = active.astype(jnp.int32)
-    new = state.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), page_table=page_table,
-                        tokens=jnp.where(active, tokens, state.tokens), lengths=pos + step, index=state.index + step)
-    return new, ResultTokens(tokens=tokens, valid=active, lengths=pos + 2, log_prob=log_prob)
+    def step(carry):
+      i, st, live, count, out_tokens, out_logp = carry
+      pos = st.lengths
+      with use_rules(mesh, SAMPLER_RULES):
+        def attend(layer, q, k, v):
+          out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], st.k[layer], st.v[layer], st.page_table, pos, live)
+          return out[:, None], (kp, vp)
+
+        h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend)
+        tokens, log_prob = sample(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
+      inc = live.astype(jnp.int32)
+      st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),
+                      lengths=pos + inc, index=st.index + inc)
+      out_tokens = out_tokens.at[:, i].set(jnp.where(live, tokens, -1))
+      out_logp = out_logp.at[:, i].set(jnp.where(live, log_prob, 0.0))
+      count = count + inc
+      return i + 1, st, live & (count < budget) & ~ends(tokens), count, out_tokens, out_logp
+
+    s = budget.shape[0]
+    live = (budget > 0) & ~ends(state.tokens)
+    init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
+            jnp.zeros((s, k_steps), jnp.float32))
+    _, state, _, count, tokens, log_prob = jax.lax.while_loop(lambda c: (c[0] < k_steps) & jnp.any(c[2]), step, init)
+    return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
 
   return Programs(
       prefill=jax.jit(prefill),

@@ -6,11 +6,12 @@ One `step()`:
    tokens so far) under them;
 2. admit waiting answers into free slots (preempted ones first, then new groups, oldest first), one batched prefill
    per length bucket; a group's answers share the prompt's pages;
-3. make room: while a shard lacks the pages this step writes into, preempt its youngest answer (freed, requeued,
+3. make room: while a shard lacks the pages this step's decode call writes into, preempt its youngest answer (freed, requeued,
    resumed later by re-prefill);
-4. one decode step for every running answer; one read of the device brings its tokens and the first tokens of the
-   answers admitted in 2. Tokens are recorded with the current version; answers finish at EOS, a stop sequence,
-   `max_new_tokens` or the cache length, and free their slots and pages.
+4. one decode call of up to `sampler.decode_steps` steps for every running answer (one `lax.while_loop` on the
+   device); one read of the device brings its tokens and the first tokens of the answers admitted in 2. Tokens are
+   recorded with the current version; answers finish at EOS, a stop sequence, `max_new_tokens` or the cache length,
+   and free their slots and pages. New weights and new answers wait for the call to end.
 
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
@@ -45,7 +46,10 @@ class Scheduler:
     self.resume: list[tuple[tuple[int, int], Sequence]] = []  # preempted, heap by priority
     self.running: dict[int, Sequence] = {}  # slot -> answer
     self.counters = collections.Counter(dict.fromkeys(
-        ("decode_steps", "tokens", "prefill_rows", "preemptions", "weight_updates", "recomputed"), 0))
+        ("decode_calls", "decode_steps", "tokens", "prefill_rows", "preemptions", "weight_updates", "recomputed"), 0))
+    # Wall time of `step` by part: weight swaps (re-prefills included); admission, page allocation and dispatch;
+    # waiting for the device (prefill, insert and decode compute not yet overlapped); recording tokens.
+    self.seconds: collections.Counter[str] = collections.Counter()
     self._arrivals = itertools.count()
     self._pending: tuple[object, int] | None = None
     self._fresh: list = []  # (answers with their index into the draw, first tokens, logprobs) admitted this step
@@ -87,36 +91,64 @@ class Scheduler:
   # --- the step -------------------------------------------------------------------------------------------------
 
   def step(self) -> list[Sequence]:
-    """One scheduling round and decode step; returns the answers that finished in it.
+    """One scheduling round and one decode call (up to `sampler.decode_steps` tokens per answer); returns the
+    answers that finished in it.
 
-    The host reads the device once per step: the decode step's tokens together with the first tokens of answers
-    admitted in this step (drawn at prefill), so prefill, insert and decode are dispatched back to back. An answer
-    that ends at its first token has run one decode step for nothing; its result is dropped.
+    The host reads the device once per step: the decode call's tokens together with the first tokens of answers
+    admitted in this step (drawn at prefill), so prefill, insert and decode are dispatched back to back. Answers stop
+    on the device at EOS or their token budget; a stop sequence is found here, and tokens drawn after it are dropped.
     """
+    t0 = time.perf_counter()
     self._swap_weights()
+    t1 = time.perf_counter()
     self._admit()
     if not self.running:
       return []
     self._make_room()
-    self.state, result = self.engine.generate(self.params, self.state)
+    budget, stop_eos = self._budgets()
+    self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
+                                                   eos_ids=sorted(self.eos_ids))
     fresh, self._fresh = self._fresh, []
-    tokens, logp, firsts = jax.device_get((result.tokens, result.log_prob, [(t, lp) for _, t, lp in fresh]))
-    self.counters["decode_steps"] += 1
-    self.counters["tokens"] += len(self.running)
+    t2 = time.perf_counter()
+    tokens, logp, count, firsts = jax.device_get(
+        (steps.tokens, steps.log_prob, steps.count, [(t, lp) for _, t, lp in fresh]))
+    t3 = time.perf_counter()
+    self.engine.advance(count)
+    self.counters["decode_calls"] += 1
+    self.counters["decode_steps"] += int(count.max(initial=0))
     finished = []
     for (seqs, _, _), (first_tokens, first_logp) in zip(fresh, firsts):
       for seq, r in seqs:
         if seq.slot >= 0 and self._append(seq, first_tokens[r], first_logp[r]):
           finished.append(seq)
     for slot, seq in list(self.running.items()):
-      if self._append(seq, tokens[slot], logp[slot]):
-        finished.append(seq)
+      for j in range(count[slot]):
+        if self._append(seq, tokens[slot, j], logp[slot, j]):
+          finished.append(seq)
+          break
+    self.seconds["weight_swap"] += t1 - t0
+    self.seconds["host_dispatch"] += t2 - t1
+    self.seconds["device_wait"] += t3 - t2
+    self.seconds["host_record"] += time.perf_counter() - t3
     return finished
+
+  def _budgets(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot: the tokens its answer may still draw (capped by max_new_tokens and the cache; the pending token
+    counts as drawn) and whether EOS ends it."""
+    s = self.engine.cfg.num_slots
+    budget, stop_eos = np.zeros(s, np.int64), np.zeros(s, bool)
+    room = self.engine.cfg.max_seq_len
+    for slot, seq in self.running.items():
+      sp, drawn = seq.request.sampling, max(1, len(seq.tokens))
+      budget[slot] = max(0, min(sp.max_new_tokens - drawn, room - len(seq.prompt) - drawn))
+      stop_eos[slot] = not sp.ignore_eos
+    return np.minimum(budget, self.engine.cfg.decode_steps), stop_eos
 
   def _append(self, seq: Sequence, token, logprob) -> bool:
     """Records a token; releases the slot of a finished answer."""
     done = seq.append(int(token), float(logprob), self.version, eos_ids=self.eos_ids,
                       max_seq_len=self.engine.cfg.max_seq_len)
+    self.counters["tokens"] += 1
     if done:
       self._release(seq)
     return done
@@ -155,7 +187,8 @@ class Scheduler:
     while (unit := self._next_unit()) is not None:
       length = len(unit[0].context())
       shard = max(range(eng.num_shards), key=lambda s: (len(free_slots[s]), free_pages[s]))
-      headroom = 1 if (self.running or plan) else 0  # one page to grow into per answer, unless nothing runs
+      # Pages to grow into during one decode call per answer, unless nothing runs.
+      headroom = eng.pages_ahead if (self.running or plan) else 0
       k = min(len(unit), len(free_slots[shard]))
       while k and eng.pages_to_insert(length, k) + headroom * k > free_pages[shard]:
         k -= 1
@@ -213,10 +246,10 @@ class Scheduler:
     return batches
 
   def _make_room(self) -> None:
+    """Preempts the youngest answer of a shard until the pages this step's decode call writes into fit."""
     eng = self.engine
     while True:
-      need = eng.slots_needing_pages()
-      demand = np.bincount(need // eng.slots_per_shard, minlength=eng.num_shards)
+      demand = eng.page_demand(self._budgets()[0])
       short = [s for s in range(eng.num_shards) if demand[s] > eng.pool.num_free(s)]
       if not short:
         return

@@ -75,6 +75,15 @@ class ResultTokens:
     return (int(self.tokens[slot]), bool(self.valid[slot]), int(self.lengths[slot]), float(self.log_prob[slot]))
 
 
+@struct.dataclass(frozen=True)
+class DecodeSteps:
+  """What one multi-step decode call drew: tokens[s, j] and log_prob[s, j] for j < count[s] (-1 and 0 after)."""
+
+  tokens: jax.Array  # int32 [S, decode_steps]
+  log_prob: jax.Array  # float32 [S, decode_steps]
+  count: jax.Array  # int32 [S]
+
+
 def decode_state_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, num_pages: int) -> DecodeState:
   """Abstract decode state (`jax.ShapeDtypeStruct` leaves) for a pool of `num_pages` pages over the whole mesh."""
   s, m = cfg.num_slots, cfg.pages_per_seq
