@@ -6,6 +6,10 @@ long-tail batch, with the same token budget per micro-batch row (`--max-tokens`)
 * packed: paper Alg. 1 on each minibatch, sequences packed back to back, row lengths bucketed;
 * padded: `max_tokens // max_len` sequences per micro-batch in arrival order, each padded to `--max-len` (one shape).
 
+With `--peer=torch`, a third variant runs the same step eagerly in PyTorch on the same weights and sequences (HF
+`transformers` model, micro-batches padded to their longest sequence within the same token budget, the same decoupled
+PPO loss, AdamW), a plain baseline a user might write instead.
+
 Achieved model FLOP/s (6·N per token plus causal attention, proximal pass included; padding not counted) is
 reported as a fraction of a square-matmul peak measured on the same devices. "cpu s" is the process CPU time of a
 step, a load-independent measure of work on a shared CPU machine. Defaults use one device and about 3 CPU-minutes
@@ -31,6 +35,7 @@ def parse_args():
   p.add_argument("--max-len", type=int, default=1024, help="longest prompt + answer")
   p.add_argument("--max-tokens", type=int, default=2048, help="learner.max_tokens_per_mb")
   p.add_argument("--steps", type=int, default=2, help="timed steps per variant, after one warm-up step")
+  p.add_argument("--peer", choices=("none", "torch"), default="none", help="also time an eager PyTorch step")
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args()
 
@@ -51,6 +56,76 @@ def long_tail_batch(n: int, max_len: int, vocab: int, seed: int):
         logprobs=(-np.log(vocab) + rng.normal(0, 0.3, r)).astype(np.float32), versions=np.zeros(r, np.int32),
         finish_reason="eos", group_id=i // 8, reward=float(i % 2)))
   return out
+
+
+def make_torch_step(learner, trajs, max_tokens: int, temperature: float):
+  """A plain PyTorch PPO step on a copy of `learner`'s weights: proximal pass, then per minibatch (the learner's
+  split) micro-batches padded to their longest sequence, decoupled PPO loss averaged over response tokens, AdamW."""
+  import tempfile
+
+  import numpy as np
+  import torch
+  import transformers
+
+  from areal_jax.learner.advantages import sequence_advantages
+  from areal_jax.learner.microbatch import balanced_split
+  from areal_jax.models.hf_io import save_hf
+
+  cfg = learner.config
+  transformers.utils.logging.disable_progress_bar()
+  with tempfile.TemporaryDirectory() as d:
+    save_hf(learner.model(), d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+  model.train()
+  opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.b1, cfg.b2), eps=cfg.adam_eps,
+                          weight_decay=cfg.weight_decay)
+  adv = sequence_advantages(np.array([t.reward for t in trajs]), np.array([t.group_id for t in trajs]),
+                            scale=cfg.reward_scale, norm=cfg.adv_norm)
+  lengths = [t.num_tokens for t in trajs]
+
+  def micro_batches(idx):
+    out, cur = [], []
+    for i in idx:
+      if cur and max(lengths[j] for j in cur + [i]) * (len(cur) + 1) > max_tokens:
+        out.append(cur)
+        cur = []
+      cur.append(i)
+    return out + [cur]
+
+  def tensors(mb):
+    width = max(lengths[i] for i in mb)
+    ids, mask = np.zeros((len(mb), width), np.int64), np.zeros((len(mb), width), np.int64)
+    behav, a, resp = (np.zeros((len(mb), width - 1), np.float32) for _ in range(3))
+    for r, i in enumerate(mb):
+      t, p = trajs[i], len(trajs[i].prompt_ids)
+      ids[r, :lengths[i]] = np.concatenate([t.prompt_ids, t.response_ids])
+      mask[r, :lengths[i]] = 1
+      behav[r, p - 1:lengths[i] - 1], a[r, p - 1:lengths[i] - 1], resp[r, p - 1:lengths[i] - 1] = t.logprobs, adv[i], 1
+    return [torch.from_numpy(x) for x in (ids, mask, behav, a, resp)]
+
+  def logprobs(ids, mask):
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+  minibatches = [[micro_batches(sorted(idx))] for idx in balanced_split(lengths, cfg.ppo_n_minibatches)]
+  minibatches = [[tensors(mb) for mb in mbs] for (mbs,) in minibatches]
+
+  def step():
+    with torch.no_grad():
+      prox = [[logprobs(ids, mask) for ids, mask, *_ in mbs] for mbs in minibatches]
+    for mbs, prox_mbs in zip(minibatches, prox):
+      opt.zero_grad()
+      n = sum(float(resp.sum()) for *_, resp in mbs)
+      for (ids, mask, behav, a, resp), px in zip(mbs, prox_mbs):
+        lp = logprobs(ids, mask)
+        ratio, weight = torch.exp(lp - px), torch.exp(px - behav)
+        clipped = torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip)
+        loss = -(weight * torch.minimum(ratio * a, clipped * a) * resp).sum() / n
+        loss.backward()
+      torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+      opt.step()
+
+  return step, torch.get_num_threads()
 
 
 def main():
@@ -101,10 +176,19 @@ def main():
     plan = learner.prepare(trajs, planner)
     learner.update(plan)  # compiles every shape the plan uses
     variants[name] = (learner, plan, [])
-  for _ in range(args.steps):  # interleaved, so both variants see the same machine load
+  torch_s = []
+  if args.peer == "torch":
+    torch_step, threads = make_torch_step(variants["packed (Alg. 1)"][0], trajs, args.max_tokens,
+                                          config.sampler.temperature)
+    torch_step()  # first-call setup
+  for _ in range(args.steps):  # interleaved, so every variant sees the same machine load
     for learner, plan, stats in variants.values():
       cpu = time.process_time()
       stats.append(learner.update(plan) | {"cpu_s": time.process_time() - cpu})
+    if args.peer == "torch":
+      t = time.perf_counter()
+      torch_step()
+      torch_s.append(time.perf_counter() - t)
   # Best of a measurement before and after: on a shared machine a single one may catch a busy moment.
   peak_after = measure_matmul_peak(devices, dtype=model_cfg.compute_dtype, repeats=20)
   if peak_after > peak:
@@ -126,6 +210,10 @@ def main():
   packed, pad = results.values()
   print(f"packed / padded: tokens/s {packed['tokens_per_s'] / pad['tokens_per_s']:.2f}x, "
         f"CPU time per step {pad['cpu_s'] / packed['cpu_s']:.2f}x less")
+  if torch_s:
+    step_s = statistics.median(torch_s)
+    print(f"torch (eager, padded, {threads} threads): step {step_s:.2f} s, {lengths.sum() / step_s:.0f} tokens/s; "
+          f"packed / torch: tokens/s {packed['tokens_per_s'] * step_s / lengths.sum():.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,30 @@
-r"""Sampler throughput: the paged continuous-batching engine vs a dense static-batch generate, side by side.
+r"""Sampler throughput: the paged continuous-batching engine vs a dense static-batch generate, and optionally vs
+Hugging Face `transformers` generate on PyTorch (`--peer=hf`), side by side in one run.
 
-Workload: `--requests` prompts (16-32 tokens) whose answers have long-tail lengths (log-normal, capped at 3x the mean,
-as long chain-of-thought outputs have), forced with per-request `max_new_tokens` (EOS ignored). Same model (the
-`tiny` preset's, random weights), same slot count, temperature 1.0:
+Workloads (`--workload`), random prompts of 16-32 tokens, temperature 1.0, EOS ignored so every variant does the same
+work:
 
-* engine: `Scheduler` over the paged engine; a slot is refilled as soon as its answer ends;
+* `longtail` (default): `--requests` answers whose lengths are log-normal, capped at 3x `--mean-len` (as long
+  chain-of-thought outputs are), forced with per-request `max_new_tokens`;
+* `equal`: every answer `--new-tokens` long.
+
+Variants, on the same weights (`--shape`: the `tiny` preset's, or `100m`: hidden 1024, 8 layers, vocab 32000), the
+same number of slots (`--slots`, the static batch size):
+
+* engine: `Scheduler` over the paged engine, one per `--decode-steps` value (decode steps per device call); a slot is
+  refilled as soon as its answer ends;
 * static: batches of `--slots` prompts in arrival order, one jitted prefill + decode loop with a dense KV cache per
-  batch; every batch runs until its longest answer ends.
+  batch; every batch runs until its longest answer ends;
+* hf: the same batches through `transformers` `model.generate` (KV cache, sampling; torch's default CPU threads).
 
-Prints useful (generated, unpadded) tokens/s of each, their ratio, and the engine's fraction of a memory-bandwidth
-roofline measured here: bandwidth from timing a large on-device reduction; a decode step must read the parameters
-and each live sequence's keys/values once. Compiles are excluded (each variant is warmed up first). Defaults take
-about 2 minutes on a 2-core CPU:
+Prints useful (generated, unpadded) tokens/s of each and their ratios, where the engine's step time goes (host work vs
+waiting for the device), and the engine's fraction of a memory-bandwidth roofline measured here: bandwidth from timing
+a large on-device reduction; a decode step must read the parameters and each live sequence's keys/values once.
+Compiles are excluded (each variant is warmed up first); rounds alternate between variants and the best round counts.
+Defaults take about 2 minutes on a 2-core CPU:
 
     python tools/bench_sampler.py [--slots 32] [--requests 256] [--mean-len 48]
+    python tools/bench_sampler.py --peer=hf --workload=equal --slots=64 --requests=64 --new-tokens=128
 """
 
 from __future__ import annotations
@@ -21,31 +32,88 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pathlib
+import tempfile
 import time
 
 
 def parse_args():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--slots", type=int, default=32, help="decode slots (batch size of the static baseline)")
+  p.add_argument("--slots", type=int, default=32, help="decode slots (batch size of the static and hf baselines)")
   p.add_argument("--requests", type=int, default=256, help="prompts, one answer each")
-  p.add_argument("--mean-len", type=int, default=48, help="mean answer length; the longest is 3x this")
+  p.add_argument("--workload", choices=("longtail", "equal"), default="longtail")
+  p.add_argument("--mean-len", type=int, default=48, help="longtail: mean answer length; the longest is 3x this")
+  p.add_argument("--new-tokens", type=int, default=128, help="equal: every answer's length")
+  p.add_argument("--shape", choices=("tiny", "100m"), default="tiny", help="model shape (random weights)")
+  p.add_argument("--peer", choices=("none", "hf"), default="none", help="also time transformers generate on torch")
   p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--decode-steps", default="1,8",
+                 help="comma-separated decode steps per device call to compare (sampler.decode_steps); the last one "
+                      "is the engine the ratios use")
   p.add_argument("--repeats", type=int, default=2, help="timed runs per variant, alternating; the best counts")
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args()
 
 
-def workload(n: int, mean: int, vocab: int, seed: int):
-  """(prompts, answer lengths): log-normal lengths, capped at 3x the mean, rescaled to the requested mean."""
+def workload(args, vocab: int):
+  """(prompts, answer lengths) for `args.workload`."""
   import numpy as np
 
-  rng = np.random.default_rng(seed)
-  raw = rng.lognormal(0.0, 1.0, n)
-  for _ in range(20):  # rescale to the mean, cap at 3x, repeat until both hold
-    raw = np.minimum(raw / raw.mean() * mean, 3 * mean)
-  lengths = np.maximum(np.round(raw), 1).astype(int)
+  rng = np.random.default_rng(args.seed)
+  n, mean = args.requests, args.mean_len
+  if args.workload == "equal":
+    lengths = np.full(n, args.new_tokens)
+  else:
+    raw = rng.lognormal(0.0, 1.0, n)
+    for _ in range(20):  # rescale to the mean, cap at 3x, repeat until both hold
+      raw = np.minimum(raw / raw.mean() * mean, 3 * mean)
+    lengths = np.maximum(np.round(raw), 1).astype(int)
   prompts = [rng.integers(2, vocab, int(rng.integers(16, 33))).astype(np.int32) for _ in range(n)]
   return prompts, lengths
+
+
+def model_config(shape: str):
+  from areal_jax.models import ModelConfig
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
+  spec = importlib.util.spec_from_file_location("math_config", path)
+  config_module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(config_module)
+  c = config_module.get_config("tiny").model
+  if shape == "100m":
+    c.update(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4,
+             head_dim=64)
+  return ModelConfig.from_config(c)
+
+
+def make_hf_generate(model, seed: int):
+  """`run(prompts, new_tokens)`: one left-padded batch through transformers `generate` (sampling at temperature 1,
+  EOS ignored), on a torch copy of `model`'s weights."""
+  import numpy as np
+  import torch
+  import transformers
+
+  from areal_jax.models.hf_io import save_hf
+
+  transformers.utils.logging.disable_progress_bar()
+  with tempfile.TemporaryDirectory() as d:
+    save_hf(model, d)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+  hf.generation_config.eos_token_id = None
+  torch.manual_seed(seed)
+
+  def run(prompts, new_tokens: int):
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+      ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with torch.inference_mode():
+      out = hf.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=True,
+                        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                        pad_token_id=0)
+    assert out.shape[1] == width + new_tokens, out.shape
+
+  return run, torch.get_num_threads()
 
 
 def make_static_generate(graphdef, slots: int, cache_len: int):
@@ -113,35 +181,34 @@ def main():
   import numpy as np
   from flax import nnx
 
-  from areal_jax.models import ModelConfig, create
+  from areal_jax.models import create
   from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
   from areal_jax.sampler.sampling import request_key
 
-  path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
-  spec = importlib.util.spec_from_file_location("math_config", path)
-  config_module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config_module)
-  model_cfg = ModelConfig.from_config(config_module.get_config("tiny").model)
+  model_cfg = model_config(args.shape)
   model = nnx.jit(lambda: create(model_cfg, seed=args.seed))()
-  prompts, lengths = workload(args.requests, args.mean_len, model_cfg.vocab_size, args.seed)
+  prompts, lengths = workload(args, model_cfg.vocab_size)
   total = int(lengths.sum())
-  max_prompt = max(map(len, prompts))
-  max_seq_len = max_prompt + 3 * args.mean_len
+  max_prompt, longest = max(map(len, prompts)), int(lengths.max())
+  max_seq_len = max_prompt + longest
   s = args.slots
-  print(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
+  print(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, vocab {model_cfg.vocab_size}, "
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6:.1f}M params; {jax.devices()[0].platform}")
-  print(f"workload: {args.requests} answers, mean {lengths.mean():.1f} / max {lengths.max()} tokens "
-        f"({lengths.max() / lengths.mean():.2f}x the mean), {s} slots")
+  print(f"workload {args.workload}: {args.requests} answers, mean {lengths.mean():.1f} / max {longest} tokens "
+        f"({longest / lengths.mean():.2f}x the mean), {s} slots")
 
-  # --- engine ---
-  cfg = SamplerConfig(num_slots=s, page_size=args.page_size, max_seq_len=max_seq_len, max_new_tokens=3 * args.mean_len,
-                      num_pages=s * -(-max_seq_len // args.page_size) + 1, max_prefill_tokens=4096)
-  engine = Engine(model=model, config=cfg)
-  params = engine.load_params(model)
+  # --- engine, one per decode_steps value ---
+  ks = [int(k) for k in args.decode_steps.split(",")]
+  engines = {}
+  for k in ks:
+    cfg = SamplerConfig(num_slots=s, page_size=args.page_size, max_seq_len=max_seq_len, max_new_tokens=longest,
+                        num_pages=s * -(-max_seq_len // args.page_size) + 1, max_prefill_tokens=4096, decode_steps=k)
+    engines[k] = Engine(model=model, config=cfg)
+  params = engines[ks[-1]].load_params(model)
 
-  def run_engine(items):
-    sched = Scheduler(engine=engine, params=params)
-    sched.state = engine.warmup(params, sched.state, max_context=max_prompt)
+  def run_engine(k, items):
+    sched = Scheduler(engine=engines[k], params=params)
+    sched.state = engines[k].warmup(params, sched.state, max_context=max_prompt)
     for g, (p, n) in enumerate(items):
       sched.submit(Request(group_id=g, prompt_ids=p, sampling=SamplingParams(max_new_tokens=int(n), seed=args.seed)))
     jax.block_until_ready(sched.state)
@@ -151,14 +218,15 @@ def main():
     jax.block_until_ready(sched.state)
     return done, time.perf_counter() - t, sched
 
-  run_engine([(p, 2) for p in prompts[:s]])  # compiles
+  for k in ks:
+    run_engine(k, [(p, 2) for p in prompts[:s]])  # compiles
 
-  # --- static batches ---
+  # --- static batches (and the same batches through transformers) ---
   graphdef, _ = nnx.split(model)
-  static = make_static_generate(graphdef, s, cache_len=32 + 3 * args.mean_len)
+  static = make_static_generate(graphdef, s, cache_len=32 + longest)
+  batches = [list(range(i, min(i + s, args.requests))) for i in range(0, args.requests, s)]
 
-  def static_batch(i, steps=None):
-    batch = list(range(i, min(i + s, args.requests)))
+  def static_batch(batch, steps=None):
     toks = np.zeros((s, 32), np.int32)
     lens = np.ones(s, np.int32)
     keys = np.zeros((s, 2), np.uint32)
@@ -167,42 +235,73 @@ def main():
     steps = int(max(lengths[j] for j in batch)) if steps is None else steps
     return static(params, toks, lens, keys, steps)
 
-  static_batch(0, steps=2).block_until_ready()  # compile
+  static_batch(batches[0], steps=2).block_until_ready()  # compile
 
   def run_static():
     t = time.perf_counter()
-    for i in range(0, args.requests, s):
-      static_batch(i).block_until_ready()
+    for batch in batches:
+      static_batch(batch).block_until_ready()
     return time.perf_counter() - t
 
+  variants = {f"engine (paged, decode_steps={k})": k for k in ks}
+  variants["static batches (dense JAX)"] = "static"
+  if args.peer == "hf":
+    hf_generate, threads = make_hf_generate(model, args.seed)
+    hf_generate([prompts[0]], 2)  # first-call setup
+
+    def run_hf():
+      t = time.perf_counter()
+      for batch in batches:
+        hf_generate([prompts[j] for j in batch], int(max(lengths[j] for j in batch)))
+      return time.perf_counter() - t
+
+    variants[f"hf transformers generate (torch, {threads} threads)"] = "hf"
+
   # Alternate the variants so that a change in machine load does not favour one; keep each one's best time.
-  engine_s = static_s = float("inf")
+  seconds, scheds = dict.fromkeys(variants, float("inf")), {}
   for _ in range(args.repeats):
-    engine_tokens, seconds, sched = run_engine(list(zip(prompts, lengths)))
-    assert engine_tokens == total, (engine_tokens, total)
-    engine_s = min(engine_s, seconds)
-    static_s = min(static_s, run_static())
+    for name, v in variants.items():
+      if v == "static":
+        t = run_static()
+      elif v == "hf":
+        t = run_hf()
+      else:
+        engine_tokens, t, scheds[v] = run_engine(v, list(zip(prompts, lengths)))
+        assert engine_tokens == total, (engine_tokens, total)
+      seconds[name] = min(seconds[name], t)
+
+  # --- report ---
+  k = ks[-1]
+  main_name = f"engine (paged, decode_steps={k})"
+  sched = scheds[k]
+  print(f"engine (decode_steps={k}): {sched.counters['decode_steps']} decode steps in "
+        f"{sched.counters['decode_calls']} device calls + {sched.counters['prefill_rows']} prefill rows; static: "
+        f"{sum(int(max(lengths[j] for j in b)) for b in batches)} decode steps + {len(batches)} prefills of {s} rows")
+  print(f"{'variant':<48}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}")
+  for name, t in seconds.items():
+    print(f"{name:<48}{total:>9}{t:>10.2f}{total / t:>11.0f}")
+  for name, t in seconds.items():
+    if name != main_name:
+      print(f"ratio {main_name} / {name}: {t / seconds[main_name]:.2f}x")
+  static_steps = sum(int(max(lengths[j] for j in b)) for b in batches)
+  print(f"(ideal engine / static on this workload, equal step costs and free admission: "
+        f"{static_steps * s / total:.2f}x)")
+  for j in ks:
+    part = scheds[j].seconds
+    busy = sum(part.values())
+    print(f"engine decode_steps={j}, where a step's time goes: " + ", ".join(
+        f"{name} {part[name] / busy:.0%}" for name in ("host_dispatch", "device_wait", "host_record", "weight_swap")))
 
   # --- roofline ---
   bandwidth = measure_bandwidth(jax.devices()[0])
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   kv_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 4
   steps = sched.counters["decode_steps"]
-  live_tokens = sched.counters["tokens"]  # sequence-steps decoded; each reads its cached keys/values
   mean_context = np.mean([len(p) for p in prompts]) + lengths.mean() / 2
-  roofline_s = (steps * param_bytes + live_tokens * mean_context * kv_per_token) / bandwidth
-  engine_tps, static_tps = total / engine_s, total / static_s
-  static_steps = sum(int(max(lengths[i:i + s])) for i in range(0, args.requests, s))
-  print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; params {param_bytes / 1e6:.1f} MB")
-  print(f"engine: {steps} decode steps + {sched.counters['prefill_rows']} prefill rows; static: {static_steps} decode "
-        f"steps + {-(-args.requests // s)} prefills of {s} rows")
-  print(f"{'variant':<30}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}")
-  print(f"{'engine (paged, continuous)':<30}{total:>9}{engine_s:>10.2f}{engine_tps:>11.0f}")
-  print(f"{'static batches (dense)':<30}{total:>9}{static_s:>10.2f}{static_tps:>11.0f}")
-  print(f"ratio engine / static: {engine_tps / static_tps:.2f}x (ideal on this workload, equal step costs and free "
-        f"admission: {static_steps * s / total:.2f}x)")
-  print(f"engine at {roofline_s / engine_s:.1%} of the memory-bandwidth roofline "
-        f"({total / roofline_s:.0f} tokens/s at {s} slots)")
+  roofline_s = (steps * param_bytes + total * mean_context * kv_per_token) / bandwidth
+  print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; params {param_bytes / 1e6:.1f} MB; engine at "
+        f"{roofline_s / seconds[main_name]:.1%} of the memory-bandwidth roofline ({total / roofline_s:.0f} tokens/s "
+        f"at {s} slots)")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@
 
 The engine owns the host-side bookkeeping of its slots (pages held, tokens cached, active) and the page pool; the
 device work is in `programs.py`. Slots are split evenly over the mesh's data shards, and a slot only holds pages of
-its own shard. `generate`/`generate_steps` raise `PoolExhausted` before touching the device when the slots need new pages
-and their shard has too few left; the caller (the scheduler) preempts a sequence and retries.
+its own shard. `generate`/`generate_steps` raise `PoolExhausted` before touching the device when the slots need new
+pages and their shard has too few left; the caller (the scheduler) preempts a sequence and retries.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ class Engine:
                                       log_prob=steps.log_prob[:, 0])
 
   def generate_steps(self, params, decode_state: DecodeState, budget: np.ndarray, *,
-                     stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = ()) -> tuple[DecodeState, DecodeSteps]:
+                     stop_eos: np.ndarray | None = None,
+                     eos_ids: Sequence[int] = ()) -> tuple[DecodeState, DecodeSteps]:
     """Up to `budget[s]` (at most `sampler.decode_steps`) tokens for every active slot s in one device call; a slot
     with `stop_eos[s]` stops early once it draws one of `eos_ids` (its pending token is never cached then).
 

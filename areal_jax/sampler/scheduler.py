@@ -6,8 +6,8 @@ One `step()`:
    tokens so far) under them;
 2. admit waiting answers into free slots (preempted ones first, then new groups, oldest first), one batched prefill
    per length bucket; a group's answers share the prompt's pages;
-3. make room: while a shard lacks the pages this step's decode call writes into, preempt its youngest answer (freed, requeued,
-   resumed later by re-prefill);
+3. make room: while a shard lacks the pages this step's decode call writes into, preempt its youngest answer (freed,
+   requeued, resumed later by re-prefill);
 4. one decode call of up to `sampler.decode_steps` steps for every running answer (one `lax.while_loop` on the
    device); one read of the device brings its tokens and the first tokens of the answers admitted in 2. Tokens are
    recorded with the current version; answers finish at EOS, a stop sequence, `max_new_tokens` or the cache length,
