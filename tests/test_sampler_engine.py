@@ -97,18 +97,20 @@ def test_reproducible_and_independent_of_batching(model):
 def test_tokens_independent_of_decode_steps(model):
   """Several decode steps per device call draw the same tokens as one at a time, and stop where one step at a time
   stops: at EOS (on the device), a stop sequence (on the host, later tokens dropped), max_new_tokens, and for an
-  answer whose first token (drawn at prefill) ends it."""
+  answer whose first token (drawn at prefill) ends it; also with 4 slots, where answers wait and calls end early to
+  refill slots."""
   one = generate(model, PROMPTS, max_new_tokens=12, temperature=1.0, n=3, seed=2, page_size=PAGE, decode_steps=1)
   drawn = [t for cs in one for c in cs for t in c.tokens]
   eos, first = collections.Counter(drawn).most_common(1)[0][0], one[0][0].tokens[0]
   stop = [tuple(one[1][0].tokens[2:4])]
-  outs = {k: generate(model, PROMPTS, max_new_tokens=12, temperature=1.0, n=3, seed=2, page_size=PAGE,
-                      eos_ids=[eos, first], stop=stop, decode_steps=k) for k in (1, 5, 16)}
-  reasons = collections.Counter(c.finish_reason for cs in outs[1] for c in cs)
+  variants = {(1, 64), (5, 64), (16, 64), (5, 4)}  # (decode_steps, num_slots)
+  outs = {v: generate(model, PROMPTS, max_new_tokens=12, temperature=1.0, n=3, seed=2, page_size=PAGE,
+                      eos_ids=[eos, first], stop=stop, decode_steps=v[0], num_slots=v[1]) for v in variants}
+  reasons = collections.Counter(c.finish_reason for cs in outs[1, 64] for c in cs)
   assert set(reasons) == {"eos", "stop", "length"}, reasons
-  assert len(outs[1][0][0].tokens) == 1  # ended by its first token
-  for k in (5, 16):
-    for cs1, csk in zip(outs[1], outs[k]):
+  assert len(outs[1, 64][0][0].tokens) == 1  # ended by its first token
+  for v in variants:
+    for cs1, csk in zip(outs[1, 64], outs[v]):
       for a, b in zip(cs1, csk):
         assert (a.finish_reason, list(a.tokens)) == (b.finish_reason, list(b.tokens))
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -53,11 +53,15 @@ class FakePrograms:
   def insert(self, state, prefix, first, chunks, upd):
     return state
 
-  def decode(self, params, state, budget, stop_eos, eos, grow):
+  def decode(self, params, state, budget, stop_eos, eos, grow, refill_at):
     tokens = self.rng.integers(1, 64, (self.s, self.decode_steps)).astype(np.int32)
     ends = stop_eos[:, None] & np.isin(tokens, eos)
     first_end = np.where(ends.any(1), ends.argmax(1) + 1, self.decode_steps)
     count = np.minimum(budget, first_end).astype(np.int32)
+    if refill_at > 0:  # the call ends after the step at which `refill_at` slots have stopped
+      stops = np.sort(count[budget > 0])
+      if len(stops) >= refill_at:
+        count = np.minimum(count, stops[refill_at - 1])
     return state, DecodeSteps(tokens=tokens, log_prob=np.zeros(tokens.shape, np.float32), count=count)
 
 

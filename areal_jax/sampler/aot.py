@@ -58,7 +58,8 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
   lowered = {
       "decode": programs.decode.lower(params, state, _sds((s,), i32, mesh, P("data")),
                                      _sds((s,), jnp.bool_, mesh, P("data")), _sds((MAX_EOS_IDS,), i32, mesh),
-                                     _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh)),
+                                     _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh),
+                                     _sds((), i32, mesh)),
       "prefill": programs.prefill.lower(params, *prefill_args),
   }
   prefix = jax.eval_shape(programs.prefill, params, *prefill_args)[0]

@@ -169,10 +169,11 @@ class Engine:
                                       log_prob=steps.log_prob[:, 0])
 
   def generate_steps(self, params, decode_state: DecodeState, budget: np.ndarray, *,
-                     stop_eos: np.ndarray | None = None,
-                     eos_ids: Sequence[int] = ()) -> tuple[DecodeState, DecodeSteps]:
+                     stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = (),
+                     refill_at: int = 0) -> tuple[DecodeState, DecodeSteps]:
     """Up to `budget[s]` (at most `sampler.decode_steps`) tokens for every active slot s in one device call; a slot
-    with `stop_eos[s]` stops early once it draws one of `eos_ids` (its pending token is never cached then).
+    with `stop_eos[s]` stops early once it draws one of `eos_ids` (its pending token is never cached then). With
+    `refill_at` > 0 the call ends as soon as that many slots have stopped, so that waiting answers can take them.
 
     Pages for the whole budget are allocated first (`PoolExhausted` if a shard lacks them). The device decides how
     many tokens each slot drew, so the caller reads `DecodeSteps.count` and passes it to `advance` before the next
@@ -190,7 +191,7 @@ class Engine:
     stop = np.zeros(cfg.num_slots, bool) if stop_eos is None else np.asarray(stop_eos, bool)
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = list(eos_ids)
-    return self.programs.decode(params, decode_state, budget.astype(np.int32), stop, eos, grow)
+    return self.programs.decode(params, decode_state, budget.astype(np.int32), stop, eos, grow, np.int32(refill_at))
 
   def advance(self, count: np.ndarray) -> None:
     """Records that active slots cached `count[s]` more tokens (what a `generate_steps` call reported)."""

@@ -9,10 +9,11 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
   sets the slots' page-table rows, pending tokens and sampling settings.
-* `decode(params, state, budget [S], stop_eos [S], eos [E], grow [3, G]) -> (state, DecodeSteps)`: adds new pages
-  (slot, column, page) to the page table, then runs up to `cfg.decode_steps` steps in one `lax.while_loop`: each step
-  caches every live slot's pending token, draws its next one and records it. Slot s stops after `budget[s]` tokens,
-  or (if `stop_eos[s]`) once its pending token is in `eos`; the loop ends when no slot is live. Drawing uses
+* `decode(params, state, budget [S], stop_eos [S], eos [E], grow [3, G], refill_at) -> (state, DecodeSteps)`: adds
+  new pages (slot, column, page) to the page table, then runs up to `cfg.decode_steps` steps in one `lax.while_loop`:
+  each step caches every live slot's pending token, draws its next one and records it. Slot s stops after
+  `budget[s]` tokens, or (if `stop_eos[s]`) once its pending token is in `eos`; the loop ends when no slot is live,
+  or once `refill_at` > 0 slots have stopped (so that the host can refill them with waiting answers). Drawing uses
   `fold_in(key, index)` as one step at a time does, so the tokens do not depend on the number of steps per call.
 """
 
@@ -120,7 +121,7 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
         temperature=put(state.temperature, upd.temperature), top_p=put(state.top_p, upd.top_p),
         top_k=put(state.top_k, upd.top_k))
 
-  def decode(params, state: DecodeState, budget, stop_eos, eos, grow):
+  def decode(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at):
     model = nnx.merge(graphdef, params)
     state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
     k_steps = cfg.decode_steps
@@ -146,9 +147,16 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
 
     s = budget.shape[0]
     live = (budget > 0) & ~ends(state.tokens)
+    started = jnp.sum(live)
+
+    def more(carry):
+      i, live = carry[0], carry[2]
+      stopped = started - jnp.sum(live)
+      return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
+
     init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
             jnp.zeros((s, k_steps), jnp.float32))
-    _, state, _, count, tokens, log_prob = jax.lax.while_loop(lambda c: (c[0] < k_steps) & jnp.any(c[2]), step, init)
+    _, state, _, count, tokens, log_prob = jax.lax.while_loop(more, step, init)
     return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
 
   return Programs(

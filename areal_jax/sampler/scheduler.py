@@ -106,8 +106,10 @@ class Scheduler:
       return []
     self._make_room()
     budget, stop_eos = self._budgets()
+    # With answers waiting, end the call once an eighth of the slots (at least one) can take them.
+    refill_at = max(1, len(budget) // 8) if (self.waiting or self.resume) else 0
     self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
-                                                   eos_ids=sorted(self.eos_ids))
+                                                   eos_ids=sorted(self.eos_ids), refill_at=refill_at)
     fresh, self._fresh = self._fresh, []
     t2 = time.perf_counter()
     tokens, logp, count, firsts = jax.device_get(
