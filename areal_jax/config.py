@@ -22,6 +22,7 @@ _CHOICES = {
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "learner.adv_norm": ("group", "batch", "none"),
     "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "learner.prox_logp_method": ("recompute", "loglinear"),
     "reward.kind": ("math", "code"),
 }
 

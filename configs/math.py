@@ -170,6 +170,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.c_clip = 0.0  # 0 = no dual clip
   c.learner.behav_imp_weight_cap = 0.0  # 0 = no cap
   c.learner.use_decoupled_loss = True
+  # Proximal logprobs: recompute (a forward pass with the step's starting parameters) | loglinear (AReaL's
+  # interpolation between behaviour and current logprobs by token version; one forward pass fewer per step)
+  c.learner.prox_logp_method = "recompute"
   c.learner.ppo_n_minibatches = 4
   # Tokens per row (device) of a micro-batch, >= the longest sequence. Attention runs over whole packed rows, so short
   # rows are cheaper for short sequences: one CPU device takes 3.1 s per tiny step at 256, 11.5 s at 2048.

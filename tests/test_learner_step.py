@@ -13,7 +13,7 @@ from flax import nnx
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import assemble, bucket_lengths, plan_packed
-from areal_jax.learner.ppo import decoupled_ppo_loss
+from areal_jax.learner.ppo import decoupled_ppo_loss, loglinear_alpha
 from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, build_step, make_learner_mesh, packed_logprobs
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import logprobs_of
@@ -244,3 +244,72 @@ def test_config_presets_give_valid_learner_configs():
     assert cfg.max_tokens_per_mb in bucket_lengths(cfg.max_tokens_per_mb, cfg.min_bucket)
   with pytest.raises(ValueError, match="unknown learner config keys \\['typo'\\]"):
     LearnerConfig.from_config({"typo": 1})
+
+
+def test_loglinear_alpha_by_version():
+  """α = (v_prox - v) / (v_prox + 1 - v): 0 for tokens of the step's starting policy, towards 1 for older ones."""
+  np.testing.assert_allclose(loglinear_alpha(np.array([5, 4, 2, 0, 6]), 5), [0, 1 / 2, 3 / 4, 5 / 6, 0])
+
+
+def _versioned(trajs, versions):
+  return [t.replace(versions=np.full(len(t.response_ids), v, np.int32)) for t, v in zip(trajs, versions)]
+
+
+def test_loglinear_proximal_matches_numpy_reference():
+  """One minibatch of tokens drawn 0-3 versions ago: the step's loss and importance weights equal a numpy
+  evaluation of the decoupled loss with log π_prox = log π_behav + α (log π_θ - log π_behav)."""
+  cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=128, min_bucket=64, ppo_n_minibatches=1, prox_logp_method="loglinear")
+  learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), peak_flops=1e9)
+  learner.restore_counters(version=7, updates=0)
+  trajs = _versioned(make_trajectories(4), [7 - i % 4 for i in range(16)])
+  plan = learner.prepare(trajs)
+  lp, behav, adv, alpha = [], [], [], []
+  for mb in plan.minibatches[0]:
+    sel = mb.loss_mask > 0
+    lp.append(np.asarray(learner.fns.logprobs(learner.params, {k: getattr(mb, k) for k in BATCH_INT_KEYS}))[sel])
+    behav.append(mb.behavior_logprobs[sel])
+    adv.append(mb.advantages[sel])
+    alpha.append(loglinear_alpha(mb.versions[sel], 7))
+  lp, behav, adv, alpha = (np.concatenate(x).astype(np.float64) for x in (lp, behav, adv, alpha))
+  assert set(np.round(alpha, 4)) == {0.0, 0.5, 0.6667, 0.75}
+  prox = behav + alpha * (lp - behav)
+  u, w = np.exp(lp - prox), np.exp(prox - behav)
+  loss = w * np.maximum(-adv * u, -adv * np.clip(u, 0.8, 1.2))
+  stats = learner.update(plan)
+  assert learner.fns.logprobs._cache_size() == 1  # only this test's own calls: the step ran no proximal pass
+  np.testing.assert_allclose(stats["learner/loss"], loss.mean(), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(stats["learner/importance_weight_mean"], w.mean(), rtol=1e-5)
+
+
+def test_loglinear_equals_recompute_on_policy():
+  """Where the interpolation is exact (every token drawn by the step's starting parameters, behaviour logprobs =
+  the learner's own), loglinear trains exactly as recompute, over several minibatches."""
+  base = dict(lr=1e-2, max_tokens_per_mb=64, min_bucket=32, ppo_n_minibatches=3, weight_decay=0.0)
+  params = Learner(model_cfg=CFG, config=LearnerConfig(**base), mesh=one_device_mesh(), seed=3).params
+  trajs = make_trajectories(5)
+  probe = Learner(model_cfg=CFG, config=LearnerConfig(**base), mesh=one_device_mesh(), params=params)
+  on_policy = []
+  for t in trajs:  # behaviour logprobs := the starting parameters' own
+    mb = assemble(plan_packed([t.num_tokens], max_tokens=64, rows=1, min_bucket=32)[0], [t],
+                  [np.zeros(len(t.response_ids), np.float32)])
+    lp = np.asarray(probe.fns.logprobs(params, {k: getattr(mb, k) for k in BATCH_INT_KEYS}))[mb.loss_mask > 0]
+    on_policy.append(t.replace(logprobs=lp.astype(np.float32), versions=np.full(len(lp), 2, np.int32)))
+  out = {}
+  for method in ("recompute", "loglinear"):
+    learner = Learner(model_cfg=CFG, config=LearnerConfig(**base, prox_logp_method=method), mesh=one_device_mesh(),
+                      params=params, peak_flops=1e9)
+    learner.restore_counters(version=2, updates=0)
+    stats = learner.train_step(on_policy)
+    out[method] = stats, jax.tree.map(np.asarray, learner.params)
+    assert (learner.fns.logprobs._cache_size() > 0) == (method == "recompute")  # loglinear: no proximal pass
+  (s_r, p_r), (s_l, p_l) = out["recompute"], out["loglinear"]
+  for k in ("learner/loss", "learner/importance_weight_mean", "learner/approx_kl", "learner/clip_fraction"):
+    np.testing.assert_allclose(s_l[k], s_r[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p_l, p_r)
+
+
+def test_prox_logp_method_errors_name_the_field():
+  with pytest.raises(ValueError, match=r"learner.prox_logp_method='exact'.*recompute"):
+    LearnerConfig(prox_logp_method="exact")
+  with pytest.raises(ValueError, match=r"learner.prox_logp_method='loglinear'.*use_decoupled_loss=True"):
+    LearnerConfig(prox_logp_method="loglinear", use_decoupled_loss=False)

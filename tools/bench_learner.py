@@ -1,12 +1,13 @@
 """Learner throughput: dynamic packed micro-batches vs fixed padded micro-batches, side by side in one run.
 
-Both variants run the same `Learner.update` (proximal pass + `ppo_n_minibatches` AdamW updates) on the same
+The variants run the same `Learner.update` (proximal pass + `ppo_n_minibatches` AdamW updates) on the same
 long-tail batch, with the same token budget per micro-batch row (`--max-tokens`):
 
 * packed: paper Alg. 1 on each minibatch, sequences packed back to back, row lengths bucketed;
-* padded: `max_tokens // max_len` sequences per micro-batch in arrival order, each padded to `--max-len` (one shape).
+* padded: `max_tokens // max_len` sequences per micro-batch in arrival order, each padded to `--max-len` (one shape);
+* packed, loglinear: packed with `learner.prox_logp_method="loglinear"` (no proximal forward pass).
 
-With `--peer=torch`, a third variant runs the same step eagerly in PyTorch on the same weights and sequences (HF
+With `--peer=torch`, a further variant runs the same step eagerly in PyTorch on the same weights and sequences (HF
 `transformers` model, micro-batches padded to their longest sequence within the same token budget, the same decoupled
 PPO loss, AdamW), a plain baseline a user might write instead.
 
@@ -170,8 +171,10 @@ def main():
                    length=args.max_len) for s in range(0, len(idx), rows)]
 
   variants = {}
-  for name, planner in (("packed (Alg. 1)", None), ("padded (fixed)", padded)):
-    learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=mesh, temperature=config.sampler.temperature,
+  loglinear_cfg = learner_cfg.replace(prox_logp_method="loglinear")
+  for name, planner, cfg in (("packed (Alg. 1)", None, learner_cfg), ("padded (fixed)", padded, learner_cfg),
+                             ("packed, loglinear", None, loglinear_cfg)):
+    learner = Learner(model_cfg=model_cfg, config=cfg, mesh=mesh, temperature=config.sampler.temperature,
                       peak_flops=peak)
     plan = learner.prepare(trajs, planner)
     learner.update(plan)  # compiles every shape the plan uses
@@ -207,9 +210,12 @@ def main():
   for name, r in results.items():
     print(f"{name:<17}{r['micro_batches']:>14}{r['padding']:>9.1%}{r['step_s']:>9.2f}{r['cpu_s']:>8.1f}"
           f"{r['tokens_per_s']:>10.0f}{r['mfu'] * max(peak, peak_after) / 1e9:>15.2f}{r['mfu']:>9.1%}")
-  packed, pad = results.values()
+  packed, pad, loglinear = results.values()
   print(f"packed / padded: tokens/s {packed['tokens_per_s'] / pad['tokens_per_s']:.2f}x, "
         f"CPU time per step {pad['cpu_s'] / packed['cpu_s']:.2f}x less")
+  print(f"loglinear proximal logprobs (no proximal pass) / recompute: step time "
+        f"{packed['step_s'] / loglinear['step_s']:.2f}x shorter, CPU time {packed['cpu_s'] / loglinear['cpu_s']:.2f}x "
+        f"less")
   if torch_s:
     step_s = statistics.median(torch_s)
     print(f"torch (eager, padded, {threads} threads): step {step_s:.2f} s, {lengths.sum() / step_s:.0f} tokens/s; "

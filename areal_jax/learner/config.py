@@ -11,6 +11,10 @@ from areal_jax.learner.ppo import KL_ESTIMATORS
 # (the mean over sequences of each sequence's token mean: GRPO), seq-mean-token-sum-norm (the mean over sequences of
 # each sequence's token sum / loss_agg_max_tokens: Dr. GRPO).
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Where the decoupled loss's proximal logprobs come from: a forward pass with the step's starting parameters
+# (recompute), or interpolated from the behaviour and current logprobs by the tokens' versions (loglinear; AReaL's
+# approximation, one forward pass fewer per step; see `ppo.loglinear_alpha`).
+PROX_LOGP_METHODS = ("recompute", "loglinear")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +33,7 @@ class LearnerConfig:
   c_clip: float = 0.0
   behav_imp_weight_cap: float = 0.0
   use_decoupled_loss: bool = True
+  prox_logp_method: str = "recompute"
   ppo_n_minibatches: int = 4
   max_tokens_per_mb: int = 32768
   min_bucket: int = 128
@@ -65,6 +70,20 @@ class LearnerConfig:
       bad("loss_agg", f"choose one of {LOSS_AGGS}")
     if self.loss_agg_max_tokens < 0:
       bad("loss_agg_max_tokens", "must be >= 0")
+    if self.prox_logp_method not in PROX_LOGP_METHODS:
+      bad("prox_logp_method", f"choose one of {PROX_LOGP_METHODS}")
+    if self.prox_logp_method == "loglinear" and not self.use_decoupled_loss:
+      bad("prox_logp_method", "approximates the decoupled loss's proximal logprobs; needs "
+          "learner.use_decoupled_loss=True")
+
+  @property
+  def recompute_proximal(self) -> bool:
+    """Whether a step runs the forward pass for proximal logprobs."""
+    return self.use_decoupled_loss and self.prox_logp_method == "recompute"
+
+  @property
+  def loglinear_proximal(self) -> bool:
+    return self.use_decoupled_loss and self.prox_logp_method == "loglinear"
 
   @classmethod
   def from_config(cls, c, *, max_new_tokens: int = 0) -> LearnerConfig:

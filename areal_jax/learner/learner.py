@@ -6,8 +6,9 @@ One `train_step` (= one policy version):
 2. the batch is split into `ppo_n_minibatches` token-balanced minibatches, each packed into bucketed micro-batches
    (`microbatch.plan_packed`);
 3. proximal logprobs: one forward pass over every micro-batch with the parameters at the start of the step, before
-   any update (skipped with `use_decoupled_loss=False`, where π_prox := π_behav); reference logprobs likewise when
-   `kl_coef > 0`;
+   any update (skipped with `use_decoupled_loss=False`, where π_prox := π_behav, and with
+   `prox_logp_method="loglinear"`, where the loss interpolates them by token versions); reference logprobs likewise
+   when `kl_coef > 0`;
 4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
    then one AdamW update.
 """
@@ -29,6 +30,7 @@ from areal_jax.learner.advantages import sequence_advantages, token_advantages, 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
 from areal_jax.learner.optimizer import learning_rate
+from areal_jax.learner.ppo import loglinear_alpha
 from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, StepFns, build_step
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import LEARNER_RULES, Rules
@@ -133,14 +135,20 @@ class Learner:
     """Runs a prepared step on the devices: proximal pass, then one optimizer update per minibatch."""
     cfg, fns = self.config, self.fns
     start = time.perf_counter()
-    batches = [[jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
-                for mb in minibatch] for minibatch in plan.minibatches]
+
+    def arrays(mb):
+      out = {k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}
+      if cfg.loglinear_proximal:  # the proximal policy is this step's starting one, version `self.version`
+        out["prox_alpha"] = np.where(mb.loss_mask > 0, loglinear_alpha(mb.versions, self.version), 0).astype(np.float32)
+      return out
+
+    batches = [[jax.device_put(arrays(mb), fns.batch_sharding) for mb in minibatch] for minibatch in plan.minibatches]
     if cfg.kl_coef and self.ref_params is None:
       self.ref_params = fns.copy_params(self.params)
     # Forward-only passes with the parameters at the start of the step, all dispatched before any update.
     for b in (b for minibatch in batches for b in minibatch):
       inputs = {k: b[k] for k in BATCH_INT_KEYS}
-      if cfg.use_decoupled_loss:
+      if cfg.recompute_proximal:
         b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
@@ -174,7 +182,7 @@ class Learner:
     out = {f"learner/{k}": v for k, v in plan.host_stats.items()}
     tokens = sum(plan.seq_lengths)
     slots = sum(mb.tokens.size for minibatch in plan.minibatches for mb in minibatch)
-    passes = 3 + int(cfg.use_decoupled_loss) + int(bool(cfg.kl_coef))  # fwd+bwd, proximal, reference
+    passes = 3 + int(cfg.recompute_proximal) + int(bool(cfg.kl_coef))  # fwd+bwd, proximal, reference
     model_flops = passes * sum(n_tok * self.model_cfg.flops_per_token(n_tok) for n_tok in plan.seq_lengths)
     out |= {
         "learner/version": float(self.version),

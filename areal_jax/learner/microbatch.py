@@ -116,6 +116,7 @@ class MicroBatch:
   behavior_logprobs: np.ndarray  # float32
   advantages: np.ndarray  # float32
   loss_weights: np.ndarray  # float32, each loss token's weight in its sequence (`loss_agg`); 0 elsewhere
+  versions: np.ndarray  # int32, the policy version that drew each loss token; 0 elsewhere
   layout: Layout
 
   def arrays(self) -> dict[str, np.ndarray]:
@@ -133,6 +134,7 @@ def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Seq
   shape = (len(layout.rows), layout.length)
   a = {k: np.zeros(shape, np.int32) for k in ("tokens", "positions", "segment_ids")}
   a |= {k: np.zeros(shape, np.float32) for k in ("loss_mask", "behavior_logprobs", "advantages", "loss_weights")}
+  a["versions"] = np.zeros(shape, np.int32)
   for r, row in enumerate(layout.rows):
     offset = 0
     for seg, i in enumerate(row, start=1):
@@ -155,6 +157,7 @@ def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Seq
       a["behavior_logprobs"][r, pred] = t.logprobs
       a["advantages"][r, pred] = advantages[i]
       a["loss_weights"][r, pred] = 1.0 if token_weights is None else token_weights[i]
+      a["versions"][r, pred] = t.versions
       offset += p + n
   return MicroBatch(layout=layout, **a)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -102,6 +103,26 @@ def decoupled_ppo_loss(logprobs: jax.Array, proximal_logprobs: jax.Array, behavi
       "approx_kl": terms["approx_kl"].sum() / n,
   }
   return loss.sum() / n, stats
+
+
+def loglinear_alpha(versions: np.ndarray, proximal_version: int) -> np.ndarray:
+  """AReaL's log-linear approximation weight, α = (v_prox - v_behav) / (v_θ - v_behav) clipped to [0, 1], for
+  tokens drawn at `versions`. The proximal policy is the step's starting parameters (version `proximal_version`,
+  what `recompute` evaluates) and θ the policy the step trains into version `proximal_version + 1`; so a token drawn
+  by the starting parameters gets α = 0 (its behaviour logprob is the proximal one, exactly), and an older one
+  moves towards the current logprob."""
+  v = np.asarray(versions, np.float64)
+  alpha = (proximal_version - v) / np.maximum(proximal_version + 1 - v, 1.0)
+  return np.clip(alpha, 0.0, 1.0).astype(np.float32)
+
+
+def loglinear_proximal(behavior_logprobs: jax.Array, current_logprobs: jax.Array, alpha: jax.Array) -> jax.Array:
+  """log π_prox ≈ log π_behav + α (log π_θ - log π_behav), no gradient through π_θ; a token whose behaviour
+  logprob is not finite takes the current one."""
+  current = jax.lax.stop_gradient(current_logprobs)
+  finite = jnp.isfinite(behavior_logprobs)
+  behavior = jnp.where(finite, behavior_logprobs, current)
+  return jnp.where(finite, behavior + alpha * (current - behavior), current)
 
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str) -> jax.Array:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
-from areal_jax.learner.ppo import kl_estimate, ppo_token_terms
+from areal_jax.learner.ppo import kl_estimate, loglinear_proximal, ppo_token_terms
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import entropy_of, logprobs_of
 from areal_jax.models.transformer import create
@@ -85,8 +85,9 @@ def stat_keys(cfg: LearnerConfig) -> tuple[str, ...]:
 
 
 def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
-  extra = (("proximal_logprobs",) if cfg.use_decoupled_loss else ()) + (("ref_logprobs",) if cfg.kl_coef else ())
-  return BATCH_INT_KEYS + BATCH_FLOAT_KEYS + extra
+  optional = {"proximal_logprobs": cfg.recompute_proximal, "prox_alpha": cfg.loglinear_proximal,
+              "ref_logprobs": bool(cfg.kl_coef)}
+  return BATCH_INT_KEYS + BATCH_FLOAT_KEYS + tuple(k for k, on in optional.items() if on)
 
 
 def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, cfg: LearnerConfig,
@@ -97,7 +98,10 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
                             temperature=temperature, chunk=cfg.logits_chunk, with_entropy=True)
   mask = batch["loss_mask"] > 0
   behavior = batch["behavior_logprobs"]
-  proximal = batch["proximal_logprobs"] if cfg.use_decoupled_loss else behavior
+  if cfg.loglinear_proximal:
+    proximal = loglinear_proximal(behavior, lp, batch["prox_alpha"])
+  else:
+    proximal = batch["proximal_logprobs"] if cfg.use_decoupled_loss else behavior
   token_loss, terms = ppo_token_terms(lp, proximal, behavior, batch["advantages"], mask, **cfg.loss_kwargs)
   if cfg.kl_coef:
     kl = jnp.where(mask, kl_estimate(lp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
