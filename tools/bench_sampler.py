@@ -274,16 +274,16 @@ def main():
   k = ks[-1]
   main_name = f"engine (paged, decode_steps={k})"
   sched = scheds[k]
+  static_steps = sum(int(max(lengths[j] for j in b)) for b in batches)
   print(f"engine (decode_steps={k}): {sched.counters['decode_steps']} decode steps in "
         f"{sched.counters['decode_calls']} device calls + {sched.counters['prefill_rows']} prefill rows; static: "
-        f"{sum(int(max(lengths[j] for j in b)) for b in batches)} decode steps + {len(batches)} prefills of {s} rows")
+        f"{static_steps} decode steps + {len(batches)} prefills of {s} rows")
   print(f"{'variant':<48}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}")
   for name, t in seconds.items():
     print(f"{name:<48}{total:>9}{t:>10.2f}{total / t:>11.0f}")
   for name, t in seconds.items():
     if name != main_name:
       print(f"ratio {main_name} / {name}: {t / seconds[main_name]:.2f}x")
-  static_steps = sum(int(max(lengths[j] for j in b)) for b in batches)
   print(f"(ideal engine / static on this workload, equal step costs and free admission: "
         f"{static_steps * s / total:.2f}x)")
   for j in ks:

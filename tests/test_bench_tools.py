@@ -1,0 +1,32 @@
+"""tools/bench_sampler.py and tools/bench_learner.py end to end on small workloads, peers included."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tool, *args):
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def test_bench_sampler_with_hf_peer():
+  out = _run("bench_sampler.py", "--peer=hf", "--requests=12", "--slots=4", "--mean-len=6", "--decode-steps=1,4",
+             "--repeats=1")
+  rows = dict(re.findall(r"^(engine \(paged, decode_steps=\d\)|static batches \(dense JAX\)|hf transformers generate"
+                         r" \(torch, \d+ threads\))\s+(\d+)", out, re.M))
+  assert len(rows) == 4 and len(set(rows.values())) == 1, out  # every variant generated the same tokens
+  assert len(re.findall(r"^ratio engine \(paged, decode_steps=4\) / ", out, re.M)) == 3, out
+  assert out.count("where a step's time goes") == 2, out
+
+
+def test_bench_learner_with_torch_peer():
+  out = _run("bench_learner.py", "--peer=torch", "--sequences=8", "--max-len=96", "--max-tokens=192", "--steps=1")
+  for line in ("packed (Alg. 1)", "padded (fixed)", "packed, loglinear", "packed / padded: tokens/s",
+               "loglinear proximal logprobs", "packed / torch: tokens/s"):
+    assert line in out, (line, out)
