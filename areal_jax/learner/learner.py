@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax import faults
 from areal_jax.learner import flops as flops_lib
 from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
 from areal_jax.learner.config import LearnerConfig
@@ -152,6 +153,7 @@ class Learner:
         b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
+    faults.reach("learner_step")
     sums, grad_norms = [], []
     for minibatch, n in zip(batches, plan.denominators):
       inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1e-9)), fns.replicated)

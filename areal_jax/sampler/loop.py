@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from areal_jax import faults
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
 from areal_jax.sampler.scheduler import Scheduler
@@ -127,6 +128,7 @@ class SamplerLoop:
           start = time.perf_counter()
           for seq in sched.step():
             self._finished.put(seq)
+          faults.reach("generation")
           self._busy_s += time.perf_counter() - start
         self._publish_stats()
     except BaseException as e:  # surfaced by check()/get()/stop()

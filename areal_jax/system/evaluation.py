@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax import faults
 from areal_jax.data.records import PromptRecord
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
@@ -72,6 +73,7 @@ class Evaluator:
     for i, r in enumerate(records):
       sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling))
     answers: dict[tuple[int, int], list[int]] = {}
+    faults.reach("evaluation")
     while not sched.idle:
       for seq in sched.step():
         answers[(seq.request.group_id, seq.answer)] = list(seq.tokens)

@@ -122,8 +122,26 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def truncate_jsonl(path: epath.Path, step: int) -> None:
-  """Drops the lines of a per-step JSONL log written after `step` (a resumed run redoes those steps)."""
+  """Drops the lines of a per-step JSONL log written after `step` (a resumed run redoes those steps), and a torn
+  last line (the process was killed while appending). The file is replaced whole, never left half-written."""
   if not path.exists():
     return
-  lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-  path.write_text("".join(line + "\n" for line in lines))
+  lines = [line for line in path.read_text().splitlines() if line.strip()]
+  kept = []
+  for i, line in enumerate(lines):
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      if i < len(lines) - 1:
+        raise ValueError(f"{path}: line {i + 1} is not JSON and is not the last line: {line[:80]!r}") from None
+      logging.warning("%s: dropping a torn last line (%d characters)", path, len(line))
+      continue
+    if record["step"] <= step:
+      kept.append(line)
+  text = "".join(line + "\n" for line in kept)
+  if "://" in os.fspath(path):
+    path.write_text(text)  # an object is replaced whole
+    return
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)

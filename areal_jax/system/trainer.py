@@ -32,6 +32,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from areal_jax import faults
 from areal_jax import config as config_lib
 from areal_jax.data import build_dataset, warmstart_pairs
 from areal_jax.learner.config import LearnerConfig
@@ -203,9 +204,10 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
     learner.opt_state = learner.fns.init_opt_state(learner.params)
 
   def checkpoint(controller_state, force=False):
-    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
+    if ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
         "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "model_config": orbax_io.config_to_json(model_cfg)})
+        "model_config": orbax_io.config_to_json(model_cfg)}):
+      faults.reach("checkpoint_write")  # the asynchronous write is in flight
 
   if leader is not None:
     try:
@@ -226,7 +228,9 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
     loop = SamplerHub(peers=peers, publisher=publisher).start()
 
     def push(local_params, version):
-      loop.update_params(publisher.stage(local_params), version)
+      staged = publisher.stage(local_params)
+      faults.reach("weight_update")
+      loop.update_params(staged, version)
 
     push(local, learner.version)
   else:
@@ -236,7 +240,9 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
                        version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
 
     def push(local_params, version):
-      loop.update_params(weight_sync.transfer(local_params, engine.param_shardings), version)
+      moved = weight_sync.transfer(local_params, engine.param_shardings)
+      faults.reach("weight_update")
+      loop.update_params(moved, version)
 
   rewards = RewardChannels(lambda **kw: RewardService.from_config(config.reward, **kw))
   r = config.rollout

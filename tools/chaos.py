@@ -1,0 +1,263 @@
+r"""SIGKILLs a short training run again and again, then checks from the run's own records that nothing was lost,
+repeated or corrupted.
+
+    python tools/chaos.py --workdir=/tmp/chaos --kills=20 --seed=0 [--steps=150] [--phases=checkpoint_write,...]
+
+The job is `launch/tpu_run.py` on a fast variant of the tiny default (a 2-layer model, 4 groups of 4 answers per step,
+a checkpoint every 2 steps, an evaluation every 4). Each attempt but the last is killed, with its whole process group
+as a preempted machine is, either after a random delay or at the n-th time it reaches a phase
+(`areal_jax/faults.py`: during generation, a learner step, a weight update, a checkpoint write or an evaluation);
+the next attempt resumes the same workdir. The last attempt runs to the end. Then, from metrics.jsonl, rollouts.jsonl
+and the checkpoints:
+
+* logs: every line parses (none torn) and metrics has steps 0..N once each;
+* prompts: no prompt is trained on (or filtered) twice, and the prompts done plus those the last checkpoint holds as
+  pending are exactly a prefix of the epoch's order (none lost);
+* versions: the policy version equals the step and strictly increases; restarts resume at non-decreasing steps;
+* staleness: every trained answer started at most eta versions before the step that trained it, including the first
+  batches after each restart;
+* checkpoint: the latest one restores (parameters, optimizer state, meta) onto the run's learner.
+
+Prints a table of attempts and one of checks; exits 1 on any violation, on an attempt that crashed or hung, and when
+the run completed before all kills were made. Logs of each attempt: <workdir>/chaos/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from areal_jax.config import FAST_OVERRIDES  # pylint: disable=g-import-not-at-top
+from areal_jax.faults import ENV, PHASES  # pylint: disable=g-import-not-at-top
+
+CONFIG = os.path.join(ROOT, "configs", "math.py")
+# configs/math.py overrides: fast steps with every mechanism on, an evaluation every 4 steps.
+FAST = dict(FAST_OVERRIDES, **{"eval.every_steps": 4})
+# How far into an attempt a phase kill may come: the n-th occurrence, n drawn from 1..this.
+MAX_OCCURRENCE = {"generation": 300, "learner_step": 3, "weight_update": 3, "checkpoint_write": 2, "evaluation": 2}
+
+
+@dataclasses.dataclass
+class Attempt:
+  kill: str  # "after 12.3 s", "learner_step #2" or "none"
+  outcome: str = ""  # "killed", "completed", "timeout", "crashed (rc N)"
+  seconds: float = 0.0
+  resumed_at: int | None = None  # the step it resumed from (None: a fresh start)
+  last_step: int | None = None  # the last step in metrics.jsonl after it ended
+
+
+def parse_args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workdir", required=True, help="run directory (emptied first)")
+  p.add_argument("--kills", type=int, default=20)
+  p.add_argument("--seed", type=int, default=0, help="draws the kills; also the run's config.seed")
+  p.add_argument("--steps", type=int, default=150,
+                 help="learner steps of the run (enough that it does not finish before the last kill)")
+  p.add_argument("--phases", default="time," + ",".join(PHASES),
+                 help=f"kill kinds to draw from: 'time' (a random delay) and phases of {PHASES}")
+  p.add_argument("--max-delay", type=float, default=40.0, help="longest random delay of a 'time' kill, seconds")
+  p.add_argument("--attempt-timeout", type=float, default=600.0, help="seconds before an attempt counts as hung")
+  return p.parse_args()
+
+
+def _overrides(args) -> dict:
+  return dict(FAST, total_steps=args.steps, seed=args.seed)
+
+
+def _last_step(workdir: str) -> int | None:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  steps = []
+  for line in open(path).read().splitlines():
+    try:
+      steps.append(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError):
+      pass
+  return max(steps, default=None)
+
+
+def run_attempt(args, index: int, kill: str, rng) -> Attempt:
+  """One launch of the job; `kill` is "time", a phase, or "none" (run to the end)."""
+  workdir = args.workdir
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={CONFIG}", f"--workdir={workdir}"]
+  cmd += [f"--config.{k}={v}" for k, v in _overrides(args).items()]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop(ENV, None)
+  delay = None
+  if kill == "time":
+    delay = float(rng.uniform(2.0, args.max_delay))
+    attempt = Attempt(kill=f"after {delay:.1f} s")
+  elif kill == "none":
+    attempt = Attempt(kill="none")
+  else:
+    n = int(rng.integers(1, MAX_OCCURRENCE[kill] + 1))
+    env[ENV] = f"{kill}:{n}"
+    attempt = Attempt(kill=f"{kill} #{n}")
+  log_path = os.path.join(workdir, "chaos", f"attempt_{index:02d}.log")
+  start = time.time()
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    limit = delay if delay is not None else args.attempt_timeout
+    try:
+      rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+      rc = None
+  attempt.seconds = time.time() - start
+  if rc is None:
+    attempt.outcome = "killed" if delay is not None else "timeout"
+  elif rc == 0:
+    attempt.outcome = "completed"
+  elif rc == -signal.SIGKILL and ENV in env:
+    attempt.outcome = "killed"
+  else:
+    attempt.outcome = f"crashed (rc {rc})"
+  text = open(log_path).read()
+  resumed = re.search(r"resumed .* at step (\d+)", text)
+  attempt.resumed_at = int(resumed.group(1)) if resumed else None
+  attempt.last_step = _last_step(workdir)
+  return attempt
+
+
+def _read_jsonl(path: str, violations: list[str]) -> list[dict]:
+  rows = []
+  for i, line in enumerate(open(path).read().splitlines()):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      violations.append(f"{os.path.basename(path)} line {i + 1} is torn: {line[:60]!r}")
+  return rows
+
+
+def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
+  """(check, violations) for each check."""
+  from areal_jax.config import load_config
+  from areal_jax.data import build_dataset
+  from areal_jax.learner.config import LearnerConfig
+  from areal_jax.learner.step import build_step, make_learner_mesh
+  from areal_jax.models import ModelConfig
+  from areal_jax.system.checkpoint import Checkpointer
+  from areal_jax.tokenizer import load_tokenizer
+  import jax
+
+  config = load_config(CONFIG, **_overrides(args))
+  workdir, eta = args.workdir, config.rollout.max_head_offpolicyness
+  results = []
+
+  logs: list[str] = []
+  metrics = _read_jsonl(os.path.join(workdir, "metrics.jsonl"), logs)
+  rollouts = _read_jsonl(os.path.join(workdir, "rollouts.jsonl"), logs)
+  steps = [m["step"] for m in metrics]
+  if steps != list(range(args.steps + 1)):
+    logs.append(f"metrics.jsonl steps are {steps}, expected 0..{args.steps} once each")
+  results.append(("logs: no torn or duplicated lines", logs))
+
+  prompts: list[str] = []
+  uids = [r["uid"] for r in rollouts]
+  repeated = sorted({u for u in uids if uids.count(u) > 1})
+  if repeated:
+    prompts.append(f"{len(repeated)} prompts logged more than once, e.g. {repeated[:3]}")
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=config.checkpoint.every_steps)
+  latest = ckpt.latest_step()
+  undone = ckpt.read_meta(latest)["controller"]["undone"] if latest is not None else []
+  if latest != args.steps:
+    prompts.append(f"the latest checkpoint is step {latest}, expected {args.steps}")
+  if set(undone) & set(uids):
+    prompts.append(f"prompts both done and pending: {sorted(set(undone) & set(uids))[:3]}")
+  dataset = build_dataset(config.data, load_tokenizer(config.model.tokenizer), split="train")
+  order = [next(dataset).uid for _ in range(len(uids) + len(undone))]
+  if sorted(uids + undone) != sorted(order):
+    missing = sorted(set(order) - set(uids) - set(undone))
+    prompts.append(f"done + pending prompts are not the epoch's first {len(order)}; missing e.g. {missing[:3]}")
+  results.append(("prompts: each trained once, none lost", prompts))
+
+  versions: list[str] = []
+  if any(m["version"] != m["step"] for m in metrics):
+    versions.append("a metrics row's version differs from its step")
+  if any(b["version"] <= a["version"] for a, b in zip(metrics, metrics[1:])):
+    versions.append("versions do not strictly increase")
+  resumes = [a.resumed_at for a in attempts if a.resumed_at is not None]
+  if any(b < a for a, b in zip(resumes, resumes[1:])):
+    versions.append(f"a restart resumed at an earlier step than the one before: {resumes}")
+  results.append(("versions: strictly increasing across restarts", versions))
+
+  stale: list[str] = []
+  for r in rollouts:
+    if not r["filtered"] and any((r["step"] - 1) - v > eta for v in r["version_start"]):
+      stale.append(f"step {r['step']}: prompt {r['uid']} has answers started at versions {r['version_start']}")
+  results.append((f"staleness: <= eta = {eta} in every trained batch", stale[:5]))
+
+  restore: list[str] = []
+  try:
+    model_cfg = ModelConfig.from_config(config.model)
+    learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
+    params, opt_state = build_step(model_cfg, learner_cfg, make_learner_mesh(jax.devices()[:1])).abstract_state()
+    _, _, meta = ckpt.restore(latest, params=params, opt_state=opt_state)
+    if meta["step"] != latest or meta["version"] != latest:
+      restore.append(f"checkpoint {latest} holds step {meta['step']}, version {meta['version']}")
+  except Exception as e:  # pylint: disable=broad-except  # reported as a violation
+    restore.append(f"checkpoint {latest} does not restore: {type(e).__name__}: {e}")
+  ckpt.close()
+  results.append(("checkpoint: the latest restores", restore))
+  return results
+
+
+def main():
+  args = parse_args()
+  import numpy as np
+
+  kinds = args.phases.split(",")
+  unknown = sorted(set(kinds) - {"time", *PHASES})
+  if unknown:
+    sys.exit(f"--phases: unknown {unknown}; choose from time,{','.join(PHASES)}")
+  if os.path.exists(args.workdir):
+    import shutil
+    shutil.rmtree(args.workdir)
+  os.makedirs(os.path.join(args.workdir, "chaos"))
+  rng = np.random.default_rng(args.seed)
+  attempts: list[Attempt] = []
+  start = time.time()
+  while sum(a.outcome == "killed" for a in attempts) < args.kills:
+    attempt = run_attempt(args, len(attempts), str(rng.choice(kinds)), rng)
+    attempts.append(attempt)
+    print(f"attempt {len(attempts) - 1}: {attempt.kill} -> {attempt.outcome} after {attempt.seconds:.0f} s "
+          f"(resumed at {attempt.resumed_at}, last step {attempt.last_step})", flush=True)
+    if attempt.outcome != "killed":
+      break  # completed, crashed or hung: no more kills to make
+  if not attempts or attempts[-1].outcome == "killed":
+    attempts.append(run_attempt(args, len(attempts), "none", rng))
+
+  print(f"\n{'#':>3}  {'kill':<22}{'outcome':<18}{'seconds':>8}{'resumed at':>12}{'last step':>11}")
+  for i, a in enumerate(attempts):
+    print(f"{i:>3}  {a.kill:<22}{a.outcome:<18}{a.seconds:>8.0f}{str(a.resumed_at):>12}{str(a.last_step):>11}")
+  kills = sum(a.outcome == "killed" for a in attempts)
+  failures = [f"attempt {i} ({a.kill}): {a.outcome}; see {args.workdir}/chaos/attempt_{i:02d}.log"
+              for i, a in enumerate(attempts) if a.outcome not in ("killed", "completed")]
+  if attempts[-1].outcome != "completed":
+    failures.append("the last attempt did not complete the run")
+  elif kills < args.kills:
+    failures.append(f"only {kills} of {args.kills} kills: the run completed first (raise --steps)")
+  checks = check_run(args, attempts) if attempts[-1].outcome == "completed" else []
+  print(f"\n{kills} kills, {len(attempts)} attempts, {time.time() - start:.0f} s")
+  print(f"{'check':<48}result")
+  for name, problems in checks:
+    print(f"{name:<48}{'ok' if not problems else 'VIOLATED: ' + '; '.join(problems)}")
+  for f in failures:
+    print(f"FAILED: {f}")
+  sys.exit(1 if failures or any(p for _, p in checks) else 0)
+
+
+if __name__ == "__main__":
+  main()
