@@ -109,7 +109,9 @@ def test_1000_adversarial_completions_finish_in_time_and_service_stays_healthy()
     assert stats == {"submitted": 1000, "finished": 1000, "timeouts": 0, "crashes": 0, "restarts": 0}, stats
     worst = max(results.values(), key=lambda r: r.run_s)
     assert worst.run_s < timeout_s, worst
-    assert all(r.reward == 0.0 for r in results.values() if r.item_id < 40)
+    wrongly_rewarded = [(r.item_id, items[r.item_id][0][:60], items[r.item_id][1], r.reward, r.run_s)
+                        for r in results.values() if r.item_id < 40 and r.reward != 0.0]
+    assert not wrongly_rewarded, wrongly_rewarded  # (item, completion head, reference, reward, seconds)
     # still scoring correctly afterwards
     service.submit("after", "math", r"The answer is \boxed{\frac{3}{4}}.", "0.75")
     assert service.get(timeout=10).reward == 1.0
