@@ -197,26 +197,32 @@ class Engine:
     """Records that active slots cached `count[s]` more tokens (what a `generate_steps` call reported)."""
     self.slot_length += np.where(self.active, np.asarray(count, np.int64), 0)
 
+  def _new_pages(self, budget: np.ndarray) -> np.ndarray:
+    """Per slot: the pages it does not hold yet that `budget[s]` more tokens write into (0 for idle slots)."""
+    held = np.array([len(pages) for pages in self.slot_pages], np.int64)
+    need = -(-(self.slot_length + budget) // self.cfg.page_size) - held
+    return np.where(self.active, np.maximum(0, need), 0)
+
   def page_demand(self, budget: np.ndarray) -> np.ndarray:
     """New pages per data shard that `budget[s]` more tokens for every active slot s write into."""
-    p = self.cfg.page_size
-    held = np.array([len(pages) for pages in self.slot_pages], np.int64)
-    need = np.where(self.active, np.maximum(0, -(-(self.slot_length + budget) // p) - held), 0)
-    return np.bincount(np.arange(len(need)) // self.slots_per_shard, weights=need,
+    return self._per_shard(self._new_pages(budget))
+
+  def _per_shard(self, per_slot: np.ndarray) -> np.ndarray:
+    return np.bincount(np.arange(len(per_slot)) // self.slots_per_shard, weights=per_slot,
                        minlength=self.num_shards).astype(np.int64)
 
   def _grow(self, budget: np.ndarray) -> np.ndarray:
     """Allocates the pages `budget` needs (all or none); returns the decode program's (slot, column, page) rows."""
-    demand = self.page_demand(budget)
+    need = self._new_pages(budget)
+    demand = self._per_shard(need)
     for shard in range(self.num_shards):
       if demand[shard] > self.pool.num_free(shard):
         raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
-    p, s = self.cfg.page_size, self.cfg.num_slots
+    s = self.cfg.num_slots
     grow = np.full((3, s * self.pages_ahead), s, np.int32)
     n = 0
-    for slot in np.flatnonzero(budget):
-      want = -(-(int(self.slot_length[slot]) + int(budget[slot])) // p) - len(self.slot_pages[slot])
-      for page in self.pool.alloc(self.shard_of(slot), max(0, want)):
+    for slot in np.flatnonzero(need):
+      for page in self.pool.alloc(self.shard_of(slot), int(need[slot])):
         grow[:, n] = (slot, len(self.slot_pages[slot]), page)
         self.slot_pages[slot].append(page)
         n += 1
