@@ -25,6 +25,7 @@ the run completed before all kills were made. Logs of each attempt: <workdir>/ch
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -166,7 +167,7 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
 
   prompts: list[str] = []
   uids = [r["uid"] for r in rollouts]
-  repeated = sorted({u for u in uids if uids.count(u) > 1})
+  repeated = sorted(u for u, n in collections.Counter(uids).items() if n > 1)
   if repeated:
     prompts.append(f"{len(repeated)} prompts logged more than once, e.g. {repeated[:3]}")
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=config.checkpoint.every_steps)
