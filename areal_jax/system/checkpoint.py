@@ -2,6 +2,10 @@
 
 Items per step: `params` and `opt_state` (array trees, restored straight onto the learner's shardings) and `meta`
 (JSON: learner step, policy version, data iterator state, RNG, model config, rollout counters).
+
+A save that fails in the background (a full disk, a lost bucket permission) surfaces as `CheckpointError` at the next
+`check`, `save` or `close`, naming the step, the directory and the cause; the failed step's temporary directory is not
+a checkpoint, so the previous one stays the latest and a restart resumes from it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+
+class CheckpointError(OSError):
+  """An asynchronous checkpoint write failed; the previous checkpoint is intact."""
 
 
 def _abstract(tree):
@@ -25,19 +33,50 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True,
                                            create=True)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
+    self._writing: int | None = None  # the step whose asynchronous write may still be in flight
+    self._reported = False  # a failure was raised already (close() does not raise it twice)
+
+  def _failed(self, e: Exception) -> CheckpointError:
+    step, self._writing, self._reported = self._writing, None, True
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if len(cause) > 400:
+      cause = cause[:200] + " ... " + cause[-200:]
+    if "os_error_code='28'" in cause or "No space left" in cause:
+      cause = f"no space left on device ({cause})"
+    previous = [s for s in self._mngr.all_steps() if s != step]
+    intact = f"step {max(previous)}'s checkpoint is intact" if previous else "no earlier checkpoint exists"
+    return CheckpointError(f"checkpoint of step {step} to {self.directory} failed: {cause}. Stopping: {intact}; "
+                           "fix the cause and restart to resume from it")
+
+  def check(self) -> None:
+    """Raises `CheckpointError` if a background write has failed since the last call; never waits."""
+    try:
+      self._mngr.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except  (Orbax and TensorStore raise several types)
+      raise self._failed(e) from e
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
 
   def save(self, step: int, *, params, opt_state, meta: dict[str, Any], force: bool = False) -> bool:
-    """Saves at multiples of `every_steps` (or always with `force`); returns whether a save started."""
+    """Saves at multiples of `every_steps` (or always with `force`); returns whether a save started. Raises
+    `CheckpointError` if an earlier write failed."""
+    self.check()
     if not force and step % self.every_steps:
       return False
     if step in self._mngr.all_steps():
       return False
-    return self._mngr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta)), force=True)
+    self.wait()  # the previous write (Orbax would wait for it too): a failure there is named as that step's
+    self._writing = step
+    try:
+      started = self._mngr.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+          meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._failed(e) from e
+    if not started:
+      self._writing = None
+    return started
 
   def restore(self, step: int, *, params, opt_state) -> tuple[Any, Any, dict[str, Any]]:
     """Restores onto the shardings of the given (live or abstract) `params` / `opt_state` trees."""
@@ -51,8 +90,21 @@ class Checkpointer:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    try:
+      self._mngr.wait_until_finished()
+      self._mngr.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._failed(e) from e
+    self._writing = None
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+    """Waits for the write in flight; raises `CheckpointError` if it failed and was not reported yet (the manager
+    is closed either way)."""
+    reported = self._reported
+    try:
+      self.wait()
+    except CheckpointError:
+      if not reported:
+        raise
+    finally:
+      self._mngr.close()
