@@ -154,12 +154,15 @@ class Learner:
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
     faults.reach("learner_step")
+    poison = faults.hit("nan_grads")
     sums, grad_norms = [], []
     for minibatch, n in zip(batches, plan.denominators):
       inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1e-9)), fns.replicated)
       grads, stats = fns.zero_accumulators()
       for b in minibatch:
         grads, stats = fns.accumulate(self.params, grads, stats, b, inv_tokens)
+      if poison:
+        grads = jax.tree.map(lambda g: g * np.float32("nan"), grads)
       self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
       sums.append(stats)
       grad_norms.append(grad_norm)
@@ -210,10 +213,11 @@ class Learner:
     }
     if cfg.kl_coef:
       out["learner/ref_kl"] = total["ref_kl"] / n
-    for key in ("learner/loss", "learner/grad_norm"):
-      if not np.isfinite(out[key]):
-        raise FloatingPointError(f"learner step {self.version}: {key.split('/')[1]} is {out[key]}; stopping before "
-                                 "these parameters are published or checkpointed (the last checkpoint is intact)")
+    bad = [f"{key.split('/')[1]} is {out[key]}" for key in ("learner/loss", "learner/grad_norm")
+           if not np.isfinite(out[key])]
+    if bad:
+      raise FloatingPointError(f"learner step {self.version}: {', '.join(bad)}; stopping before these parameters are "
+                               "published or checkpointed (the last checkpoint is intact)")
     return out
 
   def peak_flops(self) -> float:

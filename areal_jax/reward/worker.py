@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+from areal_jax import faults
+
 KINDS = ("math", "code")
 
 
@@ -49,6 +51,7 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
     if msg is None:
       return
     seq, kind, completion, reference, budget_s, code_limits = msg
+    faults.reward_worker_item(seq)
     t0 = time.perf_counter()
     try:
       reward, reason = score(kind, completion, reference, budget_s=budget_s, code_limits=code_limits)
