@@ -110,9 +110,10 @@ def load_problems(data, *, split: str) -> tuple[list[Problem], dict[str, int]]:
                               split="train", exclude=frozenset(p.question for p in held)), stats
   if data.source == "jsonl":
     if split == "eval" and data.eval_path:
-      problems, stats["bad_rows"] = sources.read_jsonl(data.eval_path, skip_bad_rows=data.skip_bad_rows)
+      problems, stats["bad_rows"] = sources.read_jsonl(data.eval_path, skip_bad_rows=data.skip_bad_rows,
+                                                       field="data.eval_path")
       return problems, stats
-    problems, stats["bad_rows"] = sources.read_jsonl(data.path, skip_bad_rows=data.skip_bad_rows)
+    problems, stats["bad_rows"] = sources.read_jsonl(data.path, skip_bad_rows=data.skip_bad_rows, field="data.path")
     where = data.path
   elif data.source == "tfds":
     if split == "eval" and data.eval_split:

@@ -38,10 +38,11 @@ def _collect(rows: Iterable[tuple[str, str, Any]], *, source: str, skip_bad_rows
   return problems, bad
 
 
-def read_jsonl(path: str, *, skip_bad_rows: bool = False) -> tuple[list[Problem], int]:
-  """(problems, number of bad rows skipped) from a JSON-lines file; blank lines are ignored."""
+def read_jsonl(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
+  """(problems, number of bad rows skipped) from a JSON-lines file; blank lines are ignored. `field` names the
+  setting the path came from (`data.eval_path`) in the error for a missing file."""
   if not os.path.isfile(path):
-    raise DataError(f"data file {path!r} does not exist")
+    raise DataError(f"{field + ': ' if field else ''}data file {path!r} does not exist")
   name = os.path.basename(path)
 
   def rows():
@@ -56,7 +57,7 @@ def read_jsonl(path: str, *, skip_bad_rows: bool = False) -> tuple[list[Problem]
         if not line.strip():
           continue
         try:
-          row = json.loads(line)
+          row = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
           row = DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
         yield where, f"{name}:{lineno}", row

@@ -30,6 +30,8 @@ from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
 from areal_jax.types import Trajectory
 
+_SHOWN_REWARD_FAILURES = 5  # reward failures logged one by one; after that every 100th
+
 
 class RewardChannels:
   """One reward pool shared by several consumers (rollouts, evaluation): results are routed by channel name."""
@@ -195,6 +197,10 @@ class RolloutController:
       pending.rewards[index] = r.reward
       if r.reason.startswith(("timed out", "worker crashed")):
         self.counters["reward_failures"] += 1  # scored 0; the service has already replaced the worker
+        n = self.counters["reward_failures"]
+        if n <= _SHOWN_REWARD_FAILURES or n % 100 == 0:
+          logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
+                          "rollout/reward_failures)", index, pending.record.uid, r.reason, n)
       if len(pending.rewards) == self.group_size:
         self._finish(gid, pending)
     return bool(results)

@@ -99,10 +99,15 @@ def _scorer(rewards: RewardChannels):
   def score(items):
     for i, (kind, text, reference) in enumerate(items):
       rewards.submit("eval", i, kind, text, reference)
-    out = [0.0] * len(items)
+    out, failed = [0.0] * len(items), []
     for _ in items:
       r = rewards.get("eval", timeout=600)
       out[r.item_id] = r.reward
+      if r.reason.startswith(("timed out", "worker crashed")):
+        failed.append(r.reason)
+    if failed:
+      logging.warning("evaluation: %d of %d answers could not be scored and count as wrong (%s)", len(failed),
+                      len(items), "; ".join(sorted(set(failed))))
     return out
 
   return score
