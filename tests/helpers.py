@@ -1,8 +1,12 @@
 """Shared test fixtures: a tiny model config and fast random weights."""
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 from flax import nnx
 
 from areal_jax.config import FAST_OVERRIDES
@@ -31,3 +35,23 @@ SLOW_MATH = r"\boxed{" + "+".join(f"({n}!)!" for n in range(9999, 9989, -1)) + "
 
 
 FAST = FAST_OVERRIDES  # configs/math.py overrides for end-to-end runs
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+          "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_bpe_tokenizer(directory: str, texts, vocab_size: int = 300) -> str:
+  """A tiny byte-level BPE tokenizer trained on `texts`, with a ChatML chat template, as a HF directory."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                                 "<|im_end|>"],
+                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(texts, trainer)
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}, f)
+  return directory

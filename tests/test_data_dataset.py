@@ -7,16 +7,14 @@ import threading
 
 import numpy as np
 import pytest
-import tokenizers
 
 from areal_jax.config import load_config
 from areal_jax.data import DataError, PromptDataset, build_dataset, warmstart_pairs
 from areal_jax.reward.math import verify_math
 from areal_jax.tokenizer import CharTokenizer, HFTokenizer
+from helpers import write_bpe_tokenizer
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
-          "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def _config(**overrides):
@@ -105,18 +103,9 @@ def test_next_is_thread_safe():
 @pytest.fixture(scope="module")
 def hf_tokenizer(tmp_path_factory):
   """A tiny byte-level BPE tokenizer with a ChatML chat template."""
-  tmp_path = tmp_path_factory.mktemp("hf_tok")
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = tokenizers.decoders.ByteLevel()
-  trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                           "<|im_end|>"],
-                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(["What is the answer? Please reason step by step, and put it within \\boxed{}."], trainer)
-  tok.save(str(tmp_path / "tokenizer.json"))
-  with open(tmp_path / "tokenizer_config.json", "w") as f:
-    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}, f)
-  return HFTokenizer(str(tmp_path))
+  directory = str(tmp_path_factory.mktemp("hf_tok"))
+  write_bpe_tokenizer(directory, ["What is the answer? Please reason step by step, and put it within \\boxed{}."])
+  return HFTokenizer(directory)
 
 
 def test_jsonl_with_chat_template_long_prompts_dropped_and_held_out_eval(tmp_path, caplog, hf_tokenizer):
