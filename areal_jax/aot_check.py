@@ -12,8 +12,8 @@ Programs (per device, from XLA's memory analysis of the partitioned program):
 * learner `logprobs` (the proximal pass), `accumulate` (forward + backward of one packed micro-batch of
   `max_tokens_per_mb` tokens per row), `apply` (the optimizer update); mesh fsdp × tensor.
 * sampler `prefill` (one row of max_seq_len), `decode` (one step of all slots over the KV pool), `insert` (prefill
-  results into the pool); mesh data × tensor. With `num_pages = 0` the pool takes `memory_fraction` of what the HBM
-  leaves after the parameters, as on a real slice.
+  results into the pool); mesh data × tensor, weights in `sampler.param_dtype`. With `num_pages = 0` the pool takes
+  `memory_fraction` of what the HBM leaves after the parameters, as on a real slice.
 
 `total = arguments + outputs + temporaries - aliased (donated) + resident`. `resident` counts buffers that stay live in
 HBM during the program without being its arguments: the optimizer state (and reference parameters with a KL term)
@@ -152,7 +152,7 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
   model_cfg, cfg = ModelConfig.from_config(config.model), SamplerConfig.from_config(config.sampler)
   hbm = hbm_bytes(devices, hbm_gib)
-  _, params = abstract_params(model_cfg, mesh)
+  _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm)
   resident = {"prefill": device_bytes(state), "decode": 0, "insert": device_bytes(params)}
   note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"

@@ -33,6 +33,7 @@ _CHOICES = {
     "data.source": ("synthetic", "jsonl", "tfds"),
     "data.prompt_template": ("plain", "chat"),
     "sampler.attention": ("auto", "jax", "pallas_tpu"),
+    "sampler.param_dtype": ("float32", "bfloat16"),
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "learner.adv_norm": ("group", "batch", "none"),
     "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),

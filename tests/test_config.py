@@ -2,12 +2,14 @@
 
 import os
 
+import jax.numpy as jnp
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
 from areal_jax.config import load_config, split_devices, validate
 from areal_jax.models import ModelConfig
+from areal_jax.sampler.config import SamplerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
@@ -34,6 +36,9 @@ def test_every_preset_validates(preset):
     assert (c.learner.adam_eps, c.learner.grad_clip, c.learner.eps_clip) == (1e-5, 1.0, 0.2)
     assert (c.rollout.batch_size, c.rollout.group_size, c.learner.ppo_n_minibatches) == (512, 16, 4)
     assert c.rollout.max_head_offpolicyness == 8 and c.sampler.temperature == 1.0
+  # The tiny CPU default keeps the float32 sampler (logprobs equal the learner's); real sizes serve bfloat16 weights.
+  assert c.sampler.param_dtype == ("float32" if preset == "tiny" else "bfloat16")
+  assert c.model.param_dtype == "float32"  # the learner's master weights
   expected = {"tiny": 3e6, "qwen2.5-1.5b": 1.78e9, "r1-distill-qwen-7b": 7.6e9}[preset]
   assert abs(m.num_params() / expected - 1) < 0.1, m.num_params()
 
@@ -71,6 +76,8 @@ def test_unknown_preset():
     ({"mesh.sampler_devices": 8}, "mesh.sampler_devices"),
     ({"model.vocab_size": 32}, "model.vocab_size"),
     ({"rollout.max_head_offpolicyness": 8}, "rollout.queue_size"),  # 9 x 16 groups do not fit a queue of 80
+    ({"sampler.param_dtype": "float16"}, "sampler.param_dtype"),
+    ({"sampler.param_dtype": "bf16"}, "sampler.param_dtype"),
 ])
 def test_validation_names_the_field(override, field):
   c = load_config(CONFIG, **override)
@@ -85,3 +92,12 @@ def test_split_devices():
   assert split_devices(1, 0.5) == (1, 1)
   with pytest.raises(ValueError, match="sampler_devices"):
     split_devices(4, 1.5)
+
+
+def test_sampler_config_rejects_a_bad_param_dtype():
+  """The sampler's own record names the key too (it is built from the `sampler` group without `validate`)."""
+  c = load_config(CONFIG, **{"sampler.param_dtype": "int8"})
+  with pytest.raises(ValueError, match=r"sampler\.param_dtype='int8'.*float32.*bfloat16"):
+    SamplerConfig.from_config(c.sampler)
+  assert SamplerConfig.from_config(load_config(CONFIG, **{"sampler.param_dtype": "bfloat16"}).sampler).weight_dtype \
+      == jnp.bfloat16

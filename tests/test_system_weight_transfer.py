@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -45,6 +46,28 @@ def test_pulled_weights_equal_the_learners_leaf_by_leaf(learner_axes, tensor, sa
       np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
   pub.pulled(3, 0)
   assert not pub._live  # pylint: disable=protected-access  # released once every puller has it
+
+
+def test_a_bfloat16_sampler_pulls_weights_cast_before_staging():
+  """Publisher and puller agree on the sampler's dtype: float32 learner weights are cast on the learner's device
+  before staging, so the published copy (and every pull) is half the bytes."""
+  devices = jax.devices()
+  params = nnx.state(tiny_model(), nnx.Param)
+  abstract = weight_sync.with_dtype(params, jnp.bfloat16)
+  pub = WeightPublisher(abstract_params=abstract, tensor=1, devices=devices[:1], host="127.0.0.1")
+  puller = WeightPuller(address=pub.address, abstract_params=abstract, tensor=1, devices=devices[4:5],
+                        host="127.0.0.1")
+  assert pub.nbytes * 2 == WeightPublisher(abstract_params=params, tensor=1, devices=devices[:1],
+                                           host="127.0.0.1").nbytes
+  staged = pub.stage(jax.device_put(params, devices[0]))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(staged))
+  uuids, published_fp = pub.offer(staged, version=1, pullers=[0])
+  pulled, fp = puller.pull(uuids[0], timeout_s=60)
+  check_fingerprint(fp, published_fp, paths=pub.paths, what="test")
+  for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(pulled)):
+    assert g.dtype == jnp.bfloat16, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w.astype(jnp.bfloat16)))
+  pub.pulled(1, 0)
 
 
 def test_a_leaf_that_arrives_permuted_is_named():

@@ -18,13 +18,16 @@ from areal_jax.sampler.engine import MAX_EOS_IDS, pages_per_shard, param_bytes_p
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
 from areal_jax.sampler.state import decode_state_shapes, decode_state_shardings, prefix_shardings
 from areal_jax.sharding import SAMPLER_RULES, state_shardings
+from areal_jax.system.weight_sync import with_dtype
 
 
-def abstract_params(model_cfg: ModelConfig, mesh: Mesh):
-  """(graphdef, params as `jax.ShapeDtypeStruct`s carrying the sampler's shardings)."""
+def abstract_params(model_cfg: ModelConfig, mesh: Mesh, dtype=None):
+  """(graphdef, params as `jax.ShapeDtypeStruct`s carrying the sampler's shardings), floating ones in `dtype` (the
+  sampler's `param_dtype`; None = the model's)."""
   graphdef, state = nnx.split(nnx.eval_shape(lambda: create(model_cfg)))
   shardings = state_shardings(state, mesh, SAMPLER_RULES)
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  typed = state if dtype is None else with_dtype(state, dtype)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), typed, shardings)
   return graphdef, params
 
 
@@ -47,8 +50,9 @@ def _sds(shape, dtype, mesh, spec=P()):
 def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, prefill_len: int | None = None,
                   free_bytes: int | None = None) -> dict[str, jax.stages.Lowered]:
   """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len) and `insert` for the pool
-  size the config gives (num_pages, or memory_fraction of `free_bytes` per device)."""
-  graphdef, params = abstract_params(model_cfg, mesh)
+  size the config gives (num_pages, or memory_fraction of `free_bytes` per device), with weights of the config's
+  `param_dtype`."""
+  graphdef, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, _ = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free_bytes)
   programs = build_programs(graphdef, model_cfg, cfg, mesh)
   s, m = cfg.num_slots, cfg.pages_per_seq

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from areal_jax.models.config import DTYPES
+
 ATTENTION_IMPLS = ("auto", "jax", "pallas_tpu")
 
 
@@ -13,6 +15,10 @@ class SamplerConfig:
 
   `num_pages` counts pages over the whole mesh (split evenly between the data shards; one page per shard is reserved
   as the scratch page that idle slots write to); 0 sizes the pool from `memory_fraction` of free device memory.
+
+  `param_dtype` is the dtype the sampler holds its weights in (the learner keeps its own, float32 master weights):
+  bfloat16 halves the weights' memory (more room for the KV pool) and the bytes of every weight update, at the price
+  of behaviour logprobs that differ slightly from the learner's (measured each step as `sampler/logprob_gap`).
   """
 
   num_slots: int = 64
@@ -31,6 +37,7 @@ class SamplerConfig:
   # there, 2-4x faster than 256 at 40-400 token contexts), 256 elsewhere (fewer loop iterations on GPU).
   attention_block: int = 0
   decode_steps: int = 8  # decode steps per device call (the host reads tokens and admits new answers between calls)
+  param_dtype: str = "float32"  # float32 | bfloat16
 
   def __post_init__(self):
     def bad(field, why):
@@ -53,6 +60,8 @@ class SamplerConfig:
       bad("top_k", "must be positive or -1 (off)")
     if self.attention not in ATTENTION_IMPLS:
       bad("attention", f"choose one of {ATTENTION_IMPLS}")
+    if self.param_dtype not in DTYPES:
+      bad("param_dtype", f"choose one of {tuple(DTYPES)}")
     if self.max_prefill_tokens and self.max_prefill_tokens < self.pages_per_seq * self.page_size:
       bad("max_prefill_tokens", f"must hold one sequence of max_seq_len={self.max_seq_len} (rounded up to pages)")
 
@@ -60,6 +69,11 @@ class SamplerConfig:
   def prefill_budget(self) -> int:
     """Tokens (rows x padded length) one batched prefill may hold."""
     return self.max_prefill_tokens or max(8192, self.pages_per_seq * self.page_size)
+
+  @property
+  def weight_dtype(self):
+    """`param_dtype` as a JAX dtype."""
+    return DTYPES[self.param_dtype]
 
   @property
   def pages_per_seq(self) -> int:

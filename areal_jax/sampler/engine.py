@@ -34,7 +34,7 @@ from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
 from areal_jax.sampler.state import (DecodeState, DecodeSteps, Prefix, ResultTokens, decode_state_shapes,
                                      decode_state_shardings, page_bytes)
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
-from areal_jax.system.weight_sync import check_compatible
+from areal_jax.system.weight_sync import cast, check_compatible, with_dtype
 
 
 MAX_EOS_IDS = 8  # `generate_steps` takes up to this many EOS ids (padded: one compiled decode program)
@@ -81,7 +81,8 @@ class Engine:
 
   def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None):
     """`model` gives the graph and parameter shapes only (an abstract `nnx.eval_shape` model works); parameters are
-    passed to `prefill`/`generate`. The default mesh is the first device (data 1 x tensor 1)."""
+    passed to `prefill`/`generate`, their floating leaves in `config.param_dtype` whatever the model's own dtype. The
+    default mesh is the first device (data 1 x tensor 1)."""
     self.cfg = config
     self.model_cfg: ModelConfig = model.cfg
     self.mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
@@ -95,8 +96,10 @@ class Engine:
       raise ValueError(f"sampler.max_seq_len={config.max_seq_len} exceeds model.max_position_embeddings="
                        f"{self.model_cfg.max_position_embeddings}")
     self.graphdef, abstract = nnx.split(model)
-    self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+    self.param_dtype = config.weight_dtype
+    self.abstract_params = with_dtype(abstract, self.param_dtype)
     self.param_shardings = state_shardings(abstract, self.mesh, SAMPLER_RULES)
+    # The KV pool (num_pages=0) gets what is left beside weights of param_dtype: bfloat16 leaves it more.
     param_bytes = param_bytes_per_device(self.abstract_params, self.mesh)
     self.pages_per_shard = pages_per_shard(self.model_cfg, config, self.mesh, param_bytes_per_device=param_bytes)
     self.num_pages = self.pages_per_shard * self.num_shards
@@ -115,9 +118,11 @@ class Engine:
   # --- JetStream Engine API ------------------------------------------------------------------------------------
 
   def load_params(self, params) -> nnx.State:
-    """Parameters (an NNX model or its state) checked against the engine's and placed on the sampler's shardings."""
+    """Parameters (an NNX model or its state) cast to the engine's `param_dtype`, checked against the engine's and
+    placed on the sampler's shardings."""
     if isinstance(params, nnx.Module):
       params = nnx.state(params)
+    params = cast(params, self.param_dtype)
     check_compatible(params, self.abstract_params)
     return jax.device_put(params, self.param_shardings)
 

@@ -1,6 +1,8 @@
 """Held-out evaluation: generate answers with given parameters and score them with the math/code verifiers.
 
-`Evaluator` keeps one sampling engine (compiled once) and reuses it for every evaluation. With `num_samples = 1`
+`Evaluator` keeps one sampling engine (compiled once) and reuses it for every evaluation. It evaluates the policy as
+the sampler serves it: weights in `sampler_cfg.param_dtype` (bfloat16 in the real-size presets), like the answers
+the learner trains on. With `num_samples = 1`
 answers are greedy; with k > 1 they are sampled at `temperature` (and `top_p`) and accuracy is pass@1 averaged over the
 k samples. A call may name other records and sampling settings (several benchmarks, a greedy and a sampled pass) and
 still use the same compiled engine; `EvalResult.correct` holds every (question, sample) score for pass@k.
@@ -68,7 +70,7 @@ class Evaluator:
     num_samples = self.num_samples if num_samples is None else num_samples
     sampling = dataclasses.replace(self.sampling, **{k: v for k, v in (("temperature", temperature), ("top_p", top_p))
                                                      if v is not None})
-    params = weight_sync.transfer(params, self.engine.param_shardings)
+    params = weight_sync.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
     sched = Scheduler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
     for i, r in enumerate(records):
       sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling))

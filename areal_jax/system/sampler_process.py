@@ -41,9 +41,9 @@ def run_sampler(config, workdir: str, layout: ProcessLayout, *, model_cfg) -> No
   tokenizer = load_tokenizer(config.model.tokenizer)
   mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": config.mesh.sampler_tensor})
   abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
-  _, abstract_params = nnx.split(abstract_model)
   engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler),
                   mesh=mesh)
+  abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
   leader = connect(layout, authkey(workdir), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
   _Sampler(leader, engine, abstract_params, layout=layout, tensor=config.mesh.sampler_tensor,

@@ -227,8 +227,9 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   local = local_copy(learner.params, learner_mesh)  # a collective when the learner spans processes
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
   if layout.multi_process:
-    publisher = WeightPublisher(abstract_params=learner.fns.abstract_params, tensor=config.mesh.sampler_tensor,
-                                devices=learner_local, host=layout.host)
+    sampler_dtype = SamplerConfig.from_config(config.sampler).weight_dtype
+    publisher = WeightPublisher(abstract_params=weight_sync.with_dtype(learner.fns.abstract_params, sampler_dtype),
+                                tensor=config.mesh.sampler_tensor, devices=learner_local, host=layout.host)
     peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
     loop = SamplerHub(peers=peers, publisher=publisher).start()
 
@@ -241,11 +242,13 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   else:
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
     engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler), mesh=sampler_mesh)
-    loop = SamplerLoop(engine=engine, params=weight_sync.transfer(local, engine.param_shardings),
+    # The sampler's copy is cast to sampler.param_dtype on the learner's devices, before it crosses over.
+    loop = SamplerLoop(engine=engine, params=weight_sync.transfer(local, engine.param_shardings,
+                                                                  dtype=engine.param_dtype),
                        version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
 
     def push(local_params, version):
-      moved = weight_sync.transfer(local_params, engine.param_shardings)
+      moved = weight_sync.transfer(local_params, engine.param_shardings, dtype=engine.param_dtype)
       faults.reach("weight_update")
       loop.update_params(moved, version)
 

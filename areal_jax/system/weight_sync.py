@@ -1,8 +1,15 @@
-"""Learner → sampler weight transfer: device-to-device `device_put` onto the sampler's shardings, no host round-trip."""
+"""Learner → sampler weight transfer: device-to-device `device_put` onto the sampler's shardings, no host round-trip.
+
+The sampler may hold its weights in a narrower dtype than the learner's float32 master copy (`sampler.param_dtype`):
+`transfer(..., dtype=jnp.bfloat16)` casts on the learner's devices first, so only half the bytes cross over.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -21,6 +28,30 @@ def check_compatible(new, reference, *, what: str = "params") -> None:
     v = new_paths[path]
     if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
       raise ValueError(f"{what}: leaf {path} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}")
+
+
+def _floating(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def with_dtype(tree, dtype):
+  """`tree`'s leaves as `jax.ShapeDtypeStruct`s, floating ones of `dtype` (the abstract weights a sampler holding
+  `dtype` expects); NNX variables and their metadata (logical axes) are kept."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype if _floating(x.dtype) else x.dtype), tree)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype) if _floating(x.dtype) else x, tree)
+
+
+def cast(tree, dtype):
+  """`tree` with its floating leaves cast to `dtype`, on the devices (and shardings) that hold them; the tree itself
+  when nothing needs casting."""
+  dtype = np.dtype(dtype)
+  if all(x.dtype == dtype or not _floating(x.dtype) for x in jax.tree.leaves(tree)):
+    return tree
+  return _cast(tree, dtype)
 
 
 def _identity(tree):
@@ -43,14 +74,17 @@ def _stage(x: jax.Array, dst: NamedSharding) -> jax.Array:
   return jax.device_put(replicated, NamedSharding(dst.mesh, P()))
 
 
-def transfer(params, shardings):
-  """Puts `params` (e.g. fsdp-sharded on the learner slice) onto `shardings` (the sampler slice).
+def transfer(params, shardings, *, dtype=None):
+  """Puts `params` (e.g. fsdp-sharded on the learner slice) onto `shardings` (the sampler slice), with floating leaves
+  cast to `dtype` first (None = as they are) where they live, so a narrower copy is what crosses over.
 
   Shards are copied device-to-device onto the sampler's devices, then resharded there by one compiled program.
   Host↔device copies raise here (explicit or implicit), so a host round-trip cannot slip in.
   """
   with jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"), \
       jax.transfer_guard_device_to_host("disallow_explicit"):
+    if dtype is not None:
+      params = cast(params, dtype)
     staged = jax.tree.map(_stage, params, shardings)
     out = jax.jit(_identity, out_shardings=shardings)(staged)
     jax.block_until_ready(out)

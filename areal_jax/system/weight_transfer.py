@@ -103,10 +103,15 @@ class WeightPublisher:
   """The learner leader's transfer server: offers each policy version to the sampler processes."""
 
   def __init__(self, *, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
+    """`abstract_params`: the sampler's parameter tree (shapes and dtypes: what the pullers expect)."""
     self.mesh = transfer_mesh(devices, tensor)
     self.shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
     self.abstract = abstract_params
     self.paths = _leaf_paths(abstract_params)
+    floats = {x.dtype for x in jax.tree.leaves(abstract_params) if jnp.issubdtype(x.dtype, jnp.floating)}
+    if len(floats) > 1:
+      raise ValueError(f"published weights: floating leaves of several dtypes {sorted(map(str, floats))}")
+    self._dtype = floats.pop() if floats else None
     self.server = _server(devices, host)
     self._live: dict[int, tuple[list, set[int]]] = {}  # version -> (published leaves, pullers still to pull)
     self._lock = threading.Lock()
@@ -120,8 +125,11 @@ class WeightPublisher:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract))
 
   def stage(self, params):
-    """A fresh copy of `params` (any device of this process) in the pull layout, checked against the sampler's
-    parameter tree first (never the learner's live buffers: the train step donates those)."""
+    """A fresh copy of `params` (any device of this process) in the pull layout, floating leaves cast to the dtype of
+    `abstract_params` (the sampler's `param_dtype`: a bfloat16 sampler pulls half the bytes), checked against the
+    sampler's parameter tree first (never the learner's live buffers: the train step donates those)."""
+    if self._dtype is not None:
+      params = weight_sync.cast(params, self._dtype)
     weight_sync.check_compatible(params, self.abstract, what="published weights")
     return weight_sync.transfer(params, self.shardings)
 
