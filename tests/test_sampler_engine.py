@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from areal_jax.models.logprobs import next_token_logprobs
-from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler, generate
+from areal_jax.sampler import Engine, Placement, Request, SamplerConfig, SamplingParams, Scheduler, generate
 from helpers import TINY, tiny_model
 
 CFG = TINY
@@ -148,37 +148,42 @@ def test_finish_reasons(model, engine):
   # The cache holds 24 tokens: 6 prompt + 18 answer.
   assert (got[3].finish_reason, got[3].tokens) == ("length", ref[:18])
   assert got[3].t_submit <= got[3].t_first_token <= got[3].t_finish
-  engine.pool.check()
-  assert engine.pool.num_free(0) == engine.pool.capacity
+  engine.slots.pool.check()
+  assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
 def test_engine_api_shares_prompt_pages(model, engine):
   params = engine.load_params(model)
   state = engine.init_decode_state()
   prompt = np.arange(2, 12, dtype=np.int32)  # 10 tokens: 2 full pages + a partial one
-  keys = np.array([[0, 1], [0, 2], [0, 3]], np.uint32)
-  prefix, first = engine.prefill(params, np.pad(prompt, (0, 6)), len(prompt), keys=keys, temperature=1.0)
-  assert first.tokens.shape == (3,) and np.all(np.asarray(first.lengths) == 11)
+  prefix, first = engine.prefill_multisampling(params=params, padded_tokens=np.pad(prompt, (0, 6)),
+                                               true_length=len(prompt), rng=jax.random.key(1), num_samples=3)
+  data = first.get_result_at_slots((0, 1, 2))
+  assert data.tokens.shape == (3, 1) and np.all(np.asarray(data.lengths) == 1) and np.all(np.asarray(data.valid))
   state = engine.bulk_insert(prefix, state, [0, 1, 3])
-  shared = engine.slot_pages[0][:2]
-  assert all(engine.slot_pages[s][:2] == shared for s in (0, 1, 3))
-  assert [engine.pool.refcount(0, p) for p in shared] == [3, 3]
-  tails = {engine.slot_pages[s][2] for s in (0, 1, 3)}
+  table = engine.slots
+  shared = table.pages[0][:2]
+  assert all(table.pages[s][:2] == shared for s in (0, 1, 3))
+  assert [table.pool.refcount(0, p) for p in shared] == [3, 3]
+  tails = {table.pages[s][2] for s in (0, 1, 3)}
   assert len(tails) == 3  # the partial page is copied per answer
-  assert engine.pool.num_free(0) == engine.pool.capacity - 5
+  assert table.pool.num_free(0) == table.pool.capacity - 5
+  with pytest.raises(ValueError, match="answers \\[0, 3\\] asked of prefix row 0, which drew 3"):
+    engine.insert_many(prefix, state, [Placement(row=0, slots=(2, 4), answers=(0, 3), pending=(-1, -1),
+                                                 generated=(1, 1))])
   with pytest.raises(ValueError, match="slot 1 is in use"):
-    engine.bulk_insert(prefix, state, [2, 1])
-  with pytest.raises(ValueError, match="answers \\[0, 3\\] asked of prefix row 0, which has 3"):
-    engine.bulk_insert(prefix, state, [2], answers=[0, 3])
-  assert engine.pool.num_free(0) == engine.pool.capacity - 5 and not engine.active[2]  # nothing taken
+    engine.insert_many(prefix, state, [Placement.new(0, [2, 1])])
+  assert table.pool.num_free(0) == table.pool.capacity - 5 and not table.active[2]  # nothing taken
   for _ in range(3):
     state, result = engine.generate(params, state)
-  assert list(np.asarray(result.valid)) == [True, True, False, True]
-  assert int(result.lengths[0]) == 14
+  result = result.convert_to_numpy()
+  assert [bool(result.get_result_at_slot(s).valid[0, 0]) for s in range(4)] == [True, True, False, True]
+  assert int(result.get_result_at_slot(0).lengths[0]) == 4  # the first token and three more
   for s in (0, 1, 3):
     engine.free_resource(s)
-  engine.pool.check()
-  assert engine.pool.num_free(0) == engine.pool.capacity
+    engine.free_resource(s)  # idempotent
+  table.check()
+  assert table.pool.num_free(0) == table.pool.capacity
 
 
 def test_compiles_stay_bounded(model, engine):

@@ -43,4 +43,4 @@ def test_data2_tensor2_mesh_equals_one_device():
     assert four[key].tokens == one[key].tokens, key
     np.testing.assert_allclose(four[key].logprobs, one[key].logprobs, atol=1e-5)
   for shard in range(2):
-    assert engine.pool.num_free(shard) == engine.pool.capacity
+    assert engine.slots.pool.num_free(shard) == engine.slots.pool.capacity

@@ -94,17 +94,17 @@ def test_thousands_of_requests_leave_no_page_behind(data, groups, decode_steps):
       assert len(seq.prompt) + len(seq.tokens) <= cfg.max_seq_len
     steps += 1
     if steps % 97 == 0:
-      engine.pool.check()
+      engine.slots.pool.check()
       for slot, seq in sched.running.items():  # a slot holds the pages its cached tokens fill, and one call's more
-        held, length = len(engine.slot_pages[slot]), engine.slot_length[slot]
+        held, length = len(engine.slots.pages[slot]), engine.slots.cached[slot]
         assert -(-length // cfg.page_size) <= held <= -(-(length + decode_steps) // cfg.page_size)
   assert sum(expected.values()) > groups
   assert {g: len(v) for g, v in done.items()} == expected
   assert sched.counters["preemptions"] > 0
-  engine.pool.check()
+  engine.slots.pool.check()
   for shard in range(data):
-    assert engine.pool.num_free(shard) == engine.pool.capacity
-  assert not engine.active.any()
+    assert engine.slots.pool.num_free(shard) == engine.slots.pool.capacity
+  assert not engine.slots.active.any()
 
 
 def test_preemption_with_a_tiny_pool_gives_the_same_tokens():
@@ -122,8 +122,8 @@ def test_preemption_with_a_tiny_pool_gives_the_same_tokens():
     out = {}
     while not sched.idle:
       out.update({(s.request.group_id, s.answer): s for s in sched.step()})
-    engine.pool.check()
-    assert engine.pool.num_free(0) == engine.pool.capacity
+    engine.slots.pool.check()
+    assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
     return out, sched.counters["preemptions"]
 
   big, big_preempted = run(num_pages=33)  # every slot can hold a full sequence

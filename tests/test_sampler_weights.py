@@ -80,8 +80,8 @@ def test_update_mid_generation_recomputes_caches(models, engine):
       if n is not None:
         assert np.all(t.versions[n:] >= version) and np.all(t.versions[:n] < version), (t.versions, n, version)
   check_against_learner(models, trajectories)
-  engine.pool.check()
-  assert engine.pool.num_free(0) == engine.pool.capacity
+  engine.slots.pool.check()
+  assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
 def test_loop_thread_end_to_end(models, engine):

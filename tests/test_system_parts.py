@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding as shd
 from areal_jax.config import load_config
-from areal_jax.models import ModelConfig, create
+from areal_jax.models import ModelConfig, create, weights
 from areal_jax.system import weight_sync
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.metrics import MetricsWriter, read_metrics
@@ -100,13 +100,13 @@ def test_weight_sync_is_device_to_device_and_exact():
 
 def test_check_compatible_names_the_leaf():
   ref = {"a": {"w": jnp.zeros((2, 3))}, "b": jnp.zeros(4)}
-  weight_sync.check_compatible({"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(4)}, ref)
+  weights.check_compatible({"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(4)}, ref)
   with pytest.raises(ValueError, match=r"\['a'\]\['w'\].*float32\[3, 2\]"):
-    weight_sync.check_compatible({"a": {"w": jnp.ones((3, 2))}, "b": jnp.ones(4)}, ref)
+    weights.check_compatible({"a": {"w": jnp.ones((3, 2))}, "b": jnp.ones(4)}, ref)
   with pytest.raises(ValueError, match=r"\['b'\].*bfloat16"):
-    weight_sync.check_compatible({"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(4, jnp.bfloat16)}, ref)
+    weights.check_compatible({"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(4, jnp.bfloat16)}, ref)
   with pytest.raises(ValueError, match=r"\['b'\] is missing"):
-    weight_sync.check_compatible({"a": {"w": jnp.ones((2, 3))}}, ref)
+    weights.check_compatible({"a": {"w": jnp.ones((2, 3))}}, ref)
 
 
 def test_slices_split_devices():

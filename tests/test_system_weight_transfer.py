@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.models import weights
 from areal_jax.sharding import LEARNER_RULES, SAMPLER_RULES, make_mesh, state_shardings
 from areal_jax.system import weight_sync
 from areal_jax.system.weight_transfer import (WeightPublisher, WeightPuller, check_fingerprint, fingerprint,
@@ -53,7 +54,7 @@ def test_a_bfloat16_sampler_pulls_weights_cast_before_staging():
   before staging, so the published copy (and every pull) is half the bytes."""
   devices = jax.devices()
   params = nnx.state(tiny_model(), nnx.Param)
-  abstract = weight_sync.with_dtype(params, jnp.bfloat16)
+  abstract = weights.with_dtype(params, jnp.bfloat16)
   pub = WeightPublisher(abstract_params=abstract, tensor=1, devices=devices[:1], host="127.0.0.1")
   puller = WeightPuller(address=pub.address, abstract_params=abstract, tensor=1, devices=devices[4:5],
                         host="127.0.0.1")

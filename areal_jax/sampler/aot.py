@@ -18,7 +18,7 @@ from areal_jax.sampler.engine import MAX_EOS_IDS, pages_per_shard, param_bytes_p
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
 from areal_jax.sampler.state import decode_state_shapes, decode_state_shardings, prefix_shardings
 from areal_jax.sharding import SAMPLER_RULES, state_shardings
-from areal_jax.system.weight_sync import with_dtype
+from areal_jax.models.weights import with_dtype
 
 
 def abstract_params(model_cfg: ModelConfig, mesh: Mesh, dtype=None):

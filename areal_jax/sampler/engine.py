@@ -1,23 +1,30 @@
-"""The sampling engine, in JetStream's Engine API vocabulary, over a paged KV cache.
+"""The sampling engine over a paged KV cache: JetStream's engine contract (`engine_api.Engine`) plus the batched
+calls our scheduler makes.
+
+A JetStream-style orchestrator (one prompt per prefill, one token per generate):
 
     engine = Engine(model=model, config=SamplerConfig(...), mesh=mesh)
     params = engine.load_params(model)
     state = engine.init_decode_state()
-    prefix, first = engine.prefill(params, padded_tokens, true_length, keys=keys)  # G keys -> G first tokens
-    state = engine.bulk_insert(prefix, state, slots)  # the G answers share the prompt's full pages
-    state, result = engine.generate(params, state)  # one token for every active slot
-    state, steps = engine.generate_steps(params, state, budget)  # up to budget[s] tokens per slot, one device call
-    engine.advance(jax.device_get(steps.count))
-    engine.free_resource(slot)
+    prefix, first = engine.prefill(params=params, padded_tokens=tokens, true_length=n)  # first: ResultTokens
+    state = engine.insert(prefix, state, slot)        # or prefill_multisampling + bulk_insert for G samples
+    state, result = engine.generate(params, state)    # one token per occupied slot; lengths = tokens generated
+    engine.free_resource(slot)                        # idempotent; may come after the slot's next insert
 
-The engine owns the host-side bookkeeping of its slots (pages held, tokens cached, active) and the page pool; the
-device work is in `programs.py`. Slots are split evenly over the mesh's data shards, and a slot only holds pages of
-its own shard. `generate`/`generate_steps` raise `PoolExhausted` before touching the device when the slots need new
-pages and their shard has too few left; the caller (the scheduler) preempts a sequence and retries.
+The scheduler (`scheduler.py`) uses the batched forms: `prefill_batch` (several prompts, G draws each),
+`insert_many` (named `Placement`s), `generate_steps` (up to `sampler.decode_steps` tokens per slot in one device
+call) and `rewrite` (recomputed caches after a weight update).
+
+The device work is in `programs.py`; the host state of the slots (pages held, tokens cached and generated, the page
+pool) is one `SlotTable` (`slots.py`), guarded by its lock. Generation raises `PoolExhausted` before touching the
+device when slots need new pages their shard lacks; our scheduler then preempts an answer. A JetStream orchestrator
+cannot preempt, so size the pool for every slot at full length (`sampler.num_pages=0` caps it there).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 from collections.abc import Sequence
 
@@ -25,16 +32,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.weights import cast, check_compatible, with_dtype
+from areal_jax.sampler import engine_api
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.paging import SCRATCH_PAGE, PagePool, PoolExhausted
+from areal_jax.sampler.engine_api import ResultTokens, TokenizerParameters, pack_result
+from areal_jax.sampler.paging import SCRATCH_PAGE
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
-from areal_jax.sampler.state import (DecodeState, DecodeSteps, Prefix, ResultTokens, decode_state_shapes,
-                                     decode_state_shardings, page_bytes)
+from areal_jax.sampler.requests import SamplingParams
+from areal_jax.sampler.sampling import request_key
+from areal_jax.sampler.slots import Placement, SlotTable
+from areal_jax.sampler.state import (DecodeState, DecodeSteps, FirstTokens, Prefix, PrefixArrays, decode_state_shapes,
+                                     decode_state_shardings, page_bytes, prefix_shardings)
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
-from areal_jax.system.weight_sync import cast, check_compatible, with_dtype
 
 
 MAX_EOS_IDS = 8  # `generate_steps` takes up to this many EOS ids (padded: one compiled decode program)
@@ -77,45 +89,67 @@ def param_bytes_per_device(params, mesh: Mesh) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) // mesh.shape["tensor"]
 
 
-class Engine:
+@dataclasses.dataclass(frozen=True)
+class Draws:
+  """First tokens to draw for one prefilled row: one PRNG key per answer (`keys` [G, 2], G may be 0) and the
+  sampling settings they share."""
 
-  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None):
+  keys: np.ndarray
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = -1
+
+  @classmethod
+  def of(cls, keys, sampling: SamplingParams) -> Draws:
+    return cls(keys=np.asarray(keys, np.uint32).reshape(-1, 2), temperature=sampling.temperature,
+               top_p=sampling.top_p, top_k=sampling.top_k)
+
+
+def _unsupported(**kw) -> None:
+  given = [k for k, v in kw.items() if v is not None]
+  if given:
+    raise NotImplementedError(f"Engine: {given[0]} is not supported (no prefix caching; sampling settings are the "
+                              "engine's `sampling` or a request's SamplingParams)")
+
+
+class Engine(engine_api.Engine):
+
+  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None,
+               sampling: SamplingParams | None = None, tokenizer: str = ""):
     """`model` gives the graph and parameter shapes only (an abstract `nnx.eval_shape` model works); parameters are
     passed to `prefill`/`generate`, their floating leaves in `config.param_dtype` whatever the model's own dtype. The
-    default mesh is the first device (data 1 x tensor 1)."""
+    default mesh is the first device (data 1 x tensor 1). `sampling` (default greedy) and `tokenizer` (a path for
+    `load_tokenizer`) serve JetStream-style callers, whose prefills carry no sampling settings."""
     self.cfg = config
     self.model_cfg: ModelConfig = model.cfg
-    self.mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
-    if set(self.mesh.axis_names) != {"data", "tensor"}:
-      raise ValueError(f"sampler mesh axes {self.mesh.axis_names}: expected ('data', 'tensor')")
-    self.num_shards = self.mesh.shape["data"]
-    if config.num_slots % self.num_shards:
-      raise ValueError(f"sampler.num_slots={config.num_slots} not divisible by the mesh's data axis "
-                       f"({self.num_shards})")
+    self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
+    if set(self._mesh.axis_names) != {"data", "tensor"}:
+      raise ValueError(f"sampler mesh axes {self._mesh.axis_names}: expected ('data', 'tensor')")
+    self.num_shards = self._mesh.shape["data"]
     if config.max_seq_len > self.model_cfg.max_position_embeddings:
       raise ValueError(f"sampler.max_seq_len={config.max_seq_len} exceeds model.max_position_embeddings="
                        f"{self.model_cfg.max_position_embeddings}")
     self.graphdef, abstract = nnx.split(model)
     self.param_dtype = config.weight_dtype
     self.abstract_params = with_dtype(abstract, self.param_dtype)
-    self.param_shardings = state_shardings(abstract, self.mesh, SAMPLER_RULES)
+    self.param_shardings = state_shardings(abstract, self._mesh, SAMPLER_RULES)
     # The KV pool (num_pages=0) gets what is left beside weights of param_dtype: bfloat16 leaves it more.
-    param_bytes = param_bytes_per_device(self.abstract_params, self.mesh)
-    self.pages_per_shard = pages_per_shard(self.model_cfg, config, self.mesh, param_bytes_per_device=param_bytes)
+    param_bytes = param_bytes_per_device(self.abstract_params, self._mesh)
+    self.pages_per_shard = pages_per_shard(self.model_cfg, config, self._mesh, param_bytes_per_device=param_bytes)
     self.num_pages = self.pages_per_shard * self.num_shards
-    self.pool = PagePool(num_shards=self.num_shards, pages_per_shard=self.pages_per_shard)
-    self.programs = build_programs(self.graphdef, self.model_cfg, config, self.mesh)
-    self.state_shardings = decode_state_shardings(self.model_cfg, self.mesh)
-    s = config.num_slots
-    self.slots_per_shard = s // self.num_shards
-    self.slot_pages: list[list[int]] = [[] for _ in range(s)]
-    self.slot_length = np.zeros(s, np.int64)  # tokens whose keys/values are cached
-    self.active = np.zeros(s, bool)
+    self.slots = SlotTable(num_slots=config.num_slots, num_shards=self.num_shards,
+                           pages_per_shard=self.pages_per_shard, page_size=config.page_size,
+                           max_seq_len=config.max_seq_len)
+    self.programs = build_programs(self.graphdef, self.model_cfg, config, self._mesh)
+    self.state_shardings = decode_state_shardings(self.model_cfg, self._mesh)
     p = config.page_size
     self.min_bucket = -(-config.min_prefill_len // p) * p
+    self.sampling = sampling or SamplingParams(temperature=0.0)
+    self._tokenizer = tokenizer
+    self._prefills = itertools.count()  # names the draws of JetStream-style prefills without `rng`
     self._zeros = None
 
-  # --- JetStream Engine API ------------------------------------------------------------------------------------
+  # --- JetStream's engine contract ------------------------------------------------------------------------------
 
   def load_params(self, params) -> nnx.State:
     """Parameters (an NNX model or its state) cast to the engine's `param_dtype`, checked against the engine's and
@@ -127,51 +161,104 @@ class Engine:
     return jax.device_put(params, self.param_shardings)
 
   def init_decode_state(self) -> DecodeState:
-    """An empty cache and slot table (all slots idle) on the sampler's shardings."""
+    """An empty cache on the sampler's shardings, every slot free (the slot table starts over with it)."""
     if self._zeros is None:
       shapes = decode_state_shapes(self.model_cfg, self.cfg, self.num_pages)
       self._zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
                             out_shardings=self.state_shardings)
-    state = self._zeros()
-    for slot in np.flatnonzero(self.active):
-      self.free_resource(int(slot))
-    return state
+    self.slots.reset()
+    return self._zeros()
 
-  def prefill(self, params, padded_tokens, true_length: int, *, keys=None, temperature: float = 0.0,
-              top_p: float = 1.0, top_k: int = -1) -> tuple[Prefix, ResultTokens]:
-    """One prompt; `keys` [G, 2] uint32 (one PRNG key per answer, default one zero key) draw G first tokens with
-    the given sampling settings (default greedy). The result's arrays have shape [G]."""
-    padded_tokens = np.asarray(padded_tokens)
-    keys = np.zeros((1, 2), np.uint32) if keys is None else np.asarray(keys, np.uint32)
-    prefix, result = self.prefill_batch(params, [padded_tokens[:true_length]], keys=[keys],
-                                        sampling=[(temperature, top_p, top_k)])
-    return prefix, jax.tree.map(lambda x: x[:len(keys)], result)
+  def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
+              request_id=None) -> tuple[Prefix, ResultTokens]:
+    """The prompt `padded_tokens[:true_length]` and one first token, drawn with the engine's `sampling`."""
+    del request_id  # accepted for the contract; nothing here depends on it
+    return self.prefill_multisampling(params=params, existing_prefix=existing_prefix, padded_tokens=padded_tokens,
+                                      true_length=true_length, sampler=sampler)
 
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, **kw) -> DecodeState:
-    return self.bulk_insert(prefix, decode_state, [slot], **kw)
+  def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
+                            rng=None, num_samples: int = 1) -> tuple[Prefix, ResultTokens]:
+    """As `prefill`, with `num_samples` first tokens (sample i's key: `rng` folded with i, or a fresh one per call
+    under `sampling.seed`). The result has one row per sample, of one token, length 1."""
+    _unsupported(existing_prefix=existing_prefix, sampler=sampler)
+    if rng is None:
+      n = next(self._prefills)
+      keys = np.stack([request_key(self.sampling.seed, n, i) for i in range(num_samples)])
+    else:
+      keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, i)), np.uint32).reshape(2)
+                       for i in range(num_samples)])
+    tokens = np.asarray(padded_tokens).reshape(-1)[:true_length]
+    prefix, first = self.prefill_batch(params, [tokens], [Draws.of(keys, self.sampling)])
+    ones = np.ones((num_samples, 1), np.int32)
+    return prefix, pack_result(first.tokens[:num_samples, None], ones, ones[:, 0],
+                               first.log_prob[:num_samples, None], samples_per_slot=1)
 
-  def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], *, row: int = 0,
-                  answers: Sequence[int] | None = None, pending: Sequence[int] | None = None,
-                  index: Sequence[int] | None = None) -> DecodeState:
-    """Inserts prefix row `row` into `slots`; slot i continues answer `answers[i]` (default i) of that row.
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None) -> DecodeState:
+    """Answer 0 of the prefix into `slot`; an answer still there is done and is replaced."""
+    del request_id
+    return self.insert_many(prefix, decode_state, [Placement.new(0, [slot])], replace=True)
 
-    Full pages of the prefix are written once per data shard and shared by reference count; a partial last page is
-    copied per slot. `pending` overrides the first tokens (a resumed sequence: its last generated token) and `index`
-    the number of tokens the answers have generated (default 1, the first token).
-    """
-    answers = list(range(len(slots))) if answers is None else list(answers)
-    pending = [-1] * len(slots) if pending is None else list(pending)
-    index = [1] * len(slots) if index is None else list(index)
-    return self.insert_many(prefix, decode_state, [(row, list(slots), answers, pending, index)])
+  def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """Sample i of the prefix into slots[i]; the samples share the prompt's full pages."""
+    return self.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True)
 
-  def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-    """One decode step of every active slot; allocates the pages the step writes into first."""
-    act = self.active.copy()
-    lengths = self.slot_length + 2
-    decode_state, steps = self.generate_steps(params, decode_state, act.astype(np.int32))
-    self.advance(act.astype(np.int32))
-    return decode_state, ResultTokens(tokens=steps.tokens[:, 0], valid=act, lengths=lengths,
-                                      log_prob=steps.log_prob[:, 0])
+  def generate(self, params, decode_state: DecodeState, sampler=None) -> tuple[DecodeState, ResultTokens]:
+    """One token for every occupied slot with room: prompt and answer together hold at most `sampler.max_seq_len`
+    tokens, as in the scheduler. A full slot draws nothing: its row is not valid (the answer is done) and keeps its
+    length. Lengths count generated tokens."""
+    _unsupported(sampler=sampler)
+    with self.slots.lock:
+      # cached = prompt + generated - 1 (the last drawn token is pending): room while prompt + generated < max.
+      budget = (self.slots.active & (self.slots.cached + 1 < self.cfg.max_seq_len)).astype(np.int32)
+      decode_state, steps = self.generate_steps(params, decode_state, budget)
+      self.slots.advance(budget)  # no EOS stop and no early exit: the device draws exactly the budget
+      lengths = self.slots.generated.copy()
+    return decode_state, pack_result(steps.tokens[:, :1], budget[:, None], lengths, steps.log_prob[:, :1])
+
+  def free_resource(self, slot: int) -> None:
+    """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
+    replaced the slot's answer, a no-op."""
+    self.slots.release(slot)
+
+  def get_prefix_destination_sharding(self) -> Prefix:
+    kv = prefix_shardings(self.model_cfg, self._mesh)
+    rep = NamedSharding(self._mesh, P())
+    layers = (kv,) * self.model_cfg.num_layers
+    return Prefix(arrays=PrefixArrays(k=layers, v=layers), true_length=rep, draw_index=rep, first=rep, keys=rep,
+                  temperature=rep, top_p=rep, top_k=rep)
+
+  def get_tokenizer(self) -> TokenizerParameters:
+    return TokenizerParameters(path=self._tokenizer or "char")
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.cfg.num_slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self.cfg.max_seq_len - 1
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  @property
+  def colocated_cpus(self) -> None:
+    return None
+
+  @property
+  def use_chunked_prefill(self) -> bool:
+    return False
+
+  @property
+  def prefill_chunk_size(self) -> int:
+    return self.cfg.max_seq_len
+
+  # --- batched calls of the scheduler ----------------------------------------------------------------------------
 
   def generate_steps(self, params, decode_state: DecodeState, budget: np.ndarray, *,
                      stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = (),
@@ -181,87 +268,32 @@ class Engine:
     `refill_at` > 0 the call ends as soon as that many slots have stopped, so that waiting answers can take them.
 
     Pages for the whole budget are allocated first (`PoolExhausted` if a shard lacks them). The device decides how
-    many tokens each slot drew, so the caller reads `DecodeSteps.count` and passes it to `advance` before the next
-    call.
+    many tokens each slot drew: the caller reads `DecodeSteps.count` and passes it to `slots.advance` before the
+    next call.
     """
     cfg = self.cfg
-    budget = np.where(self.active, np.minimum(np.asarray(budget, np.int64), cfg.decode_steps), 0)
-    over = np.flatnonzero(self.slot_length + budget > cfg.max_seq_len)
-    if len(over):
-      raise ValueError(f"slot {over[0]} holds {self.slot_length[over[0]]} tokens; {budget[over[0]]} more exceed the "
-                       f"cache length sampler.max_seq_len={cfg.max_seq_len}")
-    if len(eos_ids) > MAX_EOS_IDS:
-      raise ValueError(f"{len(eos_ids)} EOS ids; at most {MAX_EOS_IDS}")
-    grow = self._grow(budget)
+    with self.slots.lock:
+      budget = np.where(self.slots.active, np.minimum(np.asarray(budget, np.int64), cfg.decode_steps), 0)
+      over = np.flatnonzero(self.slots.cached + budget > cfg.max_seq_len)
+      if len(over):
+        raise ValueError(f"slot {over[0]} holds {self.slots.cached[over[0]]} tokens; {budget[over[0]]} more exceed "
+                         f"the cache length sampler.max_seq_len={cfg.max_seq_len}")
+      if len(eos_ids) > MAX_EOS_IDS:
+        raise ValueError(f"{len(eos_ids)} EOS ids; at most {MAX_EOS_IDS}")
+      s = cfg.num_slots
+      grow = np.full((3, s * self.pages_ahead), s, np.int32)
+      new = self.slots.grow(budget)
+      if new:
+        grow[:, :len(new)] = np.array(new, np.int32).T
     stop = np.zeros(cfg.num_slots, bool) if stop_eos is None else np.asarray(stop_eos, bool)
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = list(eos_ids)
     return self.programs.decode(params, decode_state, budget.astype(np.int32), stop, eos, grow, np.int32(refill_at))
 
-  def advance(self, count: np.ndarray) -> None:
-    """Records that active slots cached `count[s]` more tokens (what a `generate_steps` call reported)."""
-    self.slot_length += np.where(self.active, np.asarray(count, np.int64), 0)
-
-  def _new_pages(self, budget: np.ndarray) -> np.ndarray:
-    """Per slot: the pages it does not hold yet that `budget[s]` more tokens write into (0 for idle slots)."""
-    held = np.array([len(pages) for pages in self.slot_pages], np.int64)
-    need = -(-(self.slot_length + budget) // self.cfg.page_size) - held
-    return np.where(self.active, np.maximum(0, need), 0)
-
-  def page_demand(self, budget: np.ndarray) -> np.ndarray:
-    """New pages per data shard that `budget[s]` more tokens for every active slot s write into."""
-    return self._per_shard(self._new_pages(budget))
-
-  def _per_shard(self, per_slot: np.ndarray) -> np.ndarray:
-    return np.bincount(np.arange(len(per_slot)) // self.slots_per_shard, weights=per_slot,
-                       minlength=self.num_shards).astype(np.int64)
-
-  def _grow(self, budget: np.ndarray) -> np.ndarray:
-    """Allocates the pages `budget` needs (all or none); returns the decode program's (slot, column, page) rows."""
-    need = self._new_pages(budget)
-    demand = self._per_shard(need)
-    for shard in range(self.num_shards):
-      if demand[shard] > self.pool.num_free(shard):
-        raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
-    s = self.cfg.num_slots
-    grow = np.full((3, s * self.pages_ahead), s, np.int32)
-    n = 0
-    for slot in np.flatnonzero(need):
-      for page in self.pool.alloc(self.shard_of(slot), int(need[slot])):
-        grow[:, n] = (slot, len(self.slot_pages[slot]), page)
-        self.slot_pages[slot].append(page)
-        n += 1
-    return grow
-
   @property
   def pages_ahead(self) -> int:
     """The most new pages one slot can need in one `generate_steps` call."""
     return -(-self.cfg.decode_steps // self.cfg.page_size)
-
-  def free_resource(self, slot: int) -> None:
-    """Releases the slot's pages (shared ones return to the pool with their last holder) and marks it idle."""
-    self.pool.release(self.shard_of(slot), self.slot_pages[slot])
-    self.slot_pages[slot] = []
-    self.slot_length[slot] = 0
-    self.active[slot] = False
-
-  @property
-  def max_concurrent_decodes(self) -> int:
-    return self.cfg.num_slots
-
-  # --- batched forms and queries used by the scheduler ---------------------------------------------------------
-
-  def shard_of(self, slot: int) -> int:
-    return int(slot) // self.slots_per_shard
-
-  def free_slots(self, shard: int) -> list[int]:
-    lo = shard * self.slots_per_shard
-    return [s for s in range(lo, lo + self.slots_per_shard) if not self.active[s]]
-
-  def pages_to_insert(self, length: int, num_slots: int) -> int:
-    """Pages that inserting a prefix of `length` tokens into `num_slots` slots of one shard allocates."""
-    full, tail = divmod(int(length), self.cfg.page_size)
-    return full + num_slots * (tail > 0)
 
   def bucket(self, length: int) -> int:
     """Padded prefill length: a power of two (at least min_prefill_len), a whole number of pages, <= the cache."""
@@ -269,11 +301,11 @@ class Engine:
     top = self.cfg.pages_per_seq * p
     return min(top, max(self.min_bucket, -(-_pow2(length) // p) * p))
 
-  def prefill_batch(self, params, sequences: Sequence[np.ndarray], *, keys: Sequence[np.ndarray],
-                    sampling: Sequence[tuple[float, float, int]]) -> tuple[Prefix, ResultTokens | None]:
+  def prefill_batch(self, params, sequences: Sequence[np.ndarray],
+                    draws: Sequence[Draws]) -> tuple[Prefix, FirstTokens]:
     """Prefills several sequences in one call, padded to the longest one's bucket and rows to a power of two (so
-    compiles stay bounded), and draws first tokens: keys[b] [G_b, 2] (G_b may be 0), sampling[b] = (temperature,
-    top_p, top_k). The draws (at most num_slots in all) come back flat, [num_slots], in row-major answer order."""
+    compiles stay bounded), and draws the first tokens of `draws[b]` for row b (at most num_slots in all; they come
+    back flat, [num_slots], in row-major answer order: see `Prefix.draw_index`)."""
     s = self.cfg.num_slots
     lengths = np.array([len(x) for x in sequences], np.int32)
     too_long = np.flatnonzero(lengths >= self.cfg.max_seq_len)
@@ -281,7 +313,7 @@ class Engine:
       i = int(too_long[0]) if len(too_long) else int(np.argmin(lengths))
       raise ValueError(f"sequence of {lengths[i]} tokens cannot be prefilled: it needs 1 to "
                        f"sampler.max_seq_len - 1 = {self.cfg.max_seq_len - 1} tokens")
-    num_draws = sum(len(k) for k in keys)
+    num_draws = sum(len(d.keys) for d in draws)
     if num_draws > s:
       raise ValueError(f"{num_draws} answers in one prefill; at most sampler.num_slots={s}")
     t, b = self.bucket(int(lengths.max())), _pow2(len(sequences))
@@ -289,119 +321,132 @@ class Engine:
     lens = np.ones(b, np.int32)
     lens[:len(sequences)] = lengths
     rows = np.zeros(s, np.int32)
-    draw_keys = np.zeros((s, 2), np.uint32)
-    draw = np.zeros((3, s), np.float32)
-    draw[1:] = np.array([[1.0], [-1.0]])
-    answer_index, settings, r = [], [], 0
-    for i, x in enumerate(sequences):
+    keys = np.zeros((s, 2), np.uint32)
+    temperature, top_p, top_k = np.zeros(s, np.float32), np.ones(s, np.float32), np.full(s, -1, np.int32)
+    draw_index = np.full((len(sequences), max([len(d.keys) for d in draws] + [1])), -1, np.int32)
+    r = 0
+    for i, (x, d) in enumerate(zip(sequences, draws)):
       tokens[i, :len(x)] = x
-      answer_index.append(list(range(r, r + len(keys[i]))))
-      settings.append([(np.asarray(k, np.uint32), *sampling[i]) for k in keys[i]])
-      for k in keys[i]:
-        rows[r], draw_keys[r], draw[:, r] = i, k, sampling[i]
-        r += 1
+      n = len(d.keys)
+      draw_index[i, :n] = np.arange(r, r + n)
+      rows[r:r + n], keys[r:r + n] = i, d.keys
+      temperature[r:r + n], top_p[r:r + n], top_k[r:r + n] = d.temperature, d.top_p, d.top_k
+      r += n
     arrays, logits = self.programs.prefill(params, tokens, lens, rows)
-    first = result = None
     if num_draws:
-      first, log_prob = self.programs.sample(logits, draw_keys, np.zeros(s, np.int32), draw[0], draw[1],
-                                             draw[2].astype(np.int32))
-      result = ResultTokens(tokens=first, valid=np.arange(s) < num_draws, lengths=lens[rows] + 1, log_prob=log_prob)
-    return Prefix(arrays=arrays, true_length=lengths, first=first, answer_index=answer_index,
-                  answer_settings=settings), result
+      first, log_prob = self.programs.sample(logits, keys, np.zeros(s, np.int32), temperature, top_p, top_k)
+    else:
+      first, log_prob = np.zeros(s, np.int32), np.zeros(s, np.float32)
+    prefix = Prefix(arrays=arrays, true_length=lengths, draw_index=draw_index, first=first, keys=keys,
+                    temperature=temperature, top_p=top_p, top_k=top_k)
+    return prefix, FirstTokens(tokens=first, log_prob=log_prob)
 
   def warmup(self, params, decode_state: DecodeState, max_context: int | None = None) -> DecodeState:
     """Compiles every program the scheduler can call for contexts up to `max_context` tokens (default: the cache
     length): decode, first-token sampling, and prefill + insert for each bucket and power-of-two row count. Runs
-    them on dummy inputs that change nothing; do it before timing or serving to avoid compile stalls."""
+    them on dummy inputs that change nothing (no slot is touched); do it before timing or serving to avoid compile
+    stalls."""
     top = self.bucket(max_context or self.cfg.max_seq_len - 1)
     t = self.min_bucket
     while True:
       rows = 1
       while rows <= min(self.cfg.num_slots, max(1, self.cfg.prefill_budget // t)):
-        prefix, _ = self.prefill_batch(params, [np.ones(t - 1, np.int32)] * rows, keys=[np.zeros((1, 2))] * rows,
-                                       sampling=[(1.0, 1.0, -1)] * rows)
+        prefix, _ = self.prefill_batch(params, [np.ones(t - 1, np.int32)] * rows,
+                                       [Draws(keys=np.zeros((1, 2), np.uint32), temperature=1.0)] * rows)
         decode_state = self._insert(prefix, decode_state, [], [])
         rows *= 2
       if t >= top:
         break
       t = self.bucket(t + 1)
-    decode_state, _ = self.generate_steps(params, decode_state, np.zeros(self.cfg.num_slots, np.int32))
+    s = self.cfg.num_slots
+    eos = np.full(MAX_EOS_IDS, -1, np.int32)
+    grow = np.full((3, s * self.pages_ahead), s, np.int32)
+    decode_state, _ = self.programs.decode(params, decode_state, np.zeros(s, np.int32), np.zeros(s, bool), eos, grow,
+                                           np.int32(0))
     return decode_state
 
-  def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements) -> DecodeState:
-    """One device call for several (row, slots, answers, pending, index) placements of one prefix."""
-    p = self.cfg.page_size
-    chunks, slots = [], []  # (row, chunk, page, shard); (slot, row, answer, override, length, index)
-    # Check everything before allocating anything.
-    demand = np.zeros(self.num_shards, np.int64)
-    for row, ss, answers, pending, _ in placements:
-      for shard in {self.shard_of(s) for s in ss}:
-        demand[shard] += self.pages_to_insert(prefix.true_length[row], sum(self.shard_of(s) == shard for s in ss))
-      busy = [s for s in ss if self.active[s]]
-      if busy:
-        raise ValueError(f"slot {busy[0]} is in use; free_resource it before inserting")
-      drawn = len(prefix.answer_settings[row])
-      if any(not 0 <= a < drawn for a in answers):
-        raise ValueError(f"answers {list(answers)} asked of prefix row {row}, which has {drawn} (one PRNG key "
-                         f"each at prefill)")
-      if prefix.first is None and min(pending) < 0:
-        raise ValueError(f"prefix row {row} drew no first tokens; pass the pending tokens")
-    for shard in range(self.num_shards):
-      if demand[shard] > self.pool.num_free(shard):
-        raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
-    for row, ss, answers, pending, index in placements:
-      length = int(prefix.true_length[row])
-      full, tail = divmod(length, p)
-      for shard in sorted({self.shard_of(s) for s in ss}):
-        mine = [i for i, s in enumerate(ss) if self.shard_of(s) == shard]
-        shared = self.pool.alloc(shard, full)
-        self.pool.retain(shard, shared, len(mine) - 1)
-        chunks += [(row, j, page, shard) for j, page in enumerate(shared)]
-        for i in mine:
-          own = self.pool.alloc(shard, 1) if tail else []
-          chunks += [(row, full, page, shard) for page in own]
-          slot = ss[i]
-          self.slot_pages[slot] = shared + own
-          self.slot_length[slot] = length
-          self.active[slot] = True
-          key, temperature, top_p, top_k = prefix.answer_settings[row][answers[i]]
-          slots.append((slot, prefix.answer_index[row][answers[i]], pending[i], length, index[i], key, temperature,
-                        top_p, top_k))
-    return self._insert(prefix, decode_state, chunks, slots)
+  def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements: Sequence[Placement], *,
+                  replace: bool = False) -> DecodeState:
+    """One device call for several placements of one prefix's rows (see `Placement`). Full pages of a row are
+    written once per data shard and shared by reference count; a partial last page is copied per slot. With
+    `replace`, answers still in the slots are done and are replaced (JetStream's insert)."""
+    true_length = np.asarray(prefix.true_length)
+    draw_index = np.asarray(prefix.draw_index)
+    for pl in placements:
+      drawn = int(np.sum(draw_index[pl.row] >= 0))
+      if not drawn and min(pl.pending) < 0:
+        raise ValueError(f"prefix row {pl.row} drew no first tokens; pass the pending tokens")
+      if drawn and any(not 0 <= a < drawn for a in pl.answers):
+        raise ValueError(f"answers {list(pl.answers)} asked of prefix row {pl.row}, which drew {drawn} (one PRNG "
+                         f"key each at prefill)")
+    occupied = self.slots.occupy(placements, true_length, replace=replace)
+    keys, settings = np.asarray(prefix.keys), (np.asarray(prefix.temperature), np.asarray(prefix.top_p),
+                                               np.asarray(prefix.top_k))
+    p, chunks, inits = self.cfg.page_size, [], []
+    for pl, by_shard in zip(placements, occupied):
+      full = int(true_length[pl.row]) // p
+      i_of = {slot: i for i, slot in enumerate(pl.slots)}
+      for occ in by_shard:
+        chunks += [(pl.row, j, page, occ.shard) for j, page in enumerate(occ.shared)]
+        for slot, own in zip(occ.slots, occ.own):
+          chunks += [(pl.row, full, page, occ.shard) for page in own]
+          i = i_of[slot]
+          r = int(draw_index[pl.row, pl.answers[i]]) if draw_index[pl.row, pl.answers[i]] >= 0 else 0
+          inits.append(_SlotInit(slot=slot, draw=r, pending=pl.pending[i], length=int(true_length[pl.row]),
+                                 index=pl.generated[i], key=keys[r], temperature=float(settings[0][r]),
+                                 top_p=float(settings[1][r]), top_k=int(settings[2][r])))
+    return self._insert(prefix, decode_state, chunks, inits)
 
   def rewrite(self, prefix: Prefix, decode_state: DecodeState, rows_to_slots: Sequence[tuple[int, int]],
               written: set | None = None) -> DecodeState:
     """Writes prefix rows over the pages that slots already hold (recomputed keys/values after a weight update);
     pages in `written` (shard, page) are skipped and the ones written are added to it."""
     written = set() if written is None else written
+    true_length = np.asarray(prefix.true_length)
     chunks = []
-    for row, slot in rows_to_slots:
-      shard, n = self.shard_of(slot), -(-int(prefix.true_length[row]) // self.cfg.page_size)
-      for j, page in enumerate(self.slot_pages[slot][:n]):
-        if (shard, page) not in written:
-          written.add((shard, page))
-          chunks.append((row, j, page, shard))
+    with self.slots.lock:
+      for row, slot in rows_to_slots:
+        shard, n = self.slots.shard_of(slot), -(-int(true_length[row]) // self.cfg.page_size)
+        for j, page in enumerate(self.slots.pages[slot][:n]):
+          if (shard, page) not in written:
+            written.add((shard, page))
+            chunks.append((row, j, page, shard))
     return self._insert(prefix, decode_state, chunks, [])
 
-  def _insert(self, prefix: Prefix, decode_state, chunks, slots) -> DecodeState:
-    s, m, p = self.cfg.num_slots, self.cfg.pages_per_seq, self.cfg.page_size
+  def _insert(self, prefix: Prefix, decode_state, chunks, inits: Sequence[_SlotInit]) -> DecodeState:
+    s, m = self.cfg.num_slots, self.cfg.pages_per_seq
     b, t = prefix.arrays.k[0].shape[:2]
     # Fixed per prefill shape: every full chunk once per shard, plus one tail copy per slot.
-    ch = np.zeros((4, b * (t // p) * self.num_shards + s), np.int32)
+    ch = np.zeros((4, b * (t // self.cfg.page_size) * self.num_shards + s), np.int32)
     ch[3] = -1
     if chunks:
       ch[:, :len(chunks)] = np.array(chunks, np.int32).T
     up = np.zeros((5, s), np.int32)
     up[0] = s
-    rows = np.full((s, m), SCRATCH_PAGE, np.int32)
     keys = np.zeros((s, 2), np.uint32)
     samp = np.zeros((3, s), np.float32)
-    for i, (slot, src, override, length, index, key, *settings) in enumerate(slots):
-      up[:, i] = (slot, src, override, length, index)
-      keys[i], samp[:, i] = key, settings
-      pages = self.slot_pages[slot]
-      rows[i, :len(pages)] = pages
+    rows = np.full((s, m), SCRATCH_PAGE, np.int32)
+    if inits:
+      rows[:len(inits)] = self.slots.page_rows([x.slot for x in inits], m, SCRATCH_PAGE)
+    for i, x in enumerate(inits):
+      up[:, i] = (x.slot, x.draw, x.pending, x.length, x.index)
+      keys[i], samp[:, i] = x.key, (x.temperature, x.top_p, x.top_k)
     upd = SlotUpdate(slot=up[0], rows=rows, src=up[1], override=up[2], lengths=up[3], index=up[4], keys=keys,
                      temperature=samp[0], top_p=samp[1], top_k=samp[2].astype(np.int32))
-    first = prefix.first if prefix.first is not None else np.zeros(s, np.int32)
-    return self.programs.insert(decode_state, prefix.arrays, first, Chunks(*ch), upd)
+    return self.programs.insert(decode_state, prefix.arrays, prefix.first, Chunks(*ch), upd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotInit:
+  """How `insert` sets up one slot: its pending token is `pending` if >= 0, else draw `draw` of the prefill; it has
+  `length` tokens cached and has drawn `index`; it samples with `key` and the settings."""
+
+  slot: int
+  draw: int
+  pending: int
+  length: int
+  index: int
+  key: np.ndarray
+  temperature: float
+  top_p: float
+  top_k: int

@@ -28,10 +28,11 @@ import time
 import jax
 import numpy as np
 
-from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.engine import Draws, Engine
 from areal_jax.sampler.requests import Request, Sequence
 from areal_jax.sampler.sampling import request_key
-from areal_jax.system.weight_sync import check_compatible
+from areal_jax.sampler.slots import Placement
+from areal_jax.models.weights import check_compatible
 
 
 class Scheduler:
@@ -115,7 +116,7 @@ class Scheduler:
     tokens, logp, count, firsts = jax.device_get(
         (steps.tokens, steps.log_prob, steps.count, [(t, lp) for _, t, lp in fresh]))
     t3 = time.perf_counter()
-    self.engine.advance(count)
+    self.engine.slots.advance(count)
     self.counters["decode_calls"] += 1
     self.counters["decode_steps"] += int(count.max(initial=0))
     finished = []
@@ -182,9 +183,9 @@ class Scheduler:
     return None
 
   def _admit(self) -> None:
-    eng = self.engine
-    free_slots = [eng.free_slots(s) for s in range(eng.num_shards)]
-    free_pages = [eng.pool.num_free(s) for s in range(eng.num_shards)]
+    eng, table = self.engine, self.engine.slots
+    free_slots = [table.free_slots(s) for s in range(eng.num_shards)]
+    free_pages = [table.free_pages(s) for s in range(eng.num_shards)]
     plan: list[tuple[list[Sequence], list[int]]] = []
     while (unit := self._next_unit()) is not None:
       length = len(unit[0].context())
@@ -192,7 +193,7 @@ class Scheduler:
       # Pages to grow into during one decode call per answer, unless nothing runs.
       headroom = eng.pages_ahead if (self.running or plan) else 0
       k = min(len(unit), len(free_slots[shard]))
-      while k and eng.pages_to_insert(length, k) + headroom * k > free_pages[shard]:
+      while k and table.pages_to_insert(length, k) + headroom * k > free_pages[shard]:
         k -= 1
       if not k:
         break
@@ -204,7 +205,7 @@ class Scheduler:
         self.waiting[0] = unit[k:]
       plan.append((unit[:k], free_slots[shard][:k]))
       del free_slots[shard][:k]
-      free_pages[shard] -= eng.pages_to_insert(length, k)
+      free_pages[shard] -= table.pages_to_insert(length, k)
 
     for batch in self._batches(plan, lambda u: len(u[0][0].context())):
       prefix, first = self._prefill([seqs for seqs, _ in batch])
@@ -216,23 +217,20 @@ class Scheduler:
           seq.slot = slot
           self.running[slot] = seq
         if not resumed:
-          drawn += [(seq, prefix.answer_index[row][i]) for i, seq in enumerate(seqs)]
-        placements.append((row, slots, list(range(len(seqs))),
-                           [s.tokens[-1] if resumed else -1 for s in seqs], [max(1, len(s.tokens)) for s in seqs]))
+          drawn += [(seq, int(prefix.draw_index[row, i])) for i, seq in enumerate(seqs)]
+        placements.append(Placement(row=row, slots=tuple(slots), answers=tuple(range(len(seqs))),
+                                    pending=tuple(s.tokens[-1] if resumed else -1 for s in seqs),
+                                    generated=tuple(max(1, len(s.tokens)) for s in seqs)))
       self.counters["prefill_rows"] += len(batch)
       self.state = eng.insert_many(prefix, self.state, placements)
       if drawn:
         self._fresh.append((drawn, first.tokens, first.log_prob))
 
   def _prefill(self, units: list[list[Sequence]], draw: bool = True):
-    """One batched prefill; row b is the shared context of units[b], drawing a first token per answer."""
-    def samp(s):
-      sp = s.request.sampling
-      return (sp.temperature, sp.top_p, sp.top_k)
-
-    return self.engine.prefill_batch(self.params, [u[0].context() for u in units],
-                                     keys=[np.stack([s.key for s in u]) if draw else np.zeros((0, 2)) for u in units],
-                                     sampling=[samp(u[0]) for u in units])
+    """One batched prefill; row b is the shared context of units[b], drawing a first token per answer (or none: a
+    recompute)."""
+    return self.engine.prefill_batch(self.params, [u[0].context() for u in units], [
+        Draws.of([s.key for s in u] if draw else np.zeros((0, 2)), u[0].request.sampling) for u in units])
 
   def _batches(self, items: list, length_of) -> list[list]:
     """Items grouped by prefill bucket, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
@@ -249,13 +247,13 @@ class Scheduler:
 
   def _make_room(self) -> None:
     """Preempts the youngest answer of a shard until the pages this step's decode call writes into fit."""
-    eng = self.engine
+    table = self.engine.slots
     while True:
-      demand = eng.page_demand(self._budgets()[0])
-      short = [s for s in range(eng.num_shards) if demand[s] > eng.pool.num_free(s)]
+      demand = table.demand(self._budgets()[0])
+      short = [s for s in range(self.engine.num_shards) if demand[s] > table.free_pages(s)]
       if not short:
         return
-      victim = max((seq for slot, seq in self.running.items() if eng.shard_of(slot) == short[0]),
+      victim = max((seq for slot, seq in self.running.items() if table.shard_of(slot) == short[0]),
                    key=lambda s: s.order)
       self._release(victim)  # admitted in this step, its first token unread: it restarts as new (same draw)
       victim.preemptions += 1

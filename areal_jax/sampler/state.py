@@ -1,12 +1,10 @@
-"""Device-side records of the engine: the decode state (paged KV cache + per-slot arrays), prefixes, result tokens.
+"""Device-side records of the engine: the decode state (paged KV cache + per-slot arrays), prefixes, drawn tokens.
 
 All are frozen pytrees (`flax.struct.dataclass`) so jitted functions take and return them whole. Shapes are fixed by
 the sampler config, which keeps the decode step one compiled program.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -45,34 +43,33 @@ class PrefixArrays:
   v: tuple[jax.Array, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass(frozen=True)
 class Prefix:
-  """What `Engine.prefill` returns: dense keys/values on device; on the host, each row's true length and, for answer
-  i of row b, the index into `first` (the first tokens drawn, [S] on device) and its sampling settings."""
+  """What `Engine.prefill` returns, a pytree of arrays (so it can be `device_put` to another engine): the dense
+  keys/values of B prefilled rows, each row's true length, and the first tokens drawn for their answers. Row b's
+  answer i was drawn at position `draw_index[b, i]` (-1: no such answer) of the [S] draw arrays, with PRNG key
+  `keys[r]` and settings `temperature[r]`, `top_p[r]`, `top_k[r]`."""
 
   arrays: PrefixArrays
-  true_length: np.ndarray  # int [B]
-  first: jax.Array | None  # int32 [S]; None when no answers were drawn (a recompute)
-  answer_index: list[list[int]]  # [b][i] -> position in `first`
-  answer_settings: list[list[tuple[np.ndarray, float, float, int]]]  # [b][i] -> (key, temperature, top_p, top_k)
+  true_length: jax.Array  # int32 [B]
+  draw_index: jax.Array  # int32 [B, G]
+  first: jax.Array  # int32 [S]
+  keys: jax.Array  # uint32 [S, 2]
+  temperature: jax.Array  # float32 [S]
+  top_p: jax.Array  # float32 [S]
+  top_k: jax.Array  # int32 [S]
 
-  @property
-  def num_answers(self) -> int:
-    return sum(map(len, self.answer_index))
+  def num_answers(self, row: int) -> int:
+    """Answers drawn for `row` (0 for a recompute)."""
+    return int(np.sum(np.asarray(self.draw_index[row]) >= 0))
 
 
 @struct.dataclass(frozen=True)
-class ResultTokens:
-  """One token per slot (or per answer): the token, whether it is real output, the sequence length including it, and
-  its logprob under the temperature-scaled distribution."""
+class FirstTokens:
+  """The first tokens a batched prefill drew: tokens[r] and log_prob[r] of draw r (see `Prefix.draw_index`)."""
 
-  tokens: jax.Array
-  valid: jax.Array
-  lengths: jax.Array
-  log_prob: jax.Array
-
-  def get_result_at_slot(self, slot: int) -> tuple[int, bool, int, float]:
-    return (int(self.tokens[slot]), bool(self.valid[slot]), int(self.lengths[slot]), float(self.log_prob[slot]))
+  tokens: jax.Array  # int32 [S]
+  log_prob: jax.Array  # float32 [S]
 
 
 @struct.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from areal_jax import config as config_lib
 from areal_jax.data import build_dataset, warmstart_pairs
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
-from areal_jax.models import hf_io, orbax_io
+from areal_jax.models import hf_io, orbax_io, weights
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward.service import RewardService
 from areal_jax.sampler.config import SamplerConfig
@@ -228,7 +228,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
   if layout.multi_process:
     sampler_dtype = SamplerConfig.from_config(config.sampler).weight_dtype
-    publisher = WeightPublisher(abstract_params=weight_sync.with_dtype(learner.fns.abstract_params, sampler_dtype),
+    publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_dtype),
                                 tensor=config.mesh.sampler_tensor, devices=learner_local, host=layout.host)
     peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
     loop = SamplerHub(peers=peers, publisher=publisher).start()

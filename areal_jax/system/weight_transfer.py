@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from areal_jax.models import weights
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
 from areal_jax.system import weight_sync
 
@@ -129,8 +130,8 @@ class WeightPublisher:
     `abstract_params` (the sampler's `param_dtype`: a bfloat16 sampler pulls half the bytes), checked against the
     sampler's parameter tree first (never the learner's live buffers: the train step donates those)."""
     if self._dtype is not None:
-      params = weight_sync.cast(params, self._dtype)
-    weight_sync.check_compatible(params, self.abstract, what="published weights")
+      params = weights.cast(params, self._dtype)
+    weights.check_compatible(params, self.abstract, what="published weights")
     return weight_sync.transfer(params, self.shardings)
 
   def offer(self, staged, version: int, pullers: Sequence[int]) -> tuple[dict[int, int], np.ndarray]:

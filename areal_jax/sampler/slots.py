@@ -1,0 +1,207 @@
+"""The host state of the engine's slots, in one owner: which slots hold an answer, the KV pages each holds, how many
+tokens each has cached and generated, and the page pool they draw from.
+
+Slots are split evenly over the mesh's data shards and a slot only holds pages of its own shard. Every method takes
+the table's lock, so an orchestrator may free slots from one thread while another inserts and generates (JetStream's
+detokenize and generate threads). `release` is idempotent, and a release that arrives after an insert has already
+replaced the slot's answer (`occupy(..., replace=True)`) is recognised as late and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from areal_jax.sampler.paging import PagePool, PoolExhausted
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Prefix row `row` placed into `slots`: slot i continues answer `answers[i]` of the row, with `pending[i]` as the
+  token to cache next (-1: the token drawn at prefill) and `generated[i]` tokens drawn so far (1 for a new answer)."""
+
+  row: int
+  slots: tuple[int, ...]
+  answers: tuple[int, ...]
+  pending: tuple[int, ...]
+  generated: tuple[int, ...]
+
+  @classmethod
+  def new(cls, row: int, slots: Sequence[int]) -> Placement:
+    """Answers 0.. of the row into `slots`, each starting from its first token."""
+    n = len(slots)
+    return cls(row=row, slots=tuple(slots), answers=tuple(range(n)), pending=(-1,) * n, generated=(1,) * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Occupancy:
+  """Pages given to one prefix row placed into `slots` of one shard: `shared` full pages (held by every slot, written
+  once) and each slot's own partial last page (`own[i]`, empty when the prefix ends on a page boundary)."""
+
+  shard: int
+  slots: tuple[int, ...]
+  shared: tuple[int, ...]
+  own: tuple[tuple[int, ...], ...]
+
+
+class SlotTable:
+
+  def __init__(self, *, num_slots: int, num_shards: int, pages_per_shard: int, page_size: int, max_seq_len: int):
+    if num_slots % num_shards:
+      raise ValueError(f"sampler.num_slots={num_slots} not divisible by the mesh's data axis ({num_shards})")
+    self.num_slots, self.num_shards, self.page_size, self.max_seq_len = num_slots, num_shards, page_size, max_seq_len
+    self.slots_per_shard = num_slots // num_shards
+    self.pool = PagePool(num_shards=num_shards, pages_per_shard=pages_per_shard)
+    self.pages: list[list[int]] = [[] for _ in range(num_slots)]
+    self.cached = np.zeros(num_slots, np.int64)  # tokens whose keys/values are in the slot's pages
+    self.generated = np.zeros(num_slots, np.int64)  # tokens the slot's answer has drawn (the pending one included)
+    self.active = np.zeros(num_slots, bool)
+    self._late_releases = np.zeros(num_slots, np.int64)  # releases owed by answers an insert replaced
+    self.replaced = 0  # answers an insert replaced before their release came
+    self.lock = threading.RLock()
+
+  def reset(self) -> None:
+    """Every slot free and every page back in the pool (a fresh decode state)."""
+    with self.lock:
+      self.pool = PagePool(num_shards=self.num_shards, pages_per_shard=self.pool.pages_per_shard)
+      self.pages = [[] for _ in range(self.num_slots)]
+      self.cached[:] = self.generated[:] = self._late_releases[:] = 0
+      self.active[:] = False
+
+  # --- queries -----------------------------------------------------------------------------------------------------
+
+  def shard_of(self, slot: int) -> int:
+    return int(slot) // self.slots_per_shard
+
+  def free_slots(self, shard: int) -> list[int]:
+    lo = shard * self.slots_per_shard
+    with self.lock:
+      return [s for s in range(lo, lo + self.slots_per_shard) if not self.active[s]]
+
+  def free_pages(self, shard: int) -> int:
+    with self.lock:
+      return self.pool.num_free(shard)
+
+  def pages_to_insert(self, length: int, num_slots: int) -> int:
+    """Pages that placing a prefix of `length` tokens into `num_slots` slots of one shard allocates."""
+    full, tail = divmod(int(length), self.page_size)
+    return full + num_slots * (tail > 0)
+
+  def _new_pages(self, budget: np.ndarray) -> np.ndarray:
+    """Per slot: the pages it does not hold yet that `budget[s]` more cached tokens write into (0 when idle)."""
+    held = np.array([len(p) for p in self.pages], np.int64)
+    need = -(-(self.cached + budget) // self.page_size) - held
+    return np.where(self.active, np.maximum(0, need), 0)
+
+  def _per_shard(self, per_slot: np.ndarray) -> np.ndarray:
+    return np.bincount(np.arange(len(per_slot)) // self.slots_per_shard, weights=per_slot,
+                       minlength=self.num_shards).astype(np.int64)
+
+  def demand(self, budget: np.ndarray) -> np.ndarray:
+    """New pages per shard that `budget[s]` more cached tokens for every active slot s write into."""
+    with self.lock:
+      return self._per_shard(self._new_pages(np.asarray(budget, np.int64)))
+
+  def page_rows(self, slots: Sequence[int], width: int, fill: int) -> np.ndarray:
+    """[len(slots), width] page ids of the slots (`fill` past the pages each holds)."""
+    rows = np.full((len(slots), width), fill, np.int32)
+    with self.lock:
+      for i, slot in enumerate(slots):
+        rows[i, :len(self.pages[slot])] = self.pages[slot]
+    return rows
+
+  # --- changes -----------------------------------------------------------------------------------------------------
+
+  def occupy(self, placements: Sequence[Placement], lengths: Sequence[int], *,
+             replace: bool = False) -> list[list[Occupancy]]:
+    """Takes the placements' slots for prefix rows of `lengths[row]` tokens; returns each placement's pages, by
+    shard. `PoolExhausted` (nothing taken) if a shard lacks pages. A slot still in use is an error unless `replace`:
+    its answer is done and freed here, and its own release, still on its way, will be ignored."""
+    with self.lock:
+      demand = np.zeros(self.num_shards, np.int64)
+      for pl in placements:
+        for shard in {self.shard_of(s) for s in pl.slots}:
+          demand[shard] += self.pages_to_insert(lengths[pl.row], sum(self.shard_of(s) == shard for s in pl.slots))
+        busy = [s for s in pl.slots if self.active[s]]
+        if busy and not replace:
+          raise ValueError(f"slot {busy[0]} is in use; release it before inserting")
+      for slot in sorted({s for pl in placements for s in pl.slots if self.active[s]}):
+        self._free(slot)  # replaced: its answer is done, and its own release comes later
+        self._late_releases[slot] += 1
+        self.replaced += 1
+      for shard in range(self.num_shards):
+        if demand[shard] > self.pool.num_free(shard):
+          raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
+      out = []
+      for pl in placements:
+        full, tail = divmod(int(lengths[pl.row]), self.page_size)
+        out.append([])
+        for shard in sorted({self.shard_of(s) for s in pl.slots}):
+          mine = [i for i, s in enumerate(pl.slots) if self.shard_of(s) == shard]
+          shared = self.pool.alloc(shard, full)
+          self.pool.retain(shard, shared, len(mine) - 1)
+          own = []
+          for i in mine:
+            slot = pl.slots[i]
+            own.append(tuple(self.pool.alloc(shard, 1) if tail else ()))
+            self.pages[slot] = shared + list(own[-1])
+            self.cached[slot], self.generated[slot], self.active[slot] = lengths[pl.row], pl.generated[i], True
+          out[-1].append(Occupancy(shard=shard, slots=tuple(pl.slots[i] for i in mine), shared=tuple(shared),
+                                   own=tuple(own)))
+      return out
+
+  def grow(self, budget: np.ndarray) -> list[tuple[int, int, int]]:
+    """Allocates the pages `budget[s]` more cached tokens write into, for every active slot (all or none:
+    `PoolExhausted`); returns (slot, column in its page table, page) for each new page."""
+    with self.lock:
+      need = self._new_pages(np.asarray(budget, np.int64))
+      demand = self._per_shard(need)
+      for shard in range(self.num_shards):
+        if demand[shard] > self.pool.num_free(shard):
+          raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
+      out = []
+      for slot in np.flatnonzero(need):
+        for page in self.pool.alloc(self.shard_of(slot), int(need[slot])):
+          out.append((int(slot), len(self.pages[slot]), page))
+          self.pages[slot].append(page)
+      return out
+
+  def advance(self, count: np.ndarray) -> None:
+    """Active slots cached `count[s]` more tokens and drew as many."""
+    with self.lock:
+      count = np.where(self.active, np.asarray(count, np.int64), 0)
+      self.cached += count
+      self.generated += count
+
+  def release(self, slot: int) -> None:
+    """Frees the slot's pages (shared ones return to the pool with their last holder). Idempotent; a release owed by
+    an answer that an insert already replaced is ignored."""
+    with self.lock:
+      if self._late_releases[slot]:
+        self._late_releases[slot] -= 1
+      elif self.active[slot]:
+        self._free(slot)
+
+  def _free(self, slot: int) -> None:
+    self.pool.release(self.shard_of(slot), self.pages[slot])
+    self.pages[slot] = []
+    self.cached[slot] = self.generated[slot] = 0
+    self.active[slot] = False
+
+  def check(self) -> None:
+    """Raises if the pool and the slots' pages disagree (a leaked or double-freed page)."""
+    with self.lock:
+      self.pool.check()
+      for shard in range(self.num_shards):
+        refs = np.zeros(self.pool.pages_per_shard, np.int64)
+        lo = shard * self.slots_per_shard
+        for slot in range(lo, lo + self.slots_per_shard):
+          np.add.at(refs, self.pages[slot], 1)
+        expected = np.array([self.pool.refcount(shard, p) for p in range(self.pool.pages_per_shard)])
+        if not np.array_equal(refs, expected):
+          bad = int(np.flatnonzero(refs != expected)[0])
+          raise AssertionError(f"shard {shard} page {bad}: held by {refs[bad]} slots, reference count "
+                               f"{expected[bad]}")
