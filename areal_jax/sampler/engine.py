@@ -18,7 +18,7 @@ call) and `rewrite` (recomputed caches after a weight update).
 The device work is in `programs.py`; the host state of the slots (pages held, tokens cached and generated, the page
 pool) is one `SlotTable` (`slots.py`), guarded by its lock. Generation raises `PoolExhausted` before touching the
 device when slots need new pages their shard lacks; our scheduler then preempts an answer. A JetStream orchestrator
-cannot preempt, so size the pool for every slot at full length (`sampler.num_pages=0` caps it there).
+cannot preempt, so size the pool for every slot at full length.
 """
 
 from __future__ import annotations
