@@ -2,12 +2,15 @@ r"""SIGKILLs a short training run again and again, then checks from the run's ow
 repeated or corrupted.
 
     python tools/chaos.py --workdir=/tmp/chaos --kills=20 --seed=0 [--steps=150] [--phases=checkpoint_write,...]
+    python tools/chaos.py --workdir=/tmp/chaos --kills=10 --processes=2   # a learner and a sampler process
 
 The job is `launch/tpu_run.py` on a fast variant of the tiny default (a 2-layer model, 4 groups of 4 answers per step,
 a checkpoint every 2 steps, an evaluation every 4). Each attempt but the last is killed, with its whole process group
 as a preempted machine is, either after a random delay or at the n-th time it reaches a phase
 (`areal_jax/faults.py`: during generation, a learner step, a weight update, a checkpoint write or an evaluation);
-the next attempt resumes the same workdir. The last attempt runs to the end. Then, from metrics.jsonl, rollouts.jsonl
+the next attempt resumes the same workdir. With `--processes=N` the job is `launch/local.py` (one sampler process,
+the rest learners) and a kill takes down one process, as a lost host does: a random one after the delay, or the one
+that reaches the phase; the launcher must then stop the others and exit. The last attempt runs to the end. Then, from metrics.jsonl, rollouts.jsonl
 and the checkpoints:
 
 * logs: every line parses (none torn) and metrics has steps 0..N once each;
@@ -68,11 +71,35 @@ def parse_args():
                  help=f"kill kinds to draw from: 'time' (a random delay) and phases of {PHASES}")
   p.add_argument("--max-delay", type=float, default=40.0, help="longest random delay of a 'time' kill, seconds")
   p.add_argument("--attempt-timeout", type=float, default=600.0, help="seconds before an attempt counts as hung")
-  return p.parse_args()
+  p.add_argument("--processes", type=int, default=0,
+                 help="0: one process (launch/tpu_run.py); N >= 2: a multi-process job (launch/local.py, one sampler "
+                      "process), where a kill takes down one process and the launcher must stop the rest")
+  args = p.parse_args()
+  if args.processes == 1 or args.processes < 0:
+    p.error(f"--processes={args.processes}: 0 (one process) or at least 2")
+  return args
 
 
 def _overrides(args) -> dict:
-  return dict(FAST, total_steps=args.steps, seed=args.seed)
+  extra = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 1} if getattr(args, "processes", 0) else {}
+  return dict(FAST, total_steps=args.steps, seed=args.seed, **extra)
+
+
+_CHILD = re.compile(r"local: (.+?) is process \d+ \(pid (\d+)\)")
+_DIED = re.compile(r"local: (.+?) \(pid \d+\) exited with signal SIGKILL")
+
+
+def _children(log_path: str) -> dict[str, int]:
+  """The job's processes (name -> pid) as launch/local.py announced them."""
+  return {name: int(pid) for name, pid in _CHILD.findall(open(log_path).read())}
+
+
+def _kill_groups(pids) -> None:
+  for pid in pids:
+    try:
+      os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
 
 
 def _last_step(workdir: str) -> int | None:
@@ -91,7 +118,9 @@ def _last_step(workdir: str) -> int | None:
 def run_attempt(args, index: int, kill: str, rng) -> Attempt:
   """One launch of the job; `kill` is "time", a phase, or "none" (run to the end)."""
   workdir = args.workdir
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={CONFIG}", f"--workdir={workdir}"]
+  launcher = "local.py" if args.processes else "tpu_run.py"
+  cmd = [sys.executable, os.path.join(ROOT, "launch", launcher), f"--config={CONFIG}", f"--workdir={workdir}"]
+  cmd += [f"--num_processes={args.processes}"] if args.processes else []
   cmd += [f"--config.{k}={v}" for k, v in _overrides(args).items()]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop(ENV, None)
@@ -113,19 +142,31 @@ def run_attempt(args, index: int, kill: str, rng) -> Attempt:
     try:
       rc = proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
       rc = None
+      if args.processes and delay is not None:  # one process dies; the launcher must stop the others
+        name, pid = list(_children(log_path).items())[int(rng.integers(args.processes))]
+        attempt.kill = f"{name} after {delay:.1f} s"
+        _kill_groups([pid])
+        try:
+          rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+          pass
+      if rc is None:
+        _kill_groups([proc.pid, *_children(log_path).values()])
+        proc.wait()
   attempt.seconds = time.time() - start
+  text = open(log_path).read()
+  died = _DIED.search(text)
+  if args.processes and died and ENV in env:
+    attempt.kill = f"{died.group(1)}: {attempt.kill}"
   if rc is None:
-    attempt.outcome = "killed" if delay is not None else "timeout"
+    attempt.outcome = "killed" if delay is not None and not args.processes else "timeout"
   elif rc == 0:
     attempt.outcome = "completed"
-  elif rc == -signal.SIGKILL and ENV in env:
+  elif (rc == -signal.SIGKILL and ENV in env) or (args.processes and rc == 1 and died):
     attempt.outcome = "killed"
   else:
     attempt.outcome = f"crashed (rc {rc})"
-  text = open(log_path).read()
   resumed = re.search(r"resumed .* at step (\d+)", text)
   attempt.resumed_at = int(resumed.group(1)) if resumed else None
   attempt.last_step = _last_step(workdir)
@@ -240,9 +281,9 @@ def main():
   if not attempts or attempts[-1].outcome == "killed":
     attempts.append(run_attempt(args, len(attempts), "none", rng))
 
-  print(f"\n{'#':>3}  {'kill':<22}{'outcome':<18}{'seconds':>8}{'resumed at':>12}{'last step':>11}")
+  print(f"\n{'#':>3}  {'kill':<32}{'outcome':<18}{'seconds':>8}{'resumed at':>12}{'last step':>11}")
   for i, a in enumerate(attempts):
-    print(f"{i:>3}  {a.kill:<22}{a.outcome:<18}{a.seconds:>8.0f}{str(a.resumed_at):>12}{str(a.last_step):>11}")
+    print(f"{i:>3}  {a.kill:<32}{a.outcome:<18}{a.seconds:>8.0f}{str(a.resumed_at):>12}{str(a.last_step):>11}")
   kills = sum(a.outcome == "killed" for a in attempts)
   failures = [f"attempt {i} ({a.kill}): {a.outcome}; see {args.workdir}/chaos/attempt_{i:02d}.log"
               for i, a in enumerate(attempts) if a.outcome not in ("killed", "completed")]
