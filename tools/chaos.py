@@ -10,8 +10,8 @@ as a preempted machine is, either after a random delay or at the n-th time it re
 (`areal_jax/faults.py`: during generation, a learner step, a weight update, a checkpoint write or an evaluation);
 the next attempt resumes the same workdir. With `--processes=N` the job is `launch/local.py` (one sampler process,
 the rest learners) and a kill takes down one process, as a lost host does: a random one after the delay, or the one
-that reaches the phase; the launcher must then stop the others and exit. The last attempt runs to the end. Then, from metrics.jsonl, rollouts.jsonl
-and the checkpoints:
+that reaches the phase; the launcher must then stop the others and exit. The last attempt runs to the end. Then,
+from metrics.jsonl, rollouts.jsonl and the checkpoints:
 
 * logs: every line parses (none torn) and metrics has steps 0..N once each;
 * prompts: no prompt is trained on (or filtered) twice, and the prompts done plus those the last checkpoint holds as
