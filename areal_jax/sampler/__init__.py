@@ -17,6 +17,6 @@ from areal_jax.sampler.scheduler import Scheduler
 from areal_jax.sampler.slots import Placement, SlotTable
 from areal_jax.sampler.state import DecodeState, Prefix
 
-__all__ = ["Completion", "DecodeState", "Draws", "Engine", "PagePool", "Placement", "PoolExhausted", "Prefix", "Request",
-           "ResultTokens", "SamplerConfig", "SamplerLoop", "SamplingParams", "Scheduler", "SlotTable", "engine_api",
-           "generate"]
+__all__ = ["Completion", "DecodeState", "Draws", "Engine", "PagePool", "Placement", "PoolExhausted", "Prefix",
+           "Request", "ResultTokens", "SamplerConfig", "SamplerLoop", "SamplingParams", "Scheduler", "SlotTable",
+           "engine_api", "generate"]
