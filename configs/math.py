@@ -32,21 +32,23 @@ Presets (`--config=configs/math.py:PRESET`):
       python launch/tpu_run.py --config=configs/math.py:qwen2.5-1.5b --workdir=gs://bucket/run \
           --config.model.init_from=/ckpt/DeepSeek-R1-Distill-Qwen-1.5B --config.data.path=/data/math.jsonl
 
-  Fits a v5p-8 (4 chips, 95 GiB) per role; checked without a TPU by
+  Meant for a v5p-8 (4 chips, 95 GiB) per role; checked without a TPU by
   `python tools/aot_check.py --config=configs/math.py:qwen2.5-1.5b --learner_topology=v5p:2x2x1
   --sampler_topology=v5p:2x2x1` (GiB per device, all included; README "Real-size check" has the full table):
-  learner logprobs 7.98, accumulate 19.90 (32768 tokens per row), apply 6.66; sampler prefill 57.70, decode 56.04
-  (64 slots, 28673 pages of 64 per data shard), insert 56.43. On v5e (16 GiB) the sampler fits a 2x4 with
-  memory_fraction=0.7, the learner's 32k-token accumulate does not.
+  learner logprobs 7.98, accumulate 19.90 (32768 tokens per row), apply 6.66; sampler (bfloat16 weights) prefill
+  54.31, insert 53.12 (64 slots, 28673 pages of 64 per data shard); the multi-step decode does NOT fit (XLA's
+  temporaries, 101.36, hold a second copy of the KV pool; README "Real-size check"). On v5e (16 GiB) the learner's
+  32k-token accumulate does not fit either.
 
 * `r1-distill-qwen-7b`: DeepSeek-R1-Distill-Qwen-7B shapes, same hyperparameters; the learner mesh is fsdp x 4-way
   tensor (`mesh.learner_tensor=4`).
 
-  Fits a v5p-16 (8 chips, 95 GiB) per role; checked by `python tools/aot_check.py
+  Meant for a v5p-16 (8 chips, 95 GiB) per role; checked by `python tools/aot_check.py
   --config=configs/math.py:r1-distill-qwen-7b --learner_topology=v5p:2x2x2 --sampler_topology=v5p:2x2x2` (GiB per
-  device): learner logprobs 12.88, accumulate 24.68 (2 rows x 32768 tokens), apply 14.22; sampler prefill 81.51,
-  decode 77.57 (32 slots, 14337 pages of 64 per data shard), insert 78.98. With fsdp alone (learner_tensor=1)
-  accumulate needs 104.53 and does not fit.
+  device): learner logprobs 12.88, accumulate 24.68 (2 rows x 32768 tokens), apply 14.22; sampler (bfloat16
+  weights, 14.19 instead of 28.37 in float32) prefill 67.33, insert 64.79 (32 slots, 14337 pages of 64 per data
+  shard); decode does NOT fit (temporaries 112.39, as for the 1.5B). With fsdp alone (learner_tensor=1) accumulate
+  needs 104.53 and does not fit.
 
 Any field can be overridden: `--config.learner.lr=1e-5`. Unknown keys raise.
 """

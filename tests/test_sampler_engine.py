@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from areal_jax.models.logprobs import next_token_logprobs
 from areal_jax.sampler import Engine, Placement, Request, SamplerConfig, SamplingParams, Scheduler, generate
@@ -80,6 +81,17 @@ def test_sampled_logprobs_equal_learner_path(model):
     np.testing.assert_allclose(c.logprobs, w, atol=1e-5)
   # Answers of one prompt differ (independent keys).
   assert len({tuple(c.tokens) for c in out[3]}) > 1
+
+
+def test_a_rematerialised_model_samples_like_the_plain_one(model):
+  """The real-size presets set model.remat="full" (for the learner); the sampler ignores it (nnx.remat inside the
+  decode loop raised a TraceContextError) and draws the same tokens with the same logprobs."""
+  remat = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: tiny_model(CFG.replace(remat="full")))), nnx.state(model))
+  kw = dict(max_new_tokens=6, temperature=1.0, n=2, seed=4, page_size=PAGE)
+  for a, b in zip(generate(model, PROMPTS[:2], **kw), generate(remat, PROMPTS[:2], **kw)):
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(x.tokens, y.tokens)
+      np.testing.assert_array_equal(x.logprobs, y.logprobs)
 
 
 def test_reproducible_and_independent_of_batching(model):

@@ -1,16 +1,24 @@
 """Interruptible, versioned weight updates: every token's logprob equals the learner-path logprob under the weights
-of the version it records, also for answers whose cache was recomputed mid-way; the threaded loop end to end."""
+of the version it records (float32 sampler: within 1e-5), also for answers whose cache was recomputed mid-way; the
+threaded loop end to end. A bfloat16 sampler: weights arrive cast, its logprobs differ measurably from the float32
+learner's, and the learner's `sampler/logprob_gap` is that difference."""
 
 import functools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.learner import Learner, gap_stats
+from areal_jax.learner.step import make_learner_mesh
 from areal_jax.models.logprobs import next_token_logprobs
 from areal_jax.sampler import Engine, Request, SamplerConfig, SamplerLoop, SamplingParams, Scheduler
+from areal_jax.sharding import LEARNER_RULES, make_mesh, state_shardings
+from areal_jax.system import weight_sync
 from helpers import TINY, tiny_model
 
 CFG = TINY
@@ -23,20 +31,28 @@ def _learner_lp(model):
   return jax.jit(lambda t, p, s: next_token_logprobs(model, t, positions=p, segment_ids=s, temperature=TEMPERATURE))
 
 
-def check_against_learner(models, trajectories):
-  """Each response token's logprob vs the packed learner forward under models[its version]."""
+def learner_logprobs(model, trajectories):
+  """Each trajectory's response-token logprobs from one packed learner forward (float32) under `model`."""
   rows = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajectories]
   tokens = np.concatenate(rows)[None]
   seg = np.concatenate([np.full(len(r), i + 1) for i, r in enumerate(rows)])[None]
   pos = np.concatenate([np.arange(len(r)) for r in rows])[None]
-  lps = {v: np.asarray(_learner_lp(m)(tokens, pos, seg))[0] for v, m in models.items()}
-  start = 0
+  lp = np.asarray(_learner_lp(model)(tokens, pos, seg))[0]
+  out, start = [], 0
   for t, row in zip(trajectories, rows):
+    out.append(lp[start + len(t.prompt_ids) - 1:start + len(row) - 1])
+    start += len(row)
+  return out
+
+
+def check_against_learner(models, trajectories):
+  """Each response token's logprob vs the packed learner forward under models[its version]: within 1e-5."""
+  lps = {v: learner_logprobs(m, trajectories) for v, m in models.items()}
+  for i, t in enumerate(trajectories):
     assert np.all(np.diff(t.versions) >= 0)
     for j, (lp, v) in enumerate(zip(t.logprobs, t.versions)):
-      want = lps[int(v)][start + len(t.prompt_ids) - 1 + j]
+      want = lps[int(v)][i][j]
       assert abs(lp - want) < 1e-5, (t.group_id, j, int(v), lp, want)
-    start += len(row)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +60,31 @@ def models():
   return {v: tiny_model(CFG, seed=10 + v) for v in range(3)}
 
 
+ENGINE_CFG = SamplerConfig(num_slots=8, page_size=4, num_pages=72, max_seq_len=40, max_prefill_tokens=64,
+                           decode_steps=3)
+
+
 @pytest.fixture(scope="module")
 def engine(models):
-  cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=72, max_seq_len=40, max_prefill_tokens=64, decode_steps=3)
-  return Engine(model=models[0], config=cfg)
+  return Engine(model=models[0], config=ENGINE_CFG)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(models):
+  return Engine(model=models[0], config=ENGINE_CFG.replace(param_dtype="bfloat16"))
+
+
+def generate_all(engine, params, *, groups=6, answers=2, seed=0):
+  """Trajectories of `groups` random prompts x `answers`, generated to the end under one version (0)."""
+  sched = Scheduler(engine=engine, params=params, version=0)
+  rng = np.random.default_rng(seed)
+  for g in range(groups):
+    sched.submit(Request(group_id=g, prompt_ids=rng.integers(2, 64, size=rng.integers(3, 14)), num_answers=answers,
+                         sampling=SamplingParams(temperature=TEMPERATURE, max_new_tokens=24, seed=seed)))
+  done = []
+  while not sched.idle:
+    done += sched.step()
+  return sorted((s.trajectory() for s in done), key=lambda t: (t.group_id, t.t_submit, len(t.response_ids)))
 
 
 def test_update_mid_generation_recomputes_caches(models, engine):
@@ -124,3 +161,76 @@ def test_update_rejects_mismatched_weights(models, engine):
   with pytest.raises(ValueError, match=r"\['embed'\].*bfloat16"):
     sched.update_params(bad, 1)
   assert not sched.has_update
+
+
+def test_pushed_weights_arrive_in_the_samplers_dtype(models, bf16_engine):
+  """The trainer's push: float32 learner weights (fsdp over other devices) cast on the learner's devices, then moved
+  onto the bfloat16 engine's shardings; the scheduler takes them. Uncast float32 weights are refused by name."""
+  devices = jax.devices()
+  learner_mesh = make_mesh(devices[4:6], {"fsdp": 2, "tensor": 1})
+  state = nnx.state(models[1])
+  on_learner = jax.device_put(state, state_shardings(state, learner_mesh, LEARNER_RULES))
+  cast = weight_sync.cast(on_learner, jnp.bfloat16)
+  for x, y in zip(jax.tree.leaves(on_learner), jax.tree.leaves(cast)):  # cast where the weights live
+    assert y.dtype == jnp.bfloat16 and y.sharding.is_equivalent_to(x.sharding, x.ndim)
+  assert weight_sync.cast(on_learner, jnp.float32) is on_learner
+  moved = weight_sync.transfer(on_learner, bf16_engine.param_shardings, dtype=bf16_engine.param_dtype)
+  sched = Scheduler(engine=bf16_engine, params=bf16_engine.load_params(models[0]))
+  sched.update_params(moved, 1)
+  sched.step()  # the swap happens at the start of a step
+  assert sched.version == 1
+  for (path, w), got, want in zip(jax.tree_util.tree_flatten_with_path(sched.params)[0],
+                                  jax.tree.leaves(bf16_engine.abstract_params), jax.tree.leaves(state)):
+    assert w.dtype == got.dtype == jnp.bfloat16, jax.tree_util.keystr(path)
+    assert w.sharding.device_set == {devices[0]}
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(want.astype(jnp.bfloat16)))
+  with pytest.raises(ValueError, match=r"float32.*expected bfloat16"):
+    sched.update_params(weight_sync.transfer(on_learner, bf16_engine.param_shardings), 2)
+
+
+def test_bfloat16_sampler_logprobs_differ_and_the_learner_logs_the_gap(models, bf16_engine):
+  """bfloat16 sampler weights (float32 compute, float32 learner): the behaviour logprobs differ from the learner's by
+  a small but nonzero amount. `Learner.train_step` reports as `sampler/logprob_gap` the mean |behaviour - learner
+  logprob| over the tokens drawn by its current version only (a numpy reference here), and nothing with loglinear."""
+  model = models[0]
+  trajectories = generate_all(bf16_engine, bf16_engine.load_params(model))
+  want = learner_logprobs(model, trajectories)
+  diff = np.concatenate([np.abs(t.logprobs - w) for t, w in zip(trajectories, want)])
+  assert 1e-4 < diff.mean() < 0.05 and diff.max() < 0.5, (diff.mean(), diff.max())
+
+  # Half the answers are relabelled as drawn by an older version: the gap must leave them out.
+  learner_version = 3
+  rng = np.random.default_rng(0)
+  current = rng.permutation(len(trajectories)) % 2 == 0
+  trajectories = [t.replace(versions=np.full(len(t.response_ids), learner_version if c else learner_version - 1,
+                                             np.int32), reward=float(i % 2))
+                  for i, (t, c) in enumerate(zip(trajectories, current))]
+  ref = np.concatenate([np.abs(t.logprobs - w) for t, w, c in zip(trajectories, want, current) if c])
+  cfg = LearnerConfig(ppo_n_minibatches=2, max_tokens_per_mb=64, min_bucket=64, filter_uniform_groups=False)
+  mesh = make_learner_mesh(jax.devices()[:2])
+  for method in ("recompute", "loglinear"):
+    learner = Learner(model_cfg=TINY, config=cfg.replace(prox_logp_method=method), mesh=mesh,
+                      temperature=TEMPERATURE, params=nnx.state(model))
+    learner.restore_counters(version=learner_version, updates=0)
+    stats = learner.train_step(trajectories)
+    if method == "loglinear":  # no proximal pass: nothing measured
+      assert not any(k.startswith("sampler/logprob_gap") for k in stats), stats
+      continue
+    assert stats["sampler/logprob_gap_tokens"] == len(ref)
+    np.testing.assert_allclose(stats["sampler/logprob_gap"], ref.mean(), rtol=1e-3)
+    np.testing.assert_allclose(stats["sampler/logprob_gap_max"], ref.max(), rtol=1e-3)
+  assert gap_stats([]) == {"sampler/logprob_gap_tokens": 0.0}  # no comparable token: a count, no NaN
+
+
+def test_bfloat16_compute_makes_the_weight_dtype_irrelevant(models):
+  """With bfloat16 compute (the real-size presets), every weight is cast to bfloat16 before use anyway: a bfloat16
+  sampler draws the same tokens with the same logprobs as a float32 one."""
+  cfg = TINY.replace(dtype="bfloat16")
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: tiny_model(cfg))), nnx.state(models[0]))
+  runs = {}
+  for dtype in ("float32", "bfloat16"):
+    engine = Engine(model=model, config=ENGINE_CFG.replace(param_dtype=dtype))
+    runs[dtype] = generate_all(engine, engine.load_params(model), groups=3)
+  for a, b in zip(runs["float32"], runs["bfloat16"]):
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)

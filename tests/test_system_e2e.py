@@ -30,8 +30,11 @@ def _rollouts(workdir):
 
 
 def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
+  """With bfloat16 sampler weights (the real-size presets' setting): the float32 learner's weights reach the sampler
+  cast, and every step logs how far the sampler's logprobs are from the learner's (`sampler/logprob_gap`)."""
   eta = 1
-  config = load_config(CONFIG, total_steps=4, **FAST, **{"rollout.max_head_offpolicyness": eta})
+  config = load_config(CONFIG, total_steps=4, **FAST, **{"rollout.max_head_offpolicyness": eta,
+                                                         "sampler.param_dtype": "bfloat16"})
   rows = trainer.run(config, str(tmp_path))
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
   metrics = read_metrics(str(tmp_path))
@@ -39,6 +42,9 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
   for m in metrics[1:]:
     assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)
     assert m["version"] == m["step"] and m["staleness/max"] <= eta
+    if m["sampler/logprob_gap_tokens"]:
+      assert 0 < m["sampler/logprob_gap"] < 0.05, m
+  assert sum(m["sampler/logprob_gap_tokens"] for m in metrics[1:]) > 0
   evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
   assert len(evals) == 3 and all(0.0 <= a <= 1.0 for a in evals)  # steps 0, 2, 4
   trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
@@ -76,6 +82,9 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
   rows = trainer.run(config, workdir)
   assert rows[0]["step"] >= 3, "the second run must resume from a checkpoint, not start over"
   assert_every_prompt_once(workdir, config, last_step=6)
+  # A float32 sampler (the tiny default) agrees with the learner within 1e-5 on the tokens of the current version.
+  gaps = [m["sampler/logprob_gap"] for m in read_metrics(workdir)[1:] if m["sampler/logprob_gap_tokens"]]
+  assert gaps and max(gaps) <= 1e-5, gaps
 
 
 def assert_every_prompt_once(workdir, config, *, last_step):

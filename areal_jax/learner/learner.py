@@ -8,7 +8,10 @@ One `train_step` (= one policy version):
 3. proximal logprobs: one forward pass over every micro-batch with the parameters at the start of the step, before
    any update (skipped with `use_decoupled_loss=False`, where π_prox := π_behav, and with
    `prox_logp_method="loglinear"`, where the loss interpolates them by token versions); reference logprobs likewise
-   when `kl_coef > 0`;
+   when `kl_coef > 0`. The tokens the sampler drew with these same parameters (version `version`) give
+   `sampler/logprob_gap`: the mean |behaviour - proximal logprob| over them, the sampler/learner mismatch (float32
+   sampler: within 1e-5; bfloat16 sampler weights: measurably more). Steps without the proximal pass (loglinear, or
+   use_decoupled_loss=False) do not report it;
 4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
    then one AdamW update.
 """
@@ -48,6 +51,16 @@ class StepPlan:
   seq_lengths: tuple[int, ...]  # prompt + response tokens of every sequence trained on
   num_filtered: int  # answers dropped with their uniform-reward groups
   host_stats: dict[str, float]
+
+
+def gap_stats(gaps: Sequence[np.ndarray]) -> dict[str, float]:
+  """`sampler/logprob_gap` (mean |behaviour - learner logprob|), `_max` and `_tokens` from `logprob_gap`'s
+  [sum, count, max] per micro-batch; with no comparable token only the count (0) is reported."""
+  total, count = float(sum(g[0] for g in gaps)), float(sum(g[1] for g in gaps))
+  out = {"sampler/logprob_gap_tokens": count}
+  if count:
+    out |= {"sampler/logprob_gap": total / count, "sampler/logprob_gap_max": max(float(g[2]) for g in gaps)}
+  return out
 
 
 class Learner:
@@ -147,10 +160,17 @@ class Learner:
     if cfg.kl_coef and self.ref_params is None:
       self.ref_params = fns.copy_params(self.params)
     # Forward-only passes with the parameters at the start of the step, all dispatched before any update.
-    for b in (b for minibatch in batches for b in minibatch):
+    gaps = []
+    for mb, b in zip((mb for minibatch in plan.minibatches for mb in minibatch),
+                     (b for minibatch in batches for b in minibatch)):
       inputs = {k: b[k] for k in BATCH_INT_KEYS}
       if cfg.recompute_proximal:
         b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
+        # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
+        same = (mb.loss_mask > 0) & (mb.versions == self.version)
+        if same.any():
+          gaps.append(fns.logprob_gap(b["proximal_logprobs"], b["behavior_logprobs"],
+                                      jax.device_put(same, fns.batch_sharding)))
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
     faults.reach("learner_step")
@@ -166,12 +186,15 @@ class Learner:
       self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
       sums.append(stats)
       grad_norms.append(grad_norm)
-    sums, grad_norms = jax.device_get((sums, grad_norms))
+    sums, grad_norms, gaps = jax.device_get((sums, grad_norms, gaps))
     elapsed = time.perf_counter() - start
     lr = float(self._lr(max(self._updates + len(sums) - 1, 0)))
     self._updates += len(sums)
     self.version += 1
-    return self._stats(plan, sums, grad_norms, elapsed, lr)
+    stats = self._stats(plan, sums, grad_norms, elapsed, lr)
+    if cfg.recompute_proximal:
+      stats |= gap_stats(gaps)
+    return stats
 
   def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """One learner step (one new policy version) on a batch of scored trajectories; returns `learner/*` stats.

@@ -9,6 +9,8 @@ from abstract shapes (`StepFns.lower`) for a topology that is not attached. The 
   `Σ m·w·loss / D` (token weights w and the minibatch's denominator D from `loss_agg`, so the sum over micro-batches
   and data shards is the minibatch's loss exactly) and its statistic sums.
 * `apply(params, opt_state, grads) -> (params, opt_state, grad_norm)`: one optimizer update.
+* `logprob_gap(proximal, behavior, mask) -> [sum, count, max]` of |proximal - behaviour| over the masked tokens
+  where both are finite: how far the sampler's logprobs are from the learner's under the same weights.
 
 Each compiles once per row length (bucket); `apply` and the initialisers compile once.
 """
@@ -139,6 +141,7 @@ class StepFns:
   logprobs: Callable
   accumulate: Callable
   apply: Callable
+  logprob_gap: Callable
 
   def abstract_batch(self, length: int, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     keys = self.batch_keys if keys is None else keys
@@ -223,6 +226,11 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
     stats = {k: jnp.maximum(stats[k], s[k]) if k.endswith("_max") else stats[k] + s[k] for k in skeys}
     return grads, stats
 
+  def logprob_gap(proximal, behavior, mask):
+    ok = mask & jnp.isfinite(proximal) & jnp.isfinite(behavior)
+    gap = jnp.where(ok, jnp.abs(proximal - behavior), 0.0)
+    return jnp.stack([gap.sum(), ok.sum().astype(jnp.float32), gap.max()])
+
   def apply(params, opt_state, grads):
     grad_norm = optax.tree.norm(grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -241,5 +249,6 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
                          out_shardings=(param_sh, replicated), donate_argnums=(1, 2)),
       apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh),
                     out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1)),
+      logprob_gap=jax.jit(logprob_gap, in_shardings=(batch_sh,) * 3, out_shardings=replicated),
   )
 

@@ -45,13 +45,17 @@ class Transformer(nnx.Module):
     return constrain(x, ("batch", "seq", None))
 
   def run_layers(self, x: jax.Array, positions: jax.Array,
-                 attend: Callable[[int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
-                 ) -> tuple[jax.Array, list[Any]]:
-    """All decoder layers then the final norm. `attend(layer_index, q, k, v) -> (out, aux)`; returns (h, [aux])."""
+                 attend: Callable[[int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]], *,
+                 remat: bool = True) -> tuple[jax.Array, list[Any]]:
+    """All decoder layers then the final norm. `attend(layer_index, q, k, v) -> (out, aux)`; returns (h, [aux]).
+
+    `remat=False` ignores `cfg.remat`: forward-only callers (the sampler) have no backward pass to save memory for,
+    and nnx.remat cannot run inside the sampler's decode loop (`lax.while_loop`) on a module merged outside it.
+    """
     auxes = []
     for i, block in enumerate(self.layers):
       layer_attend: Attend = lambda q, k, v, i=i: attend(i, q, k, v)
-      if self.cfg.remat == "none":
+      if self.cfg.remat == "none" or not remat:
         x, aux = block(x, positions, layer_attend)
       else:
         fn = nnx.remat(_with_attend(layer_attend), policy=_REMAT_POLICIES[self.cfg.remat])

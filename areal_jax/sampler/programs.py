@@ -102,7 +102,8 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
     with use_rules(mesh, SAMPLER_RULES):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
       h, kv = model.run_layers(model.embed_tokens(tokens), positions,
-                               lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v)))
+                               lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v)),
+                               remat=False)
       logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
     pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
     return PrefixArrays(k=tuple(pin(k) for k, _ in kv), v=tuple(pin(v) for _, v in kv)), logits
@@ -135,7 +136,7 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
           out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], st.k[layer], st.v[layer], st.page_table, pos, live)
           return out[:, None], (kp, vp)
 
-        h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend)
+        h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False)
         tokens, log_prob = sample(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
       inc = live.astype(jnp.int32)
       st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),
