@@ -36,9 +36,9 @@ Presets (`--config=configs/math.py:PRESET`):
   `python tools/aot_check.py --config=configs/math.py:qwen2.5-1.5b --learner_topology=v5p:2x2x1
   --sampler_topology=v5p:2x2x1` (GiB per device, all included; README "Real-size check" has the full table):
   learner logprobs 7.98, accumulate 19.90 (32768 tokens per row), apply 6.66; sampler (bfloat16 weights) prefill
-  54.31, insert 53.12 (64 slots, 28673 pages of 64 per data shard); the multi-step decode does NOT fit (XLA's
-  temporaries, 101.36, hold a second copy of the KV pool; README "Real-size check"). On v5e (16 GiB) the learner's
-  32k-token accumulate does not fit either.
+  54.31, decode 52.73 (one step per call: `sampler.decode_steps=1`; a multi-step call's loop would need 101.36 of
+  temporaries, README "Real-size check"), insert 53.12 (64 slots, 28673 pages of 64 per data shard). On v5e (16 GiB)
+  the learner's 32k-token accumulate does not fit.
 
 * `r1-distill-qwen-7b`: DeepSeek-R1-Distill-Qwen-7B shapes, same hyperparameters; the learner mesh is fsdp x 4-way
   tensor (`mesh.learner_tensor=4`).
@@ -46,9 +46,8 @@ Presets (`--config=configs/math.py:PRESET`):
   Meant for a v5p-16 (8 chips, 95 GiB) per role; checked by `python tools/aot_check.py
   --config=configs/math.py:r1-distill-qwen-7b --learner_topology=v5p:2x2x2 --sampler_topology=v5p:2x2x2` (GiB per
   device): learner logprobs 12.88, accumulate 24.68 (2 rows x 32768 tokens), apply 14.22; sampler (bfloat16
-  weights, 14.19 instead of 28.37 in float32) prefill 67.33, insert 64.79 (32 slots, 14337 pages of 64 per data
-  shard); decode does NOT fit (temporaries 112.39, as for the 1.5B). With fsdp alone (learner_tensor=1) accumulate
-  needs 104.53 and does not fit.
+  weights, 14.19 instead of 28.37 in float32) prefill 67.33, decode 63.39 (one step per call), insert 64.79 (32 slots,
+  14337 pages of 64 per data shard). With fsdp alone (learner_tensor=1) accumulate needs 104.53 and does not fit.
 
 Any field can be overridden: `--config.learner.lr=1e-5`. Unknown keys raise.
 """
@@ -157,7 +156,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.top_k = -1
   c.sampler.attention = "auto"  # auto | jax | pallas_tpu
   c.sampler.attention_block = 0  # tokens per block of the pure-JAX paged attention; 0 = 32 on CPU, 256 elsewhere
-  c.sampler.decode_steps = 8  # decode steps per device call (new answers and weights wait for the call to end)
+  # Decode steps per device call (new answers and weights wait for the call to end). More than one runs in a
+  # while loop whose carried state costs XLA two extra copies of the KV pool: at real size, one step per call.
+  c.sampler.decode_steps = 8 if tiny else 1
   c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
   # The sampler's copy of the weights (the learner keeps float32 master weights): bfloat16 halves their HBM and the
   # bytes of each weight update; its behaviour logprobs then differ slightly from the learner's (logged each step as

@@ -15,6 +15,8 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
   `budget[s]` tokens, or (if `stop_eos[s]`) once its pending token is in `eos`; the loop ends when no slot is live,
   or once `refill_at` > 0 slots have stopped (so that the host can refill them with waiting answers). Drawing uses
   `fold_in(key, index)` as one step at a time does, so the tokens do not depend on the number of steps per call.
+  With `cfg.decode_steps` = 1 there is no loop: XLA carries a while loop's state in copies (two more of the KV pool
+  on TPU, by `tools/aot_check.py`), which real-size pools cannot afford; one step updates the pool in place.
 """
 
 from __future__ import annotations
@@ -157,7 +159,9 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
 
     init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
             jnp.zeros((s, k_steps), jnp.float32))
-    _, state, _, count, tokens, log_prob = jax.lax.while_loop(more, step, init)
+    # One step needs no loop (see the module docstring).
+    loop = step if k_steps == 1 else functools.partial(jax.lax.while_loop, more, step)
+    _, state, _, count, tokens, log_prob = loop(init)
     return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
 
   return Programs(
