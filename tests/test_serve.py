@@ -52,6 +52,7 @@ def hf_dir(tmp_path_factory):
   tok.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                                                           "chat_template": CHATML}))
+  (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))  # <|endoftext|>, <|im_end|>
   save_hf(tiny_model(dataclasses.replace(TINY, vocab_size=tok.get_vocab_size()), seed=3), str(path))
   return str(path)
 
@@ -100,6 +101,7 @@ def post(server, path, data: bytes):
 def test_models_health_and_stats(server, client, hf_dir):
   [m] = client.models.list().data
   assert m.id == server.model_name == os.path.basename(hf_dir) and m.model_extra["max_model_len"] == MAX_SEQ_LEN
+  assert server.backend.scheduler.eos_ids == {0, 2}  # the tokenizer's and generation_config.json's
   with urllib.request.urlopen(server.url + "/health") as r:
     assert json.loads(r.read())["status"] == "ok"
   with urllib.request.urlopen(server.url + "/stats") as r:
@@ -133,7 +135,7 @@ def test_seeded_sampling_equals_the_sampler_and_repeats(client, model, tok):
   assert len({tuple(c.token_ids) for c in first.choices}) > 1  # answers of one request draw independently
 
 
-def test_chat_completion_logprobs(client, model, tok):
+def test_chat_completion_logprobs(server, client, model, tok):
   messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 7 * 8?"}]
   r = client.chat.completions.create(model="any", messages=messages, max_tokens=16, temperature=0, logprobs=True)
   [c] = r.choices
@@ -146,7 +148,7 @@ def test_chat_completion_logprobs(client, model, tok):
   assert c.token_ids == argmax and r.usage.prompt_tokens == len(prompt)
   np.testing.assert_allclose([e.logprob for e in content], logprobs, atol=1e-4)
   assert c.message.role == "assistant" and c.message.content == tok.decode(c.token_ids)
-  assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_id else "length")
+  assert c.finish_reason == ("stop" if c.token_ids[-1] in server.backend.scheduler.eos_ids else "length")
   assert r.policy_version == c.version_end
 
 
@@ -265,6 +267,17 @@ def test_a_run_checkpoint_serves_its_step_and_version(hf_dir, model, tmp_path):
                                   extra_body={"ignore_eos": True})
     assert r.policy_version == 11 and r.choices[0].token_ids == full_forward(model, [5, 17, 3],
                                                                              r.choices[0].token_ids)[0]
+
+
+def test_an_orbax_policy_directory_serves(hf_dir, model, tmp_path):
+  orbax_io.save_orbax(model, str(tmp_path / "policy"))
+  with build(str(tmp_path / "policy"), tokenizer=hf_dir, port=0, devices=jax.devices()[:1],
+             **dict(SIZING, max_seq_len=64)) as srv:
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    r = client.completions.create(model="any", prompt=[5, 17, 3], max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert (srv.model_name, r.policy_version) == ("policy", 0)
+    assert r.choices[0].token_ids == full_forward(model, [5, 17, 3], r.choices[0].token_ids)[0]
 
 
 def test_command_line(hf_dir):
