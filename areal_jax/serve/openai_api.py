@@ -105,7 +105,7 @@ class Prepared:
   logprobs: bool
 
 
-def _bad(param: str, message: str) -> ApiError:
+def _bad(param: str | None, message: str) -> ApiError:
   return ApiError(400, message, param=param)
 
 
@@ -190,11 +190,16 @@ def prepare(body: CompletionRequest | ChatRequest, prompt_ids: list[int], *, tok
   stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
   if any(not s for s in stops):
     raise _bad("stop", f"stop={body.stop!r}: stop strings must be non-empty")
-  sampling = SamplingParams(
-      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-      max_new_tokens=room if limit is None else limit, ignore_eos=body.ignore_eos,
-      stop=tuple(tuple(_encode(tokenizer, s, "stop")) for s in stops),
-      seed=secrets.randbits(32) if body.seed is None else body.seed)
+  # The sampler also stops on each string's own tokens (found in its thread); a string drawn as other tokens is
+  # found in the text afterwards (see `shape_answer`).
+  stop_ids = tuple(ids for ids in (tuple(_encode(tokenizer, s, "stop")) for s in stops) if ids)
+  try:
+    sampling = SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        max_new_tokens=room if limit is None else limit, ignore_eos=body.ignore_eos, stop=stop_ids,
+        seed=secrets.randbits(32) if body.seed is None else body.seed)
+  except ValueError as e:  # anything the checks above missed
+    raise _bad(None, str(e)) from None
   # Group 0 for every request: answer i draws from key (seed, 0, i), so a seed names its answers.
   request = Request(group_id=0, prompt_ids=prompt_ids, num_answers=body.n, sampling=sampling)
   return Prepared(request=request, stops=stops, logprobs=logprobs)
@@ -227,7 +232,8 @@ def shape_answer(seq: Sequence, stops: tuple[str, ...], tokenizer: Tokenizer) ->
     text = text[:min(text.find(s) for s in stops if s in text)]
     finish = "stop"
   return Answer(text=text, token_ids=tokens, logprobs=[float(x) for x in seq.logprobs[:len(tokens)]],
-                finish_reason=finish, version_start=int(seq.versions[0]), version_end=int(seq.versions[len(tokens) - 1]))
+                finish_reason=finish, version_start=int(seq.versions[0]),
+                version_end=int(seq.versions[len(tokens) - 1]))
 
 
 def _envelope(kind: str, answers: list[Answer], prompt_len: int, model: str, choices: list[dict]) -> dict[str, Any]:
