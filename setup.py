@@ -26,11 +26,14 @@ setup(
         "tensorflow-datasets==4.9.10",
         "array-record==0.8.6",
         "etils==1.15.0",
+        # tools/serve.py: the OpenAI-compatible policy server.
+        "fastapi==0.165.0",
+        "uvicorn==0.54.0",
     ],
     extras_require={
         # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "torch==2.13.0", "transformers==5.23.0",
-                 "gcp-storage-emulator==2026.7.19"],
+                 "gcp-storage-emulator==2026.7.19", "openai==3.54.0"],
         "gcs": ["gcsfs==2026.10.1"],
         "tpu": ["libtpu==0.0.42.1"],
     },

@@ -1,0 +1,182 @@
+"""The server's one sampler thread: every HTTP request becomes a scheduler `Request`, and all requests share the
+continuous batch (a decode call advances every running answer, whichever request it belongs to).
+
+    backend = Backend(engine=engine, params=params, version=3, eos_ids=[tok.eos_id], max_queue=256).start()
+    future = backend.submit(Request(group_id=0, prompt_ids=ids, num_answers=2, sampling=SamplingParams(...)))
+    answers = future.result()  # the request's finished `Sequence`s, in answer order
+    backend.update_params(new_params, version=4)  # from any thread; applied between two decode calls
+    backend.stop()
+
+`submit` is safe from any thread (an asyncio handler awaits `asyncio.wrap_future(future)`); the `Scheduler` is only
+touched by the backend's thread. A request waits in the queue until its first answer gets a decode slot; with
+`max_queue` requests waiting, `submit` raises `QueueFull`. A request whose future is cancelled before it reaches the
+scheduler is dropped; once it runs it runs to the end (the scheduler has no abort), its answers unread.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterable
+
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.requests import Request, Sequence
+from areal_jax.sampler.scheduler import Scheduler
+
+
+class QueueFull(Exception):
+  """`max_queue` requests are waiting for a decode slot already."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+  future: concurrent.futures.Future
+  answers: list[Sequence | None]
+  started: bool = False
+
+
+class Backend:
+
+  def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids: Iterable[int] = (), max_queue: int = 256,
+               idle_wait_s: float = 0.005):
+    if max_queue < 1:
+      raise ValueError(f"max_queue={max_queue}: must be >= 1")
+    self.scheduler = Scheduler(engine=engine, params=params, version=version, eos_ids=eos_ids)
+    self.max_queue = max_queue  # may be changed while serving
+    self.idle_wait_s = idle_wait_s
+    self.error: BaseException | None = None
+    self._inbox: queue.Queue[tuple[Request, concurrent.futures.Future]] = queue.Queue()
+    self._lock = threading.Lock()
+    self._waiting = 0  # accepted requests without a decode slot yet (under _lock)
+    self._pending: dict[int, _Pending] = {}  # id(request) -> its future and answers (the thread's own)
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._counts = collections.Counter(dict.fromkeys(("requests", "rejected", "finished", "max_batch_answers",
+                                                      "max_batch_requests"), 0))
+    self._stats = self._snapshot()
+
+  # --- any thread -----------------------------------------------------------------------------------------------
+
+  def submit(self, request: Request) -> concurrent.futures.Future:
+    """Queues `request`; the future's result is its finished answers (`Sequence`s, in answer order).
+
+    Raises ValueError for a prompt the sampler cannot hold (naming the limit), `QueueFull` when `max_queue` requests
+    wait already, RuntimeError if the thread stopped on an error.
+    """
+    self.check()
+    self.scheduler.validate(request)
+    with self._lock:
+      if self._waiting >= self.max_queue:
+        self._counts["rejected"] += 1
+        raise QueueFull(f"{self._waiting} requests are waiting for a decode slot (max_queue={self.max_queue}); "
+                        f"retry later")
+      self._waiting += 1
+      self._counts["requests"] += 1
+    future = concurrent.futures.Future()
+    self._inbox.put((request, future))
+    return future
+
+  def update_params(self, params, version: int) -> None:
+    """New weights (on the engine's shardings) from the next decode call on; tokens after it record `version`."""
+    self.check()
+    self.scheduler.update_params(params, version)
+
+  @property
+  def version(self) -> int:
+    return self.scheduler.version
+
+  def stats(self) -> dict[str, int | float]:
+    """The scheduler's counters and answers running (published after each step), policy version, requests waiting,
+    accepted, rejected and finished, and the most answers and requests one decode call has advanced."""
+    with self._lock:
+      return {**self._stats, **self._counts, "waiting": self._waiting, "version": self.version}
+
+  def check(self) -> None:
+    if self.error is not None:
+      raise RuntimeError("the sampler thread stopped on an error") from self.error
+
+  def start(self) -> Backend:
+    if self._thread is not None:
+      raise RuntimeError("backend already started")
+    self._thread = threading.Thread(target=self._run, name="serve-sampler", daemon=True)
+    self._thread.start()
+    return self
+
+  def stop(self, timeout: float | None = 60.0) -> None:
+    """Stops after the current step; requests still in flight fail with RuntimeError."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+    if self._thread is None or not self._thread.is_alive():
+      self._fail_all(RuntimeError("the server is shutting down"))
+
+  # --- the sampler thread ---------------------------------------------------------------------------------------
+
+  def _snapshot(self) -> dict[str, int]:
+    return {**self.scheduler.counters, "running": len(self.scheduler.running)}
+
+  def _drain(self, block: bool) -> None:
+    try:
+      request, future = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+      while True:
+        if future.set_running_or_notify_cancel():  # False: cancelled (the client left) before it started
+          self.scheduler.submit(request)
+          self._pending[id(request)] = _Pending(future=future, answers=[None] * request.num_answers)
+        else:
+          with self._lock:
+            self._waiting -= 1
+        request, future = self._inbox.get_nowait()
+    except queue.Empty:
+      pass
+
+  def _record(self, finished: list[Sequence]) -> None:
+    """Resolves finished requests and counts those that got their first slot in this step."""
+    sched = self.scheduler
+    batch = list(sched.running.values()) + finished  # every answer the step's decode call advanced
+    waiting = {id(group[0].request) for group in sched.waiting}
+    started = [p for key, p in self._pending.items() if not p.started and key not in waiting]
+    for p in started:
+      p.started = True
+    done = []
+    for seq in finished:
+      p = self._pending[id(seq.request)]
+      p.answers[seq.answer] = seq
+      if all(a is not None for a in p.answers):
+        del self._pending[id(seq.request)]
+        done.append(p)
+    with self._lock:
+      self._waiting -= len(started)
+      c = self._counts
+      c["finished"] += len(done)
+      c["max_batch_answers"] = max(c["max_batch_answers"], len(batch))
+      c["max_batch_requests"] = max(c["max_batch_requests"], len({id(s.request) for s in batch}))
+    for p in done:
+      p.future.set_result(p.answers)
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        sched = self.scheduler
+        self._drain(block=sched.idle and not sched.has_update)
+        if not (sched.idle and not sched.has_update):
+          self._record(sched.step())
+        self._stats = self._snapshot()
+    except BaseException as e:  # surfaced by check() and by every pending future
+      self.error = e
+      self._fail_all(e)
+
+  def _fail_all(self, error: BaseException) -> None:
+    for p in self._pending.values():
+      if not p.future.done():
+        p.future.set_exception(error)
+    self._pending.clear()
+    while True:
+      try:
+        _, future = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if future.set_running_or_notify_cancel():
+        future.set_exception(error)

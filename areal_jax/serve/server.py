@@ -1,0 +1,238 @@
+"""The HTTP server (FastAPI on uvicorn): OpenAI-compatible routes over one shared `Backend`.
+
+    server = build("gs://bucket/run", port=8000)  # the latest checkpoint; see `build` for the sampler's sizing
+    server.serve_forever()  # or server.start() ... server.stop() to run it in a background thread
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (see `openai_api` for the fields), `GET /v1/models`,
+`GET /health`, `GET /stats` (the backend's counters: requests accepted, rejected and finished, answers running,
+requests waiting, the most answers and requests one decode call advanced, policy version).
+
+Handlers never block the event loop: tokenizing and shaping answers run in worker threads, and a handler awaits its
+request's future, which the sampler thread resolves. Errors are OpenAI-style bodies (`{"error": {"message", "type",
+"param"}}`): 400 for malformed JSON, wrong types and values the server cannot serve, 429 when `max_queue` requests
+wait already, 503 if the sampler thread has stopped. A refused request changes nothing; the next one is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import fastapi
+import fastapi.exceptions
+import jax
+import uvicorn
+from fastapi.responses import JSONResponse
+
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.engine import Engine
+from areal_jax.serve import openai_api, policy
+from areal_jax.serve.backend import Backend, QueueFull
+from areal_jax.sharding import make_mesh
+from areal_jax.tokenizer import Tokenizer, load_tokenizer
+
+_log = logging.getLogger(__name__)
+
+
+def _validation_error(exc: fastapi.exceptions.RequestValidationError) -> openai_api.ApiError:
+  """One message for pydantic's list of errors: malformed JSON, or the fields of the wrong type or missing."""
+  errors = exc.errors()
+  if errors and errors[0].get("type") == "json_invalid":
+    why = errors[0].get("ctx", {}).get("error", "")
+    return openai_api.ApiError(400, f"malformed JSON body: {why} (at character {errors[0]['loc'][-1]})")
+  parts, param = [], None
+  for e in errors:
+    loc = ".".join(str(x) for x in e.get("loc", ())[1:]) or "body"
+    param = param or loc
+    got = f" (got {e['input']!r:.80})" if "input" in e and e.get("type") != "missing" else ""
+    parts.append(f"{loc}: {e.get('msg')}{got}")
+  return openai_api.ApiError(400, "; ".join(parts) or "invalid request body", param=param)
+
+
+def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fastapi.FastAPI:
+  """The routes over `backend` (which the caller starts and stops)."""
+  app = fastapi.FastAPI(title="areal_jax policy server")
+  engine = backend.scheduler.engine
+  limits = {"max_seq_len": engine.cfg.max_seq_len, "vocab_size": engine.model_cfg.vocab_size}
+  created = int(time.time())
+
+  @app.exception_handler(openai_api.ApiError)
+  async def _api_error(_, exc: openai_api.ApiError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+  @app.exception_handler(fastapi.exceptions.RequestValidationError)
+  async def _invalid(_, exc: fastapi.exceptions.RequestValidationError):
+    err = _validation_error(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+  async def generate(body, to_prompt: Callable, respond: Callable) -> dict[str, Any]:
+    def prepare():
+      return openai_api.prepare(body, to_prompt(body, tokenizer), tokenizer=tokenizer, **limits)
+
+    prepared = await asyncio.to_thread(prepare)
+    try:
+      future = backend.submit(prepared.request)
+    except QueueFull as e:
+      raise openai_api.ApiError(429, str(e), kind="rate_limit_error") from None
+    except ValueError as e:  # what the scheduler itself refuses
+      raise openai_api.ApiError(400, str(e)) from None
+    except RuntimeError as e:
+      raise openai_api.ApiError(503, f"{e}: {backend.error!r}", kind="server_error") from None
+    try:
+      seqs = await asyncio.wrap_future(future)
+    except Exception as e:  # pylint: disable=broad-except  # the sampler thread stopped (on an error, or shutting down)
+      raise openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {backend.error!r})",
+                                kind="server_error") from None
+    return await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name)
+
+  @app.post("/v1/completions")
+  async def completions(body: openai_api.CompletionRequest):
+    return await generate(body, openai_api.completion_prompt, openai_api.completion_response)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(body: openai_api.ChatRequest):
+    return await generate(body, openai_api.chat_prompt, openai_api.chat_response)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "areal_jax", "max_model_len": limits["max_seq_len"],
+                                        "policy_version": backend.version}]}
+
+  @app.get("/health")
+  async def health():
+    if backend.error is not None:
+      raise openai_api.ApiError(503, f"the sampler thread stopped on an error: {backend.error!r}", kind="server_error")
+    return {"status": "ok", "policy_version": backend.version}
+
+  @app.get("/stats")
+  async def stats():
+    return backend.stats()
+
+  return app
+
+
+class _Interrupted(Exception):
+  """SIGINT or SIGTERM, after uvicorn's graceful shutdown."""
+
+
+class PolicyServer:
+  """`create_app` served by uvicorn on `host:port` (port 0 = any free port; `port` then holds the one bound)."""
+
+  def __init__(self, *, backend: Backend, tokenizer: Tokenizer, model_name: str, host: str = "127.0.0.1",
+               port: int = 0):
+    self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+    self.app = create_app(backend=backend, tokenizer=tokenizer, model_name=model_name)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    self._sock = socket.socket(family, socket.SOCK_STREAM)
+    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      self._sock.bind((host, port))
+    except OSError as e:
+      self._sock.close()
+      raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    self.host, self.port = self._sock.getsockname()[:2]
+    self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+    self._thread: threading.Thread | None = None
+
+  @property
+  def url(self) -> str:
+    host = f"[{self.host}]" if ":" in self.host else self.host
+    return f"http://{host}:{self.port}"
+
+  def start(self, timeout: float = 60.0) -> PolicyServer:
+    """Serves from a background thread; returns once the server accepts connections."""
+    self.backend.start()
+    self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="serve-http",
+                                    daemon=True)
+    self._thread.start()
+    deadline = time.monotonic() + timeout
+    while not self._server.started:
+      if not self._thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError(f"the HTTP server on {self.url} did not start")
+      time.sleep(0.01)
+    return self
+
+  def stop(self) -> None:
+    self._server.should_exit = True
+    if self._thread is not None:
+      self._thread.join(30)
+    self.backend.stop()
+    self._sock.close()
+
+  def serve_forever(self) -> None:
+    """Serves in the main thread until SIGINT or SIGTERM, then shuts down gracefully and returns."""
+    def leave(signum, frame):
+      del signum, frame
+      raise _Interrupted
+
+    # uvicorn shuts down on these signals, then re-raises them with the handlers it found: ours end the loop here.
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+      self.backend.start()
+      _log.info("serving %s (policy version %d) on %s/v1", self.model_name, self.backend.version, self.url)
+      self._server.run(sockets=[self._sock])
+    except _Interrupted:
+      _log.info("stopped")
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+      self.backend.stop()
+      self._sock.close()
+
+  def __enter__(self) -> PolicyServer:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = None, dtype: str = "",
+          model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
+          max_seq_len: int | None = None, num_slots: int = 64, page_size: int = 16, num_pages: int = 0,
+          memory_fraction: float = 0.8, decode_steps: int = 8, tensor_parallel: int = 1,
+          devices: list[jax.Device] | None = None, warmup: bool = True) -> PolicyServer:
+  """A server for `checkpoint_dir` (see `policy.describe`), not started yet.
+
+  Args:
+    step: "latest" or a step number of a run's checkpoints.
+    tokenizer: tokenizer spec (default: the run's; a HF directory's own).
+    dtype: compute dtype of a model directory (default float32; a run's checkpoints keep their own).
+    model_name: the id `/v1/models` lists and responses echo (default: the directory's name, `@step` for a run).
+    max_queue: requests that may wait for a decode slot; more get 429.
+    max_seq_len: prompt + answer tokens per sequence (default: the run's `sampler.max_seq_len`, else the model's
+      context up to 4096).
+    num_slots, page_size, num_pages, memory_fraction, decode_steps: the sampler (see `SamplerConfig`); num_slots is
+      rounded up to a multiple of the data shards.
+    tensor_parallel, devices: the sampling mesh, data x tensor over `devices` (default: all).
+    warmup: compile every prefill and decode program before serving (no compile stall on a first request).
+  """
+  source = policy.describe(checkpoint_dir, step=step, dtype=dtype)
+  tokenizer = tokenizer or source.tokenizer
+  if not tokenizer:
+    raise ValueError(f"{checkpoint_dir}: no run config.json beside it to take the tokenizer from; pass --tokenizer")
+  tok = load_tokenizer(tokenizer)
+  cfg = source.model_cfg
+  if cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer vocab_size {tok.vocab_size} ({tokenizer})")
+  mesh = make_mesh(devices or jax.devices(), {"data": -1, "tensor": tensor_parallel})
+  data = mesh.shape["data"]
+  seq_len = max_seq_len or source.run_sampler.get("max_seq_len") or min(cfg.max_position_embeddings, 4096)
+  sampler_cfg = SamplerConfig(num_slots=-(-num_slots // data) * data, page_size=page_size, num_pages=num_pages,
+                              memory_fraction=memory_fraction, max_seq_len=seq_len, max_new_tokens=seq_len,
+                              decode_steps=decode_steps)
+  engine = Engine(model=policy.abstract_model(cfg), config=sampler_cfg, mesh=mesh)
+  params = policy.load_params(source, engine)
+  eos_ids = sorted({tok.eos_id, *source.eos_ids})
+  backend = Backend(engine=engine, params=params, version=source.version, eos_ids=eos_ids, max_queue=max_queue)
+  if warmup:
+    start = time.perf_counter()
+    backend.scheduler.state = engine.warmup(params, backend.scheduler.state)
+    _log.info("compiled the sampler's programs in %.1f s", time.perf_counter() - start)
+  return PolicyServer(backend=backend, tokenizer=tok, model_name=model_name or source.name, host=host, port=port)
