@@ -7,7 +7,8 @@ compiled for. Parameters, optimizer state, KV pool and batches are abstract shap
                     learner_topology="v5e:2x4")
     print(format_table(reports)); assert all(r.fits for r in reports)
 
-Programs (per device, from XLA's memory analysis of the partitioned program):
+Programs (per device, from XLA's memory analysis of the partitioned program; FLOPs are the model's, as MFU counts
+them, since XLA's cost analysis counts the body of the scan over layers once):
 
 * learner `logprobs` (the proximal pass), `accumulate` (forward + backward of one packed micro-batch of
   `max_tokens_per_mb` tokens per row), `apply` (the optimizer update); mesh fsdp × tensor.
@@ -59,7 +60,7 @@ class ProgramReport:
   alias_bytes: int = 0
   resident_bytes: int = 0
   hbm_bytes: int
-  flops: float = 0.0  # per device, from XLA's cost analysis
+  flops: float = 0.0  # model FLOPs per device (0: not a model pass); see `_model_flops`
   compile_s: float = 0.0
   note: str = ""
   error: str = ""
@@ -106,13 +107,15 @@ def device_bytes(tree) -> int:
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  costs = cost if isinstance(cost, (list, tuple)) else [cost]
-  return float(sum((c or {}).get("flops", 0.0) for c in costs))
+def _model_flops(model_cfg: ModelConfig, tokens: int, seq_len: int, devices: int) -> float:
+  """Per-device FLOPs of a forward pass over `tokens` tokens (sequences up to `seq_len` long) split over `devices`
+  (`ModelConfig.flops_per_token`, the MFU count; training is 3 passes). XLA's cost analysis is no substitute: it
+  counts a loop body once, and the layers run under `lax.scan`."""
+  return tokens * model_cfg.flops_per_token(seq_len) / devices
 
 
 def _compile(lowered, **fields) -> ProgramReport:
+  """Compiles `lowered`; its per-device memory, or the compiler's refusal when it exceeds the HBM."""
   start = time.perf_counter()
   try:
     compiled = lowered.compile()
@@ -124,8 +127,8 @@ def _compile(lowered, **fields) -> ProgramReport:
   seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
   return ProgramReport(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
-                       temp_bytes=m.temp_size_in_bytes, alias_bytes=m.alias_size_in_bytes, flops=_flops(compiled),
-                       compile_s=seconds, **fields)
+                       temp_bytes=m.temp_size_in_bytes, alias_bytes=m.alias_size_in_bytes, compile_s=seconds,
+                       **fields)
 
 
 def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
@@ -133,15 +136,19 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
   cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
-  fns = build_step(ModelConfig.from_config(config.model), cfg, mesh, temperature=config.sampler.temperature)
+  model_cfg = ModelConfig.from_config(config.model)
+  fns = build_step(model_cfg, cfg, mesh, temperature=config.sampler.temperature)
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0
   resident = {"logprobs": device_bytes(opt) + ref, "accumulate": device_bytes(opt) + ref, "apply": ref}
   note = f"{fns.rows} rows x {cfg.max_tokens_per_mb} tokens"
   hbm = hbm_bytes(devices, hbm_gib)
+  forward = _model_flops(model_cfg, fns.rows * cfg.max_tokens_per_mb,
+                         min(cfg.max_tokens_per_mb, config.sampler.max_seq_len), len(devices))
+  flops = {"logprobs": forward, "accumulate": 3 * forward, "apply": 0.0}
   lowered = fns.lower(cfg.max_tokens_per_mb)
   return [_compile(lowered[name], role="learner", program=name, topology=topology, mesh=dict(mesh.shape),
-                   hbm_bytes=hbm, resident_bytes=resident[name],
+                   hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
                    note=note if name != "apply" else "")
           for name in ("logprobs", "accumulate", "apply")]
 
@@ -157,9 +164,14 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   resident = {"prefill": device_bytes(state), "decode": 0, "insert": device_bytes(params)}
   note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"
           f" (max {cfg.pages_per_seq} per sequence)")
+  # Prefill: one row on every data shard, split over tensor; decode: one token per slot at the full context.
+  tensor, data = mesh.shape["tensor"], mesh.shape["data"]
+  flops = {"prefill": _model_flops(model_cfg, cfg.max_seq_len, cfg.max_seq_len, tensor),
+           "decode": _model_flops(model_cfg, cfg.num_slots, cfg.max_seq_len, data * tensor), "insert": 0.0}
   lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm)
   return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
-                   hbm_bytes=hbm, resident_bytes=resident[name], note=note if name == "decode" else "")
+                   hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
+                   note=note if name == "decode" else "")
           for name in ("prefill", "decode", "insert")]
 
 
@@ -176,7 +188,7 @@ def check(config: ml_collections.ConfigDict, *, sampler_topology: str | None, le
 
 
 def format_table(reports: list[ProgramReport]) -> str:
-  """A Markdown table: per-device GiB of each program against the HBM, TFLOP per device, compile seconds."""
+  """A Markdown table: per-device GiB of each program against the HBM, model TFLOP per device, compile seconds."""
   gib = lambda b: f"{b / GIB:.2f}"
   head = ("role", "program", "topology", "mesh", "args", "out", "temp", "alias", "resident", "total", "HBM", "fits",
           "TFLOP", "compile s", "note")
@@ -189,6 +201,6 @@ def format_table(reports: list[ProgramReport]) -> str:
       continue
     rows.append((r.role, r.program, r.topology, mesh, gib(r.argument_bytes), gib(r.output_bytes), gib(r.temp_bytes),
                  gib(r.alias_bytes), gib(r.resident_bytes), gib(r.total_bytes), gib(r.hbm_bytes),
-                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}", f"{r.compile_s:.1f}", r.note))
+                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}" if r.flops else "-", f"{r.compile_s:.1f}", r.note))
   return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 

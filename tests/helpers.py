@@ -22,9 +22,11 @@ def tiny_model(cfg: ModelConfig = TINY, seed: int = 0):
   rng = np.random.default_rng(seed)
 
   def fill(path, x):
-    if "scale" in jax.tree_util.keystr(path):
+    name = jax.tree_util.keystr(path)
+    if "scale" in name:
       return jnp.asarray(1 + 0.1 * rng.normal(size=x.shape), x.dtype)
-    return jnp.asarray(rng.normal(size=x.shape) / np.sqrt(x.shape[0]), x.dtype)
+    fan_in = x.shape[1] if name.startswith("['layers']") else x.shape[0]  # past the stacked layers axis
+    return jnp.asarray(rng.normal(size=x.shape) / np.sqrt(fan_in), x.dtype)
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 

@@ -175,7 +175,7 @@ def test_sharded_index_and_mesh_placement(tmp_path):
   from areal_jax import sharding as shd
   mesh = shd.make_mesh(jax.devices(), {"fsdp": 4, "tensor": 2})
   model = load_hf(str(tmp_path), mesh=mesh)
-  q = model.layers[0].attn.q[...]
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  q = model.layers.attn.q[...]  # [layers, embed, heads, head_dim]
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   tokens = np.random.default_rng(5).integers(0, 97, size=(1, 12)).astype(np.int32)
   np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), _hf_logits(hf, tokens), atol=TOL, rtol=0)

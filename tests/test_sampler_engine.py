@@ -114,7 +114,8 @@ def test_tokens_independent_of_decode_steps(model):
   one = generate(model, PROMPTS, max_new_tokens=12, temperature=1.0, n=3, seed=2, page_size=PAGE, decode_steps=1)
   drawn = [t for cs in one for c in cs for t in c.tokens]
   eos, first = collections.Counter(drawn).most_common(1)[0][0], one[0][0].tokens[0]
-  stop = [tuple(one[1][0].tokens[2:4])]
+  # A stop sequence from an answer that no EOS id ends first.
+  stop = [next(tuple(c.tokens[2:4]) for cs in one[1:] for c in cs if not {eos, first} & set(c.tokens[:4]))]
   variants = {(1, 64), (5, 64), (16, 64), (5, 4)}  # (decode_steps, num_slots)
   outs = {v: generate(model, PROMPTS, max_new_tokens=12, temperature=1.0, n=3, seed=2, page_size=PAGE,
                       eos_ids=[eos, first], stop=stop, decode_steps=v[0], num_slots=v[1]) for v in variants}
@@ -226,8 +227,8 @@ def test_errors_name_the_values(model, engine):
   with pytest.raises(ValueError, match="token 99 outside the vocabulary"):
     sched.submit(Request(group_id=0, prompt_ids=[1, 99]))
   bad = jax.tree.map(lambda x: x, engine.load_params(model))
-  bad["layers"][1]["mlp"]["up"].set_value(jnp.zeros((32, 65)))
-  with pytest.raises(ValueError, match=r"\['layers'\]\[1\]\['mlp'\]\['up'\].*\[32, 65\]"):
+  bad["layers"]["mlp"]["up"].set_value(jnp.zeros((model.cfg.num_layers, 32, 65)))
+  with pytest.raises(ValueError, match=r"\['layers'\]\['mlp'\]\['up'\].*\[2, 32, 65\]"):
     sched.update_params(bad, 1)
   with pytest.raises(ValueError, match="cannot hold one sequence"):
     Engine(model=model, config=SamplerConfig(num_slots=4, page_size=4, num_pages=4, max_seq_len=24))

@@ -35,7 +35,7 @@ def test_data2_tensor2_mesh_equals_one_device():
   engine, sched, four = run(model, mesh, num_pages=2 * 12)  # tight per-shard pools: preemption on each shard
   # Pages over data, KV heads over tensor; parameters split over tensor.
   assert sched.state.k[0].sharding.spec == P("tensor", "data", None, None)
-  assert sched.params["layers"][0]["mlp"]["up"][...].sharding.spec == P(None, "tensor")
+  assert sched.params["layers"]["mlp"]["up"][...].sharding.spec == P(None, None, "tensor")
   assert {d.id for d in sched.state.k[0].sharding.device_set} == {d.id for d in jax.devices()[4:]}
   assert sched.counters["preemptions"] > 0
   assert sorted(one) == sorted(four)

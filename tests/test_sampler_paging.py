@@ -45,7 +45,7 @@ class FakePrograms:
     self.attention = "jax"
 
   def prefill(self, params, tokens, lengths, rows):
-    return types.SimpleNamespace(k=[np.zeros(tokens.shape)]), None
+    return types.SimpleNamespace(k=np.zeros((1,) + tokens.shape)), None  # [layers, B, T]: only the shape is read
 
   def sample(self, logits, keys, index, temperature, top_p, top_k):
     return self.rng.integers(1, 64, self.s).astype(np.int32), np.zeros(self.s, np.float32)

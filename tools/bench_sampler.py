@@ -133,7 +133,8 @@ def make_static_generate(graphdef, slots: int, cache_len: int):
     ones, off = jnp.ones(s), -jnp.ones(s, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(p), (s, p))
     attend = dense_attention((pos < lengths[:, None]).astype(jnp.int32))
-    h, kv = model.run_layers(model.embed_tokens(prompts), pos, lambda i, q, k, v: (attend(q, k, v)[0], (k, v)))
+    h, kv = model.run_layers(model.embed_tokens(prompts), pos, lambda i, q, k, v: (attend(q, k, v)[0], (k, v)),
+                             unroll=True)
     pad = lambda x: jnp.zeros((s, cache_len) + x.shape[2:], x.dtype).at[:, :p].set(x)
     cache = [(pad(k), pad(v)) for k, v in kv]
     tok, _ = sample(model.logits(h[rows, lengths - 1]), keys, jnp.zeros(s, jnp.int32), ones, ones, off)
@@ -149,7 +150,7 @@ def make_static_generate(graphdef, slots: int, cache_len: int):
         cv = cache[layer][1].at[rows, at].set(v[:, 0])
         return gqa_attention(q, ck, cv, visible), (ck, cv)
 
-      h, cache = model.run_layers(model.embed_tokens(tok[:, None]), at[:, None], att)
+      h, cache = model.run_layers(model.embed_tokens(tok[:, None]), at[:, None], att, unroll=True)
       nxt, _ = sample(model.logits(h[:, 0]), keys, jnp.full(s, i + 1), ones, ones, off)
       return nxt, cache, out.at[:, i].set(tok)
 

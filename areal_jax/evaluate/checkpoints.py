@@ -120,5 +120,6 @@ def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, 
   `shardings` (an NNX state of shardings of the same structure, e.g. the sampling engine's)."""
   _, abstract = orbax_io.abstract_params(model_cfg)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  where = epath.Path(directory) / str(step) / "params"
   with ocp.StandardCheckpointer() as ckptr:
-    return ckptr.restore(epath.Path(directory) / str(step) / "params", target)
+    return orbax_io.restore_any_layout(lambda t: ckptr.restore(where, t), target, where=str(where))

@@ -38,6 +38,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots
+  scan_layers: bool = True  # run the decoder layers under lax.scan (False: unrolled; the parameters are stacked alike)
 
   def __post_init__(self):
     def bad(field, why):

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
@@ -22,8 +23,9 @@ from areal_jax.models.transformer import Transformer
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, str, Callable, Callable]]:
-  """(our state path, HF name, hf→ours, ours→hf) for every parameter."""
+def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, list[str], Callable, Callable]]:
+  """(our state path, HF names, hf→ours, ours→hf) for every parameter. A decoder-layer parameter is stacked along
+  a leading layers axis: its HF names are layer 0's, layer 1's, ... (the converters act on one layer)."""
   h, k, hd, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
   ident = lambda x: x
   t = lambda x: x.T
@@ -34,26 +36,27 @@ def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, str, Callable, Callabl
   def bias(n):  # HF [n*hd] <-> ours [n, hd]
     return (lambda x: x.reshape(n, hd)), (lambda x: x.reshape(n * hd))
 
-  yield ("embed",), "model.embed_tokens.weight", ident, ident
-  for i in range(cfg.num_layers):
-    p, hf = ("layers", i), f"model.layers.{i}"
-    yield p + ("attn_norm", "scale"), f"{hf}.input_layernorm.weight", ident, ident
-    yield p + ("mlp_norm", "scale"), f"{hf}.post_attention_layernorm.weight", ident, ident
-    for name, n in (("q", h), ("k", k), ("v", k)):
-      yield (p + ("attn", name), f"{hf}.self_attn.{name}_proj.weight", *heads_in(n))
-      if cfg.attention_bias:
-        yield (p + ("attn", f"{name}_bias"), f"{hf}.self_attn.{name}_proj.bias", *bias(n))
-    yield (p + ("attn", "o"), f"{hf}.self_attn.o_proj.weight",
-           lambda x: x.T.reshape(h, hd, d), lambda x: x.reshape(h * hd, d).T)
-    if cfg.qk_norm:
-      yield p + ("attn", "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", ident, ident
-      yield p + ("attn", "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", ident, ident
-    yield p + ("mlp", "gate"), f"{hf}.mlp.gate_proj.weight", t, t
-    yield p + ("mlp", "up"), f"{hf}.mlp.up_proj.weight", t, t
-    yield p + ("mlp", "down"), f"{hf}.mlp.down_proj.weight", t, t
-  yield ("final_norm", "scale"), "model.norm.weight", ident, ident
+  def layers(name):
+    return [f"model.layers.{i}.{name}" for i in range(cfg.num_layers)]
+
+  yield ("embed",), ["model.embed_tokens.weight"], ident, ident
+  yield ("layers", "attn_norm", "scale"), layers("input_layernorm.weight"), ident, ident
+  yield ("layers", "mlp_norm", "scale"), layers("post_attention_layernorm.weight"), ident, ident
+  for name, n in (("q", h), ("k", k), ("v", k)):
+    yield ("layers", "attn", name), layers(f"self_attn.{name}_proj.weight"), *heads_in(n)
+    if cfg.attention_bias:
+      yield ("layers", "attn", f"{name}_bias"), layers(f"self_attn.{name}_proj.bias"), *bias(n)
+  yield (("layers", "attn", "o"), layers("self_attn.o_proj.weight"),
+         lambda x: x.T.reshape(h, hd, d), lambda x: x.reshape(h * hd, d).T)
+  if cfg.qk_norm:
+    yield ("layers", "attn", "q_norm", "scale"), layers("self_attn.q_norm.weight"), ident, ident
+    yield ("layers", "attn", "k_norm", "scale"), layers("self_attn.k_norm.weight"), ident, ident
+  yield ("layers", "mlp", "gate"), layers("mlp.gate_proj.weight"), t, t
+  yield ("layers", "mlp", "up"), layers("mlp.up_proj.weight"), t, t
+  yield ("layers", "mlp", "down"), layers("mlp.down_proj.weight"), t, t
+  yield ("final_norm", "scale"), ["model.norm.weight"], ident, ident
   if not cfg.tie_word_embeddings:
-    yield ("lm_head",), "lm_head.weight", t, t
+    yield ("lm_head",), ["lm_head.weight"], t, t
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -95,28 +98,36 @@ def load_hf(path: str, dtype=jnp.float32, *, param_dtype=jnp.float32, mesh: jax.
   used = set()
   with contextlib.ExitStack() as stack:
     handles = {}
-    for our_path, hf_name, to_ours, _ in _param_map(cfg):
+
+    def read(hf_name: str, shape: tuple[int, ...], to_ours: Callable, our_name: str) -> np.ndarray:
       if hf_name not in files:
         raise ValueError(f"{path}: tensor {hf_name!r} is missing (architecture {cfg.family})")
       fname = files[hf_name]
       if fname not in handles:
         handles[fname] = stack.enter_context(safe_open(fname, framework="flax"))
       raw = handles[fname].get_tensor(hf_name)
-      var = flat[our_path]
       try:
         value = to_ours(raw)
       except (ValueError, TypeError):
         value = None
-      if value is None or value.shape != var.get_value().shape:
+      if value is None or value.shape != shape:
         raise ValueError(f"{path}: tensor {hf_name!r} in {os.path.basename(fname)} has shape {tuple(raw.shape)}, "
-                         f"which does not fit parameter {'.'.join(map(str, our_path))} of shape "
-                         f"{var.get_value().shape} ({cfg.family}, hidden_size {cfg.hidden_size})")
-      value = value.astype(param_dtype)
+                         f"which does not fit parameter {our_name} of shape {shape} ({cfg.family}, hidden_size "
+                         f"{cfg.hidden_size})")
+      used.add(hf_name)
+      return np.asarray(jax.device_get(value.astype(param_dtype)))
+
+    for our_path, hf_names, to_ours, _ in _param_map(cfg):
+      var = flat[our_path]
+      shape, name = var.get_value().shape, ".".join(map(str, our_path))
+      if our_path[0] == "layers":
+        value = np.stack([read(n, shape[1:], to_ours, f"{name}[{i}]") for i, n in enumerate(hf_names)])
+      else:
+        value = read(hf_names[0], shape, to_ours, name)
       if mesh is not None:
         names = var.get_metadata()["logical_axes"]
         value = jax.device_put(value, jax.sharding.NamedSharding(mesh, shd.spec(value.shape, names, mesh, rules)))
-      var.set_value(value)
-      used.add(hf_name)
+      var.set_value(jnp.asarray(value))
   extra = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
            and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
   if extra:
@@ -130,11 +141,12 @@ def save_hf(model: Transformer, path: str, *, dtype=None) -> None:
   os.makedirs(path, exist_ok=True)
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   tensors = {}
-  for our_path, hf_name, _, to_hf in _param_map(cfg):
+  for our_path, hf_names, _, to_hf in _param_map(cfg):
     value = jnp.asarray(jax.device_get(flat[our_path].get_value()))
     if dtype is not None:
       value = value.astype(dtype)
-    tensors[hf_name] = to_hf(value)
+    layers = value if our_path[0] == "layers" else [value]
+    tensors.update((n, to_hf(x)) for n, x in zip(hf_names, layers))
   hf_cfg = cfg.to_hf()
   if dtype is not None:
     hf_cfg["torch_dtype"] = jnp.dtype(dtype).name

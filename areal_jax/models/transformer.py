@@ -3,10 +3,17 @@
 `model(tokens, positions=..., segment_ids=...)` is the packed training forward: several sequences share a row, each
 with its own `segment_ids` value (0 = padding) and positions restarting at 0; segments never attend to each other.
 The sampler drives the same layers through `run_layers` with its own paged-cache `attend`.
+
+The decoder layers are one `Block` whose parameters carry a leading `layers` axis (logical name "layers"), run by
+`jax.lax.scan` (`cfg.scan_layers`): one layer is traced and compiled whatever the depth, and under `cfg.remat` only
+each layer's input stays live for the backward pass. Unrolled, they run as a Python loop over static slices: faster
+for a few layers on CPU (the tiny preset), and what callers need that index per-layer state by a Python int (the
+sampler's decode, whose KV pool is one array per layer).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.modules import Attend, Block, RMSNorm, _param, dense_attention
+from areal_jax.models.modules import Block, RMSNorm, _param, dense_attention
 from areal_jax.sharding import constrain
 
 _REMAT_POLICIES = {
@@ -24,10 +31,17 @@ _REMAT_POLICIES = {
 }
 
 
-def _with_attend(attend: Attend):
-  """`(block, x, positions) -> block(x, positions, attend)`, `attend` closed over: nnx.remat would trace a default
-  argument as an input."""
-  return lambda block, x, positions: block(x, positions, attend)
+LayerAttend = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """`cfg.num_layers` independently initialised Blocks as one Block with a leading `layers` axis on every parameter."""
+  keys = jax.random.split(rngs.params(), cfg.num_layers)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+  state = jax.vmap(lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(params=key))))(keys)
+  state = jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
+                       state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)
 
 
 class Transformer(nnx.Module):
@@ -35,7 +49,7 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.weight_dtype)
-    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.layers = stacked_blocks(cfg, rngs)
     self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.weight_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.weight_dtype)
@@ -44,24 +58,39 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
     return constrain(x, ("batch", "seq", None))
 
-  def run_layers(self, x: jax.Array, positions: jax.Array,
-                 attend: Callable[[int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]], *,
-                 remat: bool = True) -> tuple[jax.Array, list[Any]]:
-    """All decoder layers then the final norm. `attend(layer_index, q, k, v) -> (out, aux)`; returns (h, [aux]).
+  def layer(self, i: int) -> Block:
+    """Decoder layer `i` as a Block of its own (static slices of the stacked parameters)."""
+    graphdef, state = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
-    `remat=False` ignores `cfg.remat`: forward-only callers (the sampler) have no backward pass to save memory for,
-    and nnx.remat cannot run inside the sampler's decode loop (`lax.while_loop`) on a module merged outside it.
+  def run_layers(self, x: jax.Array, positions: jax.Array, attend: LayerAttend, *, remat: bool = True,
+                 unroll: bool | None = None) -> tuple[jax.Array, Any]:
+    """All decoder layers then the final norm. `attend(layer, q, k, v) -> (out, aux)`; returns (h, aux of every
+    layer). Under the scan `layer` is a traced int32 and the auxes come stacked along a leading layers axis;
+    unrolled (`unroll`, default `not cfg.scan_layers`) `layer` is a Python int and the auxes a list.
+
+    `remat=False` ignores `cfg.remat`: forward-only callers (the sampler) have no backward pass to save memory for.
     """
-    auxes = []
-    for i, block in enumerate(self.layers):
-      layer_attend: Attend = lambda q, k, v, i=i: attend(i, q, k, v)
-      if self.cfg.remat == "none" or not remat:
-        x, aux = block(x, positions, layer_attend)
-      else:
-        fn = nnx.remat(_with_attend(layer_attend), policy=_REMAT_POLICIES[self.cfg.remat])
-        x, aux = fn(block, x, positions)
-      auxes.append(aux)
-    return self.final_norm(x), auxes
+    unroll = not self.cfg.scan_layers if unroll is None else unroll
+    graphdef, state = nnx.split(self.layers)
+
+    def run(i, x, layer_state):
+      return nnx.merge(graphdef, layer_state)(x, positions, lambda q, k, v: attend(i, q, k, v))
+
+    def checkpoint(f):
+      if not remat or self.cfg.remat == "none":
+        return f
+      return jax.checkpoint(f, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=unroll)  # no CSE risk in a scan
+
+    if unroll:
+      auxes = []
+      for i in range(self.cfg.num_layers):
+        x, aux = checkpoint(functools.partial(run, i))(x, jax.tree.map(lambda a, i=i: a[i], state))
+        auxes.append(aux)
+      return self.final_norm(x), auxes
+    body = checkpoint(lambda x, layer: run(layer[0], x, layer[1]))
+    x, aux = jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers, dtype=jnp.int32), state))
+    return self.final_norm(x), aux
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Float32 logits [..., vocab] from final hidden states."""

@@ -223,8 +223,7 @@ class Engine(engine_api.Engine):
   def get_prefix_destination_sharding(self) -> Prefix:
     kv = prefix_shardings(self.model_cfg, self._mesh)
     rep = NamedSharding(self._mesh, P())
-    layers = (kv,) * self.model_cfg.num_layers
-    return Prefix(arrays=PrefixArrays(k=layers, v=layers), true_length=rep, draw_index=rep, first=rep, keys=rep,
+    return Prefix(arrays=PrefixArrays(k=kv, v=kv), true_length=rep, draw_index=rep, first=rep, keys=rep,
                   temperature=rep, top_p=rep, top_k=rep)
 
   def get_tokenizer(self) -> TokenizerParameters:
@@ -415,7 +414,7 @@ class Engine(engine_api.Engine):
 
   def _insert(self, prefix: Prefix, decode_state, chunks, inits: Sequence[_SlotInit]) -> DecodeState:
     s, m = self.cfg.num_slots, self.cfg.pages_per_seq
-    b, t = prefix.arrays.k[0].shape[:2]
+    b, t = prefix.arrays.k.shape[1:3]
     # Fixed per prefill shape: every full chunk once per shard, plus one tail copy per slot.
     ch = np.zeros((4, b * (t // self.cfg.page_size) * self.num_shards + s), np.int32)
     ch[3] = -1

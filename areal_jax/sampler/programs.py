@@ -4,8 +4,8 @@
 the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler.aot`).
 
 * `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: causal forward over
-  padded sequences (the learner's attention, in query blocks for long ones), keys/values of every position, and the
-  last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
+  padded sequences (the learner's attention, in query blocks for long ones), keys/values of every layer and position,
+  and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
   sets the slots' page-table rows, pending tokens and sampling settings.
@@ -16,7 +16,9 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
   or once `refill_at` > 0 slots have stopped (so that the host can refill them with waiting answers). Drawing uses
   `fold_in(key, index)` as one step at a time does, so the tokens do not depend on the number of steps per call.
   With `cfg.decode_steps` = 1 there is no loop: XLA carries a while loop's state in copies (two more of the KV pool
-  on TPU, by `tools/aot_check.py`), which real-size pools cannot afford; one step updates the pool in place.
+  on TPU, by `tools/aot_check.py`), which real-size pools cannot afford; one step updates the pool in place. For the
+  same reason a step runs its layers unrolled (`run_layers(unroll=True)`), each on its own layer's pool: a scan over
+  layers would carry the pool too, or slice a copy of a layer's pool per layer and step.
 """
 
 from __future__ import annotations
@@ -106,14 +108,18 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
       h, kv = model.run_layers(model.embed_tokens(tokens), positions,
                                lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v)),
                                remat=False)
+      if isinstance(kv, list):  # unrolled layers (model.scan_layers=False): stack them as the scan does
+        kv = jax.tree.map(lambda *layers: jnp.stack(layers), *kv)
+      k, v = kv
       logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
     pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
-    return PrefixArrays(k=tuple(pin(k) for k, _ in kv), v=tuple(pin(v) for _, v in kv)), logits
+    return PrefixArrays(k=pin(k), v=pin(v)), logits
 
   def insert(state: DecodeState, prefix: PrefixArrays, first, chunks: Chunks, upd: SlotUpdate) -> DecodeState:
     ks, vs = [], []
-    for kp, vp, k, v in zip(state.k, state.v, prefix.k, prefix.v):
-      kp, vp = write_chunks(kp, vp, k, v, chunks.src_row, chunks.src_chunk, chunks.dst, chunks.shard)
+    for i, (kp, vp) in enumerate(zip(state.k, state.v)):
+      kp, vp = write_chunks(kp, vp, prefix.k[i], prefix.v[i], chunks.src_row, chunks.src_chunk, chunks.dst,
+                            chunks.shard)
       ks.append(kp)
       vs.append(vp)
     pending = jnp.where(upd.override >= 0, upd.override, first[upd.src])
@@ -138,7 +144,8 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
           out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], st.k[layer], st.v[layer], st.page_table, pos, live)
           return out[:, None], (kp, vp)
 
-        h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False)
+        h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False,
+                                 unroll=True)
         tokens, log_prob = sample(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
       inc = live.astype(jnp.int32)
       st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),

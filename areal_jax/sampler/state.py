@@ -37,10 +37,10 @@ class DecodeState:
 
 @struct.dataclass(frozen=True)
 class PrefixArrays:
-  """Dense keys/values of B prefilled sequences: [B, T, kv_heads, head_dim] per layer."""
+  """Dense keys/values of B prefilled sequences: [layers, B, T, kv_heads, head_dim]."""
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: jax.Array
+  v: jax.Array
 
 
 @struct.dataclass(frozen=True)
@@ -105,7 +105,7 @@ def decode_state_shardings(model_cfg: ModelConfig, mesh: Mesh) -> DecodeState:
 
 def prefix_shardings(model_cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
   """Prefix keys/values: replicated over `data` (any shard may receive them), heads as the cache's."""
-  return NamedSharding(mesh, P(None, None, kv_head_axis(mesh, model_cfg.num_kv_heads), None))
+  return NamedSharding(mesh, P(None, None, None, kv_head_axis(mesh, model_cfg.num_kv_heads), None))
 
 
 def page_bytes(model_cfg: ModelConfig, cfg: SamplerConfig) -> int:

@@ -16,6 +16,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from areal_jax.models import orbax_io
+
 
 class CheckpointError(OSError):
   """An asynchronous checkpoint write failed; the previous checkpoint is intact."""
@@ -79,11 +81,16 @@ class Checkpointer:
     return started
 
   def restore(self, step: int, *, params, opt_state) -> tuple[Any, Any, dict[str, Any]]:
-    """Restores onto the shardings of the given (live or abstract) `params` / `opt_state` trees."""
-    out = self._mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(params)), opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
-        meta=ocp.args.JsonRestore()))
-    return out.params, out.opt_state, out.meta
+    """Restores onto the shardings of the given (live or abstract) `params` / `opt_state` trees (also a checkpoint
+    written before the decoder layers were stacked: `orbax_io.restore_any_layout`)."""
+    def restore(target):
+      out = self._mngr.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(target[0]), opt_state=ocp.args.StandardRestore(target[1])))
+      return out.params, out.opt_state
+
+    params, opt_state = orbax_io.restore_any_layout(restore, (_abstract(params), _abstract(opt_state)),
+                                                    where=f"{self.directory} step {step}")
+    return params, opt_state, self.read_meta(step)
 
   def read_meta(self, step: int) -> dict[str, Any]:
     """The JSON `meta` item of `step` alone (no arrays read)."""
