@@ -58,8 +58,7 @@ def test_scores_math_and_code_without_blocking():
     assert results["code"].reward == 1.0 and results["code"].reason == "all 1 tests passed"
     assert results["kind"].reward == 0.0 and "unknown reward kind 'poetry'" in results["kind"].reason
     assert all(r.latency_s >= r.run_s >= 0 for r in results.values())
-    assert service.stats() == {"submitted": 42, "finished": 42, "timeouts": 0, "crashes": 0, "restarts": 0,
-                               "recycled": 0}
+    assert service.stats() == {"submitted": 42, "finished": 42, "timeouts": 0, "crashes": 0, "restarts": 0}
     assert service.pending == 0 and service.healthy
     pids = service.worker_pids()
   assert not any(_alive(p) for p in pids)
@@ -107,7 +106,6 @@ def test_1000_adversarial_completions_finish_in_time_and_service_stays_healthy()
     wall = time.monotonic() - t0
     assert service.healthy
     stats = service.stats()  # no item needed a kill: the screen or the workers' soft timeout ended each one
-    stats.pop("recycled")  # on a loaded machine some items reach the soft timeout: their workers retire
     assert stats == {"submitted": 1000, "finished": 1000, "timeouts": 0, "crashes": 0, "restarts": 0}, stats
     worst = max(results.values(), key=lambda r: r.run_s)
     assert worst.run_s < timeout_s, worst
@@ -144,23 +142,6 @@ def test_hung_item_times_out_and_worker_is_replaced(tmp_path, monkeypatch):
     service.submit("next", "math", r"\boxed{2}", "2")
     assert service.get(timeout=30).reward == 1.0
     assert service.healthy
-
-
-def test_worker_interrupted_by_its_soft_timeout_is_recycled():
-  """A soft timeout raises inside sympy at an arbitrary point, which once left a worker scoring an unrelated wrong
-  answer (`\\infty^{\\infty}` for 72) correct: the worker answers "timed out", then is replaced."""
-  with RewardService(num_workers=1, timeout_s=30.0, soft_timeout_s=0.5) as service:
-    service.wait_ready()
-    pid = service.worker_pids()[0]
-    service.submit("fast", "math", r"\boxed{3}", "3")
-    assert service.get(timeout=30).reward == 1.0 and service.worker_pids() == [pid]  # no timeout: kept
-    service.submit("slow", "math", SLOW_MATH, "5")
-    r = service.get(timeout=30)
-    assert (r.item_id, r.reward, r.reason) == ("slow", 0.0, "timed out after 0.5 s")
-    assert service.stats()["recycled"] == 1 and service.stats()["restarts"] == 0
-    assert service.worker_pids() != [pid] and not _alive(pid)
-    service.submit("after", "math", r"\boxed{\infty^{\infty}}", "#### 72")
-    assert service.get(timeout=30).reward == 0.0 and service.healthy
 
 
 def test_crashed_worker_scores_zero_and_pool_recovers():

@@ -37,16 +37,6 @@ class _Timeout(BaseException):
   """Raised by the soft timeout (a BaseException so math-verify's `except Exception` does not swallow it)."""
 
 
-_interrupted = False
-
-
-def interrupted() -> bool:
-  """Whether a soft timeout has ever fired in this process. An exception raised at an arbitrary bytecode inside
-  sympy / math-verify can leave their caches inconsistent (seen: a later, unrelated answer scored correct), so a
-  process for which this is True should not be trusted with more items (reward workers retire)."""
-  return _interrupted
-
-
 def last_boxed(text: str) -> str | None:
   r"""The content of the last `\boxed{...}` / `\fbox{...}` in `text` (escaped braces do not count), else None."""
   start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
@@ -184,9 +174,7 @@ def _soft_timeout(seconds: float | None):
   armed = [True]
 
   def on_alarm(signum, frame):
-    global _interrupted
     if armed[0]:  # a late delivery after the block has ended is ignored
-      _interrupted = True
       raise _Timeout()
 
   start = time.monotonic()
@@ -255,5 +243,5 @@ def verify_math(completion: str, reference: str) -> bool:
   return check_math(completion, reference)[0]
 
 
-__all__ = ["check_math", "extract_answer", "interrupted", "last_boxed", "normalize_answer", "reference_answer", "too_complex",
+__all__ = ["check_math", "extract_answer", "last_boxed", "normalize_answer", "reference_answer", "too_complex",
            "verify_math", "MAX_ANSWER_CHARS", "MAX_NESTING"]

@@ -8,8 +8,7 @@
 
 One dispatcher thread hands items to idle workers and collects their answers. An item that runs past `timeout_s` on
 its worker scores 0 ("timed out") and that worker is killed with everything it started, then replaced; a worker that
-dies scores its item 0 ("worker crashed") and is replaced too. A worker whose sympy was interrupted by its soft timeout
-answers, then is replaced ("recycled"): an exception at an arbitrary point can leave sympy's caches inconsistent. Workers are fresh interpreters
+dies scores its item 0 ("worker crashed") and is replaced too. Workers are fresh interpreters
 (`python -m areal_jax.reward.worker`), each in its own session: they import neither the caller's `__main__` nor JAX,
 and a terminal's Ctrl-C does not reach them. A worker takes about a second to start (math-verify and sympy);
 `wait_ready()` waits for all of them, and items are only timed once on a ready worker.
@@ -147,10 +146,9 @@ class RewardService:
       return self._stats["submitted"] - self._stats["finished"]
 
   def stats(self) -> dict[str, int]:
-    """Counts: submitted, finished, timeouts, crashes, restarts (after timeouts and crashes), recycled (workers
-    retired after a soft timeout)."""
+    """Counts: submitted, finished, timeouts, crashes, restarts."""
     with self._lock:
-      return {k: self._stats[k] for k in ("submitted", "finished", "timeouts", "crashes", "restarts", "recycled")}
+      return {k: self._stats[k] for k in ("submitted", "finished", "timeouts", "crashes", "restarts")}
 
   def wait_ready(self, timeout: float = 60.0) -> None:
     """Waits until every worker has finished its imports (items are only timed once on a ready worker)."""
@@ -222,12 +220,12 @@ class RewardService:
     w.proc.wait()
     w.conn.close()
 
-  def _replace(self, w: _Worker, counter: str = "restarts") -> None:
+  def _replace(self, w: _Worker) -> None:
     self._stop(w)
     fresh = self._spawn()
     w.proc, w.conn, w.ready, w.item, w.spawned = fresh.proc, fresh.conn, False, None, fresh.spawned
     with self._lock:
-      self._stats[counter] += 1
+      self._stats["restarts"] += 1
 
   # ---- dispatcher thread
 
@@ -308,11 +306,9 @@ class RewardService:
         if msg == ("ready",):
           w.ready, self._failed_starts = True, 0
         elif w.item is not None and w.item.seq == msg[0]:
-          _, reward, reason, run_s, retire = msg
-          item, w.item = w.item, None
-          if retire:  # replaced first, so that a caller who sees the result also sees the count
-            self._replace(w, "recycled")
-          self._finish(item, reward, reason, run_s)
+          _, reward, reason, run_s = msg
+          self._finish(w.item, reward, reason, run_s)
+          w.item = None
       now = time.monotonic()
       for w in self._workers:
         if not w.ready and now >= w.spawned + _START_TIMEOUT_S and w.proc.poll() is None:

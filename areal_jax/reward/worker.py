@@ -2,9 +2,8 @@
 
 Protocol (pickled objects, `multiprocessing.connection` framing): the worker caps its address space at MEMORY_MB
 (0: no cap), imports math-verify and sympy and warms them up (about a second), and sends `("ready",)`; then, for each
-`(seq, kind, completion, reference, budget_s, code_limits)` it receives, it answers `(seq, reward, reason, run_s,
-retire)`. `retire` is True once a soft timeout has interrupted sympy in this process (its state is no longer trusted):
-the service then replaces the worker. `None` or a closed socket ends it.
+`(seq, kind, completion, reference, budget_s, code_limits)` it receives, it answers `(seq, reward, reason, run_s)`.
+`None` or a closed socket ends it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import time
 from typing import Any
 
 from areal_jax import faults
-from areal_jax.reward import math as math_reward  # light: math-verify and sympy are imported on first use
 
 KINDS = ("math", "code")
 
@@ -27,6 +25,7 @@ def score(kind: str, completion: str, reference: Any, *, budget_s: float | None 
           code_limits=None) -> tuple[float, str]:
   """Scores one item in this process: (reward, reason)."""
   from areal_jax.reward import code as code_reward  # pylint: disable=g-import-not-at-top
+  from areal_jax.reward import math as math_reward  # pylint: disable=g-import-not-at-top
   from areal_jax.reward import sandbox  # pylint: disable=g-import-not-at-top
 
   if kind == "math":
@@ -58,7 +57,7 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
       reward, reason = score(kind, completion, reference, budget_s=budget_s, code_limits=code_limits)
     except Exception as e:  # pylint: disable=broad-except  (a bad item must not take the worker down)
       reward, reason = 0.0, f"{type(e).__name__}: {e}"[:300]
-    conn.send((seq, reward, reason, time.perf_counter() - t0, math_reward.interrupted()))
+    conn.send((seq, reward, reason, time.perf_counter() - t0))
 
 
 def main(argv: list[str]) -> None:
