@@ -55,6 +55,11 @@ TABLE = [
     (r"\boxed{(-\infty, 1) \cup (2, \infty)}", r"(-\infty,1)\cup(2,\infty)", True, "union of intervals"),
     (r"\boxed{x < 1}", r"(-\infty, 1)", True, "inequality vs interval"),
     (r"\boxed{x \le 1}", r"(-\infty, 1)", False, "closed inequality vs open interval"),
+    (r"\boxed{x > 3}", r"(3, \infty)", True, "inequality vs unbounded interval"),
+    (r"\boxed{(3, \infty)}", "x > 3", True, "unbounded interval vs inequality"),
+    (r"\boxed{\infty + 72}", r"\infty", True, "infinity vs infinity"),
+    (r"\boxed{\infty!}", "0", False, "infinite answer, finite reference"),
+    (r"\boxed{\frac{1}{0}}", "0", False, "zoo is not a number"),
     (r"\boxed{\{2, 1\}}", r"\{1,2\}", True, "set order"),
     (r"\boxed{\{1,2\}}", r"\{1,2,3\}", False, "missing element"),
     (r"\boxed{2, 3}", r"\{3, 2\}", True, "list vs set"),
@@ -94,6 +99,25 @@ def test_verdicts(completion, reference, expected, what):
   ok, reason = math_reward.check_math(completion, reference)
   assert ok is expected, f"{what}: {completion!r} vs {reference!r} -> {reason}"
   assert verify_math(completion, reference) is expected
+
+
+# sympy's simplify of an unevaluated expression with oo in it is not deterministic: `72 - oo**oo` simplified to 0 in
+# 2 of 30 fresh caches, `72 - 72**oo` in 5 of 30 (CI scored `\infty^{\infty}` correct for 72 once).
+INFINITE_ANSWERS = [r"\infty^{\infty}", r"\sqrt{\infty}", r"\infty \cdot 72", r"72^{\infty}", r"x = \infty^{\infty}",
+                    r"(72, \infty^{\infty})", r"\{72, \sqrt{\infty}\}", r"72 \cdot \infty^{0}"]
+
+
+@pytest.mark.parametrize("answer", INFINITE_ANSWERS)
+def test_infinite_answers_are_wrong_for_finite_references_every_time(answer):
+  from sympy.core.cache import clear_cache  # pylint: disable=g-import-not-at-top
+
+  verdicts = set()
+  for _ in range(30):
+    clear_cache()  # each draw as in a fresh worker
+    math_reward._parse_reference.cache_clear()
+    for reference in ("72", "1", "(72, 1)", r"\{72, 1\}"):
+      verdicts.add(math_reward.check_math(rf"\boxed{{{answer}}}", reference))
+  assert all(ok is False for ok, _ in verdicts), verdicts
 
 
 def test_last_boxed_nesting_and_escapes():

@@ -11,6 +11,8 @@ r"""Math answer checking: the completion's last `\boxed{...}` against a referenc
   `x=5` vs `5`, intervals, sets, relations vs intervals). On top of it, a few normalisations it lacks: thin-space and
   space thousands separators (`1\,000`, `1 000`), `°`, a trailing full stop, a number inside `\text{5 cm}`, and a
   word answer compared as text (plain `Monday` is otherwise parsed as a product of letters, equal to its anagrams).
+* An answer holding an infinity (`\infty`, `\frac{1}{0}`, `0/0`) is wrong for a finite reference: sympy's simplify
+  of such expressions is not deterministic (`\infty^{\infty}` sometimes equals 72) and `\infty!` equals 0.
 * Answers that would make sympy work for minutes (over `MAX_ANSWER_CHARS`, nesting deeper than `MAX_NESTING`,
   towers of numeric powers, huge numeric exponents or factorials) score 0 before any parsing.
 """
@@ -200,6 +202,19 @@ def _parse(ans: str):
   return math_verify.parse(f"\\boxed{{{ans}}}", extraction_config=[config], parsing_timeout=None)
 
 
+def _infinite(parsed) -> bool:
+  """Whether a parsed answer holds oo, -oo, zoo or nan outside an interval's endpoints: sympy's simplify of such an
+  unevaluated expression is not deterministic (`72 - oo**oo` is sometimes 0) and `oo!` equals 0, so these are only
+  compared with answers that hold them too. (`(3, \\infty)` still equals `x > 3`.)"""
+  import sympy  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(parsed, sympy.Basic) or isinstance(parsed, sympy.Interval):
+    return False
+  if parsed in (sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
+    return True
+  return any(map(_infinite, parsed.args))
+
+
 @functools.lru_cache(maxsize=1024)
 def _parse_reference(ref: str):
   return tuple(_parse(ref))  # G answers share one reference: parse it once
@@ -230,6 +245,8 @@ def check_math(completion: str, reference: str, *, timeout_s: float | None = 5.0
       pred = _parse(ans)
       if not pred:
         return False, f"answer {ans[:80]!r} could not be parsed"
+      if any(map(_infinite, pred)) and not any(map(_infinite, gold)):
+        return False, "infinite answer for a finite reference"
       ok = math_verify.verify(list(gold), pred, allow_set_relation_comp=True, timeout_seconds=None)
   except _Timeout:
     return False, f"timed out after {timeout_s} s"
