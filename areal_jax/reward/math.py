@@ -11,8 +11,9 @@ r"""Math answer checking: the completion's last `\boxed{...}` against a referenc
   `x=5` vs `5`, intervals, sets, relations vs intervals). On top of it, a few normalisations it lacks: thin-space and
   space thousands separators (`1\,000`, `1 000`), `°`, a trailing full stop, a number inside `\text{5 cm}`, and a
   word answer compared as text (plain `Monday` is otherwise parsed as a product of letters, equal to its anagrams).
-* An answer holding an infinity (`\infty`, `\frac{1}{0}`, `0/0`) is wrong for a finite reference: sympy's simplify
-  of such expressions is not deterministic (`\infty^{\infty}` sometimes equals 72) and `\infty!` equals 0.
+* An answer holding an infinity (`\infty`, `\frac{1}{0}`, `0/0`) outside an interval is wrong for a finite
+  reference: sympy's simplify of such expressions is not deterministic (`\infty^{\infty}` sometimes equals 72) and
+  `\infty!` equals 0.
 * Answers that would make sympy work for minutes (over `MAX_ANSWER_CHARS`, nesting deeper than `MAX_NESTING`,
   towers of numeric powers, huge numeric exponents or factorials) score 0 before any parsing.
 """
