@@ -21,11 +21,11 @@ Presets (`--config=configs/math.py:PRESET`):
               min      1.1    2.1    2.9    3.6    4.3    5.0    5.7    6.6    7.5
 
   Whole runs took 7.6, 7.1 and 7.5 minutes, the first RL step started at 1.1-1.3 minutes, no evaluation fell below
-  step 0, and accuracy rose by +25.0 (+31.9 at its best, step 105), +31.9 and +33.4 points. Later steps are slower:
-  as accuracy rises, more groups are all correct and filtered out (`rollout/groups_filtered` in a 105-step run of seed 0:
-  117 per 15 steps at step 30, 417 at step 105), so the sampler generates more groups per trained batch. The Dr. GRPO aggregation
-  (`learner.loss_agg=seq-mean-token-sum-norm`, same warm-starts, 105 steps) gave +32.4 / +23.8 / +24.2 against
-  token-mean's +28.5 / +29.3 / +24.6: no better here, so token-mean stays the default.
+  step 0, and accuracy rose by +25.0 (+31.9 at its best, step 105), +31.9 and +33.4 points. Later steps are slower: as
+  accuracy rises, more groups are all correct and filtered out (`rollout/groups_filtered` in a 105-step run of seed 0:
+  117 per 15 steps at step 30, 417 at step 105), so the sampler generates more groups per trained batch. The Dr. GRPO
+  aggregation (`learner.loss_agg=seq-mean-token-sum-norm`, same warm-starts, 105 steps) gave +32.4 / +23.8 / +24.2
+  against token-mean's +28.5 / +29.3 / +24.6: no better here, so token-mean stays the default.
 
 * `qwen2.5-1.5b`: DeepSeek-R1-Distill-Qwen-1.5B / Qwen2.5-1.5B shapes with the paper's Table 3 hyperparameters
   (Adam 2e-5, wd 0.05, betas (0.9, 0.95), eps 1e-5, clip 1.0, PPO eps 0.2, temperature 1.0, 512 prompts x 16 answers,
