@@ -35,7 +35,9 @@ class MetricsWriter:
     elapsed = time.time() - self._t0
     eta = elapsed / max(done, 1) * (self.total_steps - step)
     keys = ("reward/mean", "eval/accuracy", "learner/loss", "staleness/max", "sampler/tokens_per_s")
-    parts = [f"{k.split('/')[-1] if k != 'eval/accuracy' else 'eval'} {m[k]:.4g}" for k in keys if k in m]
+    # reward/mean is NaN when no rollout finished since the last step (metrics.jsonl keeps it): left off the line.
+    shown = [k for k in keys if k in m and not (k == "reward/mean" and math.isnan(m[k]))]
+    parts = [f"{k.split('/')[-1] if k != 'eval/accuracy' else 'eval'} {m[k]:.4g}" for k in shown]
     return f"step {step}/{self.total_steps} | " + " | ".join(parts) + f" | eta {_hms(eta)}"
 
   def close(self) -> None:
