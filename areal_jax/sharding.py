@@ -40,6 +40,11 @@ def use_rules(mesh: Mesh, rules: Rules):
     _CONTEXT.reset(token)
 
 
+def current() -> tuple[Mesh, Rules] | None:
+  """The (mesh, rules) of the innermost `use_rules`, or None outside one."""
+  return _CONTEXT.get()
+
+
 def make_mesh(devices: Sequence[jax.Device], axes: dict[str, int]) -> Mesh:
   """A mesh over `devices` with named axes; one axis size may be -1 (the rest of the devices)."""
   sizes = dict(axes)

@@ -15,6 +15,7 @@ FAMILIES = {
 }
 _ARCH_TO_FAMILY = {arch: fam for fam, (arch, _) in FAMILIES.items()}
 ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLS = ("auto", "flash", "splash", "dense")  # see models/packed_attention.py
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -39,6 +40,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots
   scan_layers: bool = True  # run the decoder layers under lax.scan (False: unrolled; the parameters are stacked alike)
+  attention: str = "auto"  # packed training attention: auto | flash | splash | dense (models/packed_attention.py)
+  attention_block: int = 128  # tokens per block of the `flash` attention
 
   def __post_init__(self):
     def bad(field, why):
@@ -60,6 +63,10 @@ class ModelConfig:
       bad("param_dtype", f"choose one of {sorted(DTYPES)}")
     if self.remat not in ("none", "full", "dots"):
       bad("remat", "choose one of none, full, dots")
+    if self.attention not in ATTENTION_IMPLS:
+      bad("attention", f"choose one of {', '.join(ATTENTION_IMPLS)}")
+    if self.attention_block <= 0:
+      bad("attention_block", "must be positive")
     if self.rope_type not in ROPE_TYPES:
       bad("rope_scaling", f"rope_type {self.rope_type!r} not supported; supported: {ROPE_TYPES}")
 

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.modules import Block, RMSNorm, _param, dense_attention
+from areal_jax.models.modules import Block, RMSNorm, _param
+from areal_jax.models.packed_attention import packed_attention
 from areal_jax.sharding import constrain
 
 _REMAT_POLICIES = {
@@ -106,7 +107,7 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     if segment_ids is None:
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    attend = dense_attention(segment_ids)
+    attend = packed_attention(segment_ids, impl=self.cfg.attention, block=self.cfg.attention_block)
     h, _ = self.run_layers(self.embed_tokens(tokens), positions, lambda i, q, k, v: attend(q, k, v))
     return h
 
