@@ -26,7 +26,9 @@ def test_bench_sampler_with_hf_peer():
 
 
 def test_bench_learner_with_torch_peer():
-  out = _run("bench_learner.py", "--peer=torch", "--sequences=8", "--max-len=96", "--max-tokens=192", "--steps=1")
-  for line in ("packed (Alg. 1)", "padded (fixed)", "packed, loglinear", "packed / padded: tokens/s",
-               "loglinear proximal logprobs", "packed / torch: tokens/s"):
+  out = _run("bench_learner.py", "--peer=torch", "--sequences=8", "--max-len=96", "--max-tokens=192", "--steps=1",
+             "--short-rows=96")
+  for line in ("packed (Alg. 1)", "padded (fixed)", "packed, loglinear", "packed, dense attn", "packed, 96 rows",
+               "packed / padded: tokens/s", "loglinear proximal logprobs", "flash / dense attention: step time",
+               "rows of 192 / rows of 96 tokens: step time", "packed / torch: tokens/s"):
     assert line in out, (line, out)

@@ -3,7 +3,12 @@
 The variants run the same `Learner.update` (proximal pass + `ppo_n_minibatches` AdamW updates) on the same
 long-tail batch, with the same token budget per micro-batch row (`--max-tokens`):
 
-* packed: paper Alg. 1 on each minibatch, sequences packed back to back, row lengths bucketed;
+* packed: paper Alg. 1 on each minibatch, sequences packed back to back, row lengths bucketed; attention by
+  `model.attention` (`flash` off TPU: only the key blocks a query block's segments reach);
+* packed, dense attn: the same with `model.attention="dense"`, every query block against the whole row (the
+  quadratic reference the flash kernel replaced);
+* packed, N rows: the same as packed with `max_tokens_per_mb=N` (`--short-rows N`, at least the longest sequence):
+  with attention linear in the row length, long rows should cost about what short ones do;
 * padded: `max_tokens // max_len` sequences per micro-batch in arrival order, each padded to `--max-len` (one shape);
 * packed, loglinear: packed with `learner.prox_logp_method="loglinear"` (no proximal forward pass).
 
@@ -35,6 +40,10 @@ def parse_args():
   p.add_argument("--sequences", type=int, default=32, help="answers in the batch (groups of 8)")
   p.add_argument("--max-len", type=int, default=1024, help="longest prompt + answer")
   p.add_argument("--max-tokens", type=int, default=2048, help="learner.max_tokens_per_mb")
+  p.add_argument("--short-rows", type=int, default=0,
+                 help="also time packed rows of this many tokens (>= the longest sequence; 0: skip)")
+  p.add_argument("--attention-block", type=int, default=0, help="model.attention_block (0: the config's)")
+  p.add_argument("--no-dense", action="store_true", help="skip the dense-attention variant")
   p.add_argument("--steps", type=int, default=2, help="timed steps per variant, after one warm-up step")
   p.add_argument("--peer", choices=("none", "torch"), default="none", help="also time an eager PyTorch step")
   p.add_argument("--seed", type=int, default=0)
@@ -150,6 +159,8 @@ def main():
   spec.loader.exec_module(config_module)
   config = config_module.get_config("tiny")
   model_cfg = ModelConfig.from_config(config.model).replace(max_position_embeddings=args.max_len)
+  if args.attention_block:
+    model_cfg = model_cfg.replace(attention_block=args.attention_block)
   learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
   learner_cfg = learner_cfg.replace(max_tokens_per_mb=args.max_tokens)
 
@@ -171,10 +182,15 @@ def main():
                    length=args.max_len) for s in range(0, len(idx), rows)]
 
   variants = {}
-  loglinear_cfg = learner_cfg.replace(prox_logp_method="loglinear")
-  for name, planner, cfg in (("packed (Alg. 1)", None, learner_cfg), ("padded (fixed)", padded, learner_cfg),
-                             ("packed, loglinear", None, loglinear_cfg)):
-    learner = Learner(model_cfg=model_cfg, config=cfg, mesh=mesh, temperature=config.sampler.temperature,
+  runs = [("packed (Alg. 1)", None, learner_cfg, model_cfg), ("padded (fixed)", padded, learner_cfg, model_cfg),
+          ("packed, loglinear", None, learner_cfg.replace(prox_logp_method="loglinear"), model_cfg)]
+  if not args.no_dense:
+    runs.append(("packed, dense attn", None, learner_cfg, model_cfg.replace(attention="dense")))
+  if args.short_rows:
+    runs.append((f"packed, {args.short_rows} rows", None, learner_cfg.replace(max_tokens_per_mb=args.short_rows),
+                 model_cfg))
+  for name, planner, cfg, mcfg in runs:
+    learner = Learner(model_cfg=mcfg, config=cfg, mesh=mesh, temperature=config.sampler.temperature,
                       peak_flops=peak)
     plan = learner.prepare(trajs, planner)
     learner.update(plan)  # compiles every shape the plan uses
@@ -205,12 +221,20 @@ def main():
                          padding=stats[0]["learner/padding_fraction"], step_s=pick("learner/step_time_s"),
                          cpu_s=pick("cpu_s"), tokens_per_s=pick("learner/tokens_per_s"), mfu=pick("learner/mfu"))
 
-  print(f"{'variant':<17}{'micro-batches':>14}{'padding':>9}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}"
+  print(f"{'variant':<20}{'micro-batches':>14}{'padding':>9}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}"
         f"{'model GFLOP/s':>15}{'of peak':>9}")
   for name, r in results.items():
-    print(f"{name:<17}{r['micro_batches']:>14}{r['padding']:>9.1%}{r['step_s']:>9.2f}{r['cpu_s']:>8.1f}"
+    print(f"{name:<20}{r['micro_batches']:>14}{r['padding']:>9.1%}{r['step_s']:>9.2f}{r['cpu_s']:>8.1f}"
           f"{r['tokens_per_s']:>10.0f}{r['mfu'] * max(peak, peak_after) / 1e9:>15.2f}{r['mfu']:>9.1%}")
-  packed, pad, loglinear = results.values()
+  packed, pad, loglinear = (results[k] for k in ("packed (Alg. 1)", "padded (fixed)", "packed, loglinear"))
+  if "packed, dense attn" in results:
+    dense = results["packed, dense attn"]
+    print(f"flash / dense attention: step time {dense['step_s'] / packed['step_s']:.2f}x shorter, CPU time "
+          f"{dense['cpu_s'] / packed['cpu_s']:.2f}x less")
+  if args.short_rows:
+    short = results[f"packed, {args.short_rows} rows"]
+    print(f"rows of {args.max_tokens} / rows of {args.short_rows} tokens: step time "
+          f"{packed['step_s'] / short['step_s']:.2f}x")
   print(f"packed / padded: tokens/s {packed['tokens_per_s'] / pad['tokens_per_s']:.2f}x, "
         f"CPU time per step {pad['cpu_s'] / packed['cpu_s']:.2f}x less")
   print(f"loglinear proximal logprobs (no proximal pass) / recompute: step time "

@@ -41,7 +41,7 @@ class ModelConfig:
   remat: str = "none"  # none | full | dots
   scan_layers: bool = True  # run the decoder layers under lax.scan (False: unrolled; the parameters are stacked alike)
   attention: str = "auto"  # packed training attention: auto | flash | splash | dense (models/packed_attention.py)
-  attention_block: int = 128  # tokens per block of the `flash` attention
+  attention_block: int = 0  # tokens per block of the `flash` attention; 0 = 128 on CPU, 512 elsewhere
 
   def __post_init__(self):
     def bad(field, why):
@@ -65,8 +65,8 @@ class ModelConfig:
       bad("remat", "choose one of none, full, dots")
     if self.attention not in ATTENTION_IMPLS:
       bad("attention", f"choose one of {', '.join(ATTENTION_IMPLS)}")
-    if self.attention_block <= 0:
-      bad("attention_block", "must be positive")
+    if self.attention_block < 0:
+      bad("attention_block", "must be positive (or 0: chosen by platform)")
     if self.rope_type not in ROPE_TYPES:
       bad("rope_scaling", f"rope_type {self.rope_type!r} not supported; supported: {ROPE_TYPES}")
 

@@ -28,7 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 from areal_jax import sharding
 from areal_jax.models.config import ATTENTION_IMPLS as IMPLS
-FLASH_BLOCK = 128  # tokens per query/key block of the pure-JAX kernel
+# Tokens per query/key block of the pure-JAX kernel, by platform (tools/bench_attention.py: on a 2-core CPU 128 beat
+# 64 and 256; on an H100, bfloat16, 512 was 1.9x faster than 256 at 32k-token rows).
+FLASH_BLOCK = {"cpu": 128}
+FLASH_BLOCK_DEFAULT = 512
 SPLASH_BLOCK = 512  # the splash kernel's largest tile; rows are padded to a multiple of 128
 
 
@@ -163,7 +166,7 @@ def _pad_rows(x, t: int, axis: int = 1):
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                    block: int = FLASH_BLOCK) -> jax.Array:
+                    block: int = 128) -> jax.Array:
   """Causal attention within contiguous packed segments, skipping blocks no segment spans (exact; custom VJP).
 
   q: [B, T, H, D]; k, v: [B, T, K, D] (H a multiple of K); segment_ids: [B, T] (0 = padding, zero output).
@@ -178,43 +181,53 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   return out.transpose(0, 3, 1, 2, 4).reshape(b, tp, h, d)[:, :t]
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     interpret: bool = False) -> jax.Array:
-  """The same contract on JAX's Pallas TPU splash-attention kernel (`interpret`: run it on CPU, for tests)."""
+@functools.cache
+def _splash_kernel(length: int, heads: int, interpret: bool):
+  """The splash kernel for rows of `length` (a multiple of 128) tokens: causal block mask, the largest tiles that divide
+  the row. Cached: building the block mask of a long row takes a while (about 20 s of host time at 32k tokens)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # TPU kernels
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-  b, t, h, d = q.shape
-  tp = -(-t // 128) * 128
-  blk = max(x for x in (128, 256, SPLASH_BLOCK) if tp % x == 0)
+  blk = max(x for x in (128, 256, SPLASH_BLOCK) if length % x == 0)
   sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
                             block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-  mask = masks.MultiHeadMask([masks.CausalMask((tp, tp)) for _ in range(h)])
+  mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
   kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
-  seg = _pad_rows(segment_ids, tp)
+  return lambda q, k, v, seg: kernel(q, k, v, segment_ids=splash.SegmentIds(seg, seg))
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                     interpret: bool = False) -> jax.Array:
+  """The same contract on JAX's Pallas TPU splash-attention kernel (`interpret`: run it on CPU, for tests)."""
+  b, t, h, d = q.shape
+  tp = -(-t // 128) * 128
   qs = (_pad_rows(q, tp).astype(jnp.float32) / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, D]
   ks, vs = (_pad_rows(x, tp).transpose(0, 2, 1, 3) for x in (k, v))
-  out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(qs, ks, vs, seg)
+  out = jax.vmap(_splash_kernel(tp, h, interpret))(qs, ks, vs, _pad_rows(segment_ids, tp))
   out = out.transpose(0, 2, 1, 3)[:, :t]
   return jnp.where((segment_ids != 0)[..., None, None], out, 0).astype(q.dtype)
 
 
+def _platform() -> str:
+  """The platform attention will run on: the sharding context's mesh's, else JAX's default backend's."""
+  ctx = sharding.current()
+  return (ctx[0].devices.flat[0] if ctx else jax.devices()[0]).platform
+
+
 def resolve(impl: str) -> str:
-  """`auto` → `splash` when the devices (the sharding context's mesh, else JAX's default) are TPUs, else `flash`."""
+  """`auto` → `splash` on TPU, else `flash`."""
   if impl not in IMPLS:
     raise ValueError(f"attention implementation {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  ctx = sharding.current()
-  device = ctx[0].devices.flat[0] if ctx else jax.devices()[0]
-  return "splash" if device.platform == "tpu" else "flash"
+  return "splash" if _platform() == "tpu" else "flash"
 
 
-def packed_attention(segment_ids: jax.Array, *, impl: str = "auto", block: int = FLASH_BLOCK,
-                     interpret: bool = False):
+def packed_attention(segment_ids: jax.Array, *, impl: str = "auto", block: int = 0, interpret: bool = False):
   """The training `attend(q, k, v) -> (out, None)` over packed rows (see the module docstring); `dense` is
-  `modules.dense_attention`, the quadratic reference."""
+  `modules.dense_attention`, the quadratic reference. `block`: the flash kernel's (0: by platform)."""
   impl = resolve(impl)
+  block = block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT)
   if impl == "dense":
     from areal_jax.models.modules import dense_attention  # pylint: disable=g-import-not-at-top
     return dense_attention(segment_ids)
