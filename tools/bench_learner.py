@@ -40,6 +40,8 @@ def parse_args():
   p.add_argument("--sequences", type=int, default=32, help="answers in the batch (groups of 8)")
   p.add_argument("--max-len", type=int, default=1024, help="longest prompt + answer")
   p.add_argument("--max-tokens", type=int, default=2048, help="learner.max_tokens_per_mb")
+  p.add_argument("--preset", default="tiny", help="model and learner settings from configs/math.py (random weights)")
+  p.add_argument("--layers", type=int, default=0, help="override the preset's num_layers (0: keep)")
   p.add_argument("--short-rows", type=int, default=0,
                  help="also time packed rows of this many tokens (>= the longest sequence; 0: skip)")
   p.add_argument("--attention-block", type=int, default=0, help="model.attention_block (0: the config's)")
@@ -157,10 +159,12 @@ def main():
   spec = importlib.util.spec_from_file_location("math_config", path)
   config_module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(config_module)
-  config = config_module.get_config("tiny")
+  config = config_module.get_config(args.preset)
   model_cfg = ModelConfig.from_config(config.model).replace(max_position_embeddings=args.max_len)
   if args.attention_block:
     model_cfg = model_cfg.replace(attention_block=args.attention_block)
+  if args.layers:
+    model_cfg = model_cfg.replace(num_layers=args.layers)
   learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
   learner_cfg = learner_cfg.replace(max_tokens_per_mb=args.max_tokens)
 
