@@ -13,8 +13,8 @@ pairs however short its sequences are. Two exact implementations avoid that:
 * `splash` (TPU): JAX's Pallas splash-attention kernel with segment ids. Its block skipping follows the static causal
   mask only: segments are masked inside the blocks it computes.
 
-`packed_attention` runs either per device under `shard_map` when a sharding context is active (rows over the batch
-axes, heads over `tensor`), so the block bounds of one device's rows never need another device.
+Inside a sharding context (`sharding.use_rules`) `packed_attention` runs either one per device under `shard_map` (rows
+over the batch axes, heads over `tensor`), so the block bounds of one device's rows never need another device.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from areal_jax import sharding
 from areal_jax.models.config import ATTENTION_IMPLS as IMPLS
+
 # Tokens per query/key block of the pure-JAX kernel, by platform (tools/bench_attention.py: on a 2-core CPU 128 beat
 # 64 and 256; on an H100, bfloat16, 512 was 1.9x faster than 256 at 32k-token rows).
 FLASH_BLOCK = {"cpu": 128}
