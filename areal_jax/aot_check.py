@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 
 import jax
@@ -62,6 +63,7 @@ class ProgramReport:
   hbm_bytes: int
   flops: float = 0.0  # model FLOPs per device (0: not a model pass); see `_model_flops`
   compile_s: float = 0.0
+  kernels: tuple[str, ...] = ()  # Pallas (Mosaic) kernels in the compiled program, by name
   note: str = ""
   error: str = ""
 
@@ -114,6 +116,13 @@ def _model_flops(model_cfg: ModelConfig, tokens: int, seq_len: int, devices: int
   return tokens * model_cfg.flops_per_token(seq_len) / devices
 
 
+def pallas_kernels(compiled) -> tuple[str, ...]:
+  """Names of the Pallas TPU kernels (Mosaic custom calls) in a compiled program, each once, in order."""
+  names = re.findall(r"^\s*(?:ROOT )?%([\w.-]+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
+                     compiled.as_text(), re.M)
+  return tuple(dict.fromkeys(names))
+
+
 def _compile(lowered, **fields) -> ProgramReport:
   """Compiles `lowered`; its per-device memory, or the compiler's refusal when it exceeds the HBM."""
   start = time.perf_counter()
@@ -128,7 +137,7 @@ def _compile(lowered, **fields) -> ProgramReport:
   m = compiled.memory_analysis()
   return ProgramReport(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
                        temp_bytes=m.temp_size_in_bytes, alias_bytes=m.alias_size_in_bytes, compile_s=seconds,
-                       **fields)
+                       kernels=pallas_kernels(compiled), **fields)
 
 
 def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
@@ -191,16 +200,17 @@ def format_table(reports: list[ProgramReport]) -> str:
   """A Markdown table: per-device GiB of each program against the HBM, model TFLOP per device, compile seconds."""
   gib = lambda b: f"{b / GIB:.2f}"
   head = ("role", "program", "topology", "mesh", "args", "out", "temp", "alias", "resident", "total", "HBM", "fits",
-          "TFLOP", "compile s", "note")
+          "TFLOP", "compile s", "Pallas kernels", "note")
   rows = [head, ("---",) * len(head)]
   for r in reports:
     mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items())
     if r.error:
       rows.append((r.role, r.program, r.topology, mesh, *("-",) * 6, gib(r.hbm_bytes), "no", "-",
-                   f"{r.compile_s:.1f}", r.error))
+                   f"{r.compile_s:.1f}", "-", r.error))
       continue
     rows.append((r.role, r.program, r.topology, mesh, gib(r.argument_bytes), gib(r.output_bytes), gib(r.temp_bytes),
                  gib(r.alias_bytes), gib(r.resident_bytes), gib(r.total_bytes), gib(r.hbm_bytes),
-                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}" if r.flops else "-", f"{r.compile_s:.1f}", r.note))
+                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}" if r.flops else "-", f"{r.compile_s:.1f}",
+                 ", ".join(r.kernels) or "-", r.note))
   return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 

@@ -39,9 +39,13 @@ def test_tiny_compiles_and_fits(reports):
   assert by_name["accumulate"].resident_bytes > 0  # the optimizer state, live but not an argument
   assert by_name["accumulate"].alias_bytes > 0  # the donated gradient accumulator
   assert by_name["decode"].mesh == {"data": 4, "tensor": 1}
+  # On TPU the learner's packed attention is the Pallas splash kernel: forward, and both backward kernels.
+  assert "splash_mha_fwd" in " ".join(by_name["logprobs"].kernels), by_name["logprobs"].kernels
+  names = " ".join(by_name["accumulate"].kernels)
+  assert all(k in names for k in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")), names
   assert "128 pages of 16" in by_name["decode"].note
   table = aot_check.format_table(reports)
-  assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table
+  assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table and "splash_mha_dkv" in table
 
 
 def test_over_hbm_is_reported(reports):
