@@ -13,13 +13,13 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.system import roles  # pylint: disable=g-import-not-at-top  # does not import JAX
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+_CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory, local or gs://.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: environment, else 1).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
@@ -42,7 +42,12 @@ def main(argv):
   roles.start_jax(layout)
   from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
 
-  trainer.run(config, _WORKDIR.value, layout)
+  from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
+
+  try:
+    trainer.run(config, _WORKDIR.value, layout)
+  except ConfigError as e:
+    sys.exit(f"FATAL config error: {e}")
   if layout.role == "sampler":
     # Done and said goodbye. Skip interpreter teardown: destroying the transfer client after the learner's server
     # has gone can abort in C++ and turn a clean stop into a crash.
@@ -51,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)
