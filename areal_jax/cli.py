@@ -1,5 +1,5 @@
-"""Flags of the launchers and tools (does not import JAX): a mistyped `--config.` key ends in one line, not a
-traceback (ml_collections raises a raw AttributeError for it).
+"""Flags and signals of the launchers and tools (does not import JAX): a mistyped `--config.` key ends in one line,
+not a traceback (ml_collections raises a raw AttributeError for it); SIGTERM / SIGINT stop a run cleanly.
 
     _CONFIG = cli.define_config()
     ...
@@ -8,6 +8,7 @@ traceback (ml_collections raises a raw AttributeError for it).
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import flags
@@ -40,3 +41,23 @@ def _unknown_key(e: BaseException, argv: list[str]):
   named = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a.split("=")[0].split(".")]
   hint = f"; {hint[:1].lower()}{hint[1:]}" if hint else ""
   sys.exit(f"FATAL Flags parsing error: {named[0] if named else '--config'}: the config has no field {key!r}{hint}")
+
+
+class Stopped(BaseException):
+  """SIGTERM or SIGINT arrived: raised in the main thread, so every `finally` runs (not an `Exception`, so handlers
+  of errors do not take it for one)."""
+
+  def __init__(self, signum: int):
+    super().__init__(f"received {signal.Signals(signum).name}")
+    self.signum = signum
+
+
+def stop_on_signals() -> None:
+  """The first SIGTERM or SIGINT raises `Stopped` in the main thread; a second one ends the process at once."""
+  def stop(signum, _frame):
+    for s in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(s, signal.SIG_DFL)
+    raise Stopped(signum)
+
+  for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, stop)

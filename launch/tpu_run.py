@@ -40,19 +40,28 @@ def main(argv):
     except ImportError:
       logging.warning("JAX_PLATFORMS=proxy but pathwaysutils is not installed")
   roles.start_jax(layout)
-  from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
 
   from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
 
+  jax.devices()  # the backend first: libtpu installs a SIGTERM handler of its own, replaced here
+  cli.stop_on_signals()
   try:
     trainer.run(config, _WORKDIR.value, layout)
   except ConfigError as e:
     sys.exit(f"FATAL config error: {e}")
-  if layout.role == "sampler":
-    # Done and said goodbye. Skip interpreter teardown: destroying the transfer client after the learner's server
-    # has gone can abort in C++ and turn a clean stop into a crash.
+  except cli.Stopped as e:
+    logging.warning("%s: stopped (the run's threads and workers are shut down and the checkpoint write in flight "
+                    "finished); the same command resumes from the last checkpoint", e)
+    status = 128 + e.signum
+  else:
+    status = 0
+  if layout.role == "sampler" or status:
+    # Done and said goodbye (or stopped and shut down). Skip interpreter teardown: destroying the transfer client
+    # after the learner's server has gone can abort in C++ and turn a clean stop into a crash.
     logging.flush()
-    os._exit(0)  # pylint: disable=protected-access
+    os._exit(status)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":
