@@ -61,8 +61,12 @@ def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
   return config
 
 
+class ConfigError(ValueError):
+  """A config value that cannot work, named as `config.FIELD=VALUE: why`."""
+
+
 def _fail(field: str, value, why: str):
-  raise ValueError(f"config.{field}={value!r}: {why}")
+  raise ConfigError(f"config.{field}={value!r}: {why}")
 
 
 def _positive(c, *fields):
@@ -89,12 +93,16 @@ def split_devices(num_devices: int, sampler_devices: int | float) -> tuple[int, 
 
 
 def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
-  """Raises ValueError naming the first inconsistent field. With `num_devices`, also checks the device split."""
+  """Raises ConfigError (a ValueError) naming the first inconsistent field. With `num_devices`, also checks the
+  device split."""
   for field, choices in _CHOICES.items():
     group, name = field.split(".")
     if c[group][name] not in choices:
       _fail(field, c[group][name], f"choose one of {choices}")
-  model = ModelConfig.from_config(c.model)  # checks heads, dims, dtypes, rope type
+  try:
+    model = ModelConfig.from_config(c.model)  # checks heads, dims, dtypes, rope type
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
     _fail("model.vocab_size", model.vocab_size, f"smaller than the char tokenizer's {CharTokenizer().vocab_size} ids")
 

@@ -1,7 +1,8 @@
 """Tokenizers behind one small protocol: HF `tokenizer.json`, sentencepiece, and a built-in character vocabulary.
 
 `load_tokenizer("char")` is the tiny default's own vocabulary (no files); `load_tokenizer(path)` reads a HF tokenizer
-directory (`tokenizer.json`, `tokenizer_config.json` with its `chat_template`) or a sentencepiece `.model` file.
+directory (`tokenizer.json`, `tokenizer_config.json`, the chat template from `chat_template.jinja` or else
+`tokenizer_config.json`) or a sentencepiece `.model` file.
 """
 
 from __future__ import annotations
@@ -57,18 +58,20 @@ class CharTokenizer:
     try:
       return [self._ids[c] for c in text]
     except KeyError as e:
-      raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary (text {text[:60]!r})") from None
+      symbols = "".join(c for c in self.CHARS if not c.isalnum() and c not in " \n")
+      raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary (text {text[:60]!r}); it has digits, "
+                       f"lowercase letters, Q, A, space, newline and {symbols}") from None
 
   def decode(self, ids: Sequence[int]) -> str:
     n = len(self.SPECIALS)
     return "".join(self.CHARS[i - n] for i in ids if n <= i < self.vocab_size)
 
   def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
-    """A minimal "Q: ...\\nA:" format (the char vocabulary has no chat markup)."""
+    """The plain prompt format "Q: ...\\nA: " the tiny policy is trained on (the char vocabulary has no chat markup)."""
     parts = []
     for m in messages:
       parts.append(("Q: " if m["role"] == "user" else "A: ") + m["content"])
-    return "\n".join(parts) + ("\nA:" if add_generation_prompt else "")
+    return "\n".join(parts) + ("\nA: " if add_generation_prompt else "")
 
 
 class HFTokenizer:
@@ -88,6 +91,10 @@ class HFTokenizer:
     self.chat_template = cfg.get("chat_template")
     if isinstance(self.chat_template, list):  # named templates: take "default"
       self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
+    jinja = os.path.join(path, "chat_template.jinja")  # where transformers saves it now; it wins, as there
+    if os.path.exists(jinja):
+      with open(jinja) as f:
+        self.chat_template = f.read()
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.eos_token = self._token_str(cfg.get("eos_token"))
     gen_cfg = os.path.join(path, "generation_config.json")

@@ -11,13 +11,13 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.system import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+_CONFIG = cli.define_config()
 flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (passed on).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _CPUS = flags.DEFINE_integer("cpus_per_process", None, "Cores pinned to each process (default: cores / processes).")
@@ -34,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

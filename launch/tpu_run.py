@@ -13,13 +13,13 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.system import roles  # pylint: disable=g-import-not-at-top  # does not import JAX
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+_CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory, local or gs://.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: environment, else 1).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
@@ -40,15 +40,29 @@ def main(argv):
     except ImportError:
       logging.warning("JAX_PLATFORMS=proxy but pathwaysutils is not installed")
   roles.start_jax(layout)
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
   from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
 
-  trainer.run(config, _WORKDIR.value, layout)
-  if layout.role == "sampler":
-    # Done and said goodbye. Skip interpreter teardown: destroying the transfer client after the learner's server
-    # has gone can abort in C++ and turn a clean stop into a crash.
+  jax.devices()  # the backend first: libtpu installs a SIGTERM handler of its own, replaced here
+  cli.stop_on_signals()
+  try:
+    trainer.run(config, _WORKDIR.value, layout)
+  except ConfigError as e:
+    sys.exit(f"FATAL config error: {e}")
+  except cli.Stopped as e:
+    logging.warning("%s: stopped (the run's threads and workers are shut down and the checkpoint write in flight "
+                    "finished); the same command resumes from the last checkpoint", e)
+    status = 128 + e.signum
+  else:
+    status = 0
+  if layout.role == "sampler" or status:
+    # Done and said goodbye (or stopped and shut down). Skip interpreter teardown: destroying the transfer client
+    # after the learner's server has gone can abort in C++ and turn a clean stop into a crash.
     logging.flush()
-    os._exit(0)  # pylint: disable=protected-access
+    os._exit(status)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

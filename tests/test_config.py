@@ -1,6 +1,8 @@
 """Every preset builds and validates; command-line overrides work and typos fail naming the key."""
 
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -54,6 +56,20 @@ def test_unknown_key_names_it():
     _parse(f"--config={CONFIG}", "--config.learner.lrr=1")
   with pytest.raises(AttributeError, match="lrr"):
     load_config(CONFIG, **{"learner.lrr": 1})
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.learner.lrr=1", """FATAL Flags parsing error: --config.learner.lrr: the config has no field 'lrr'; """
+                               """did you mean "lr" instead of "lrr"?"""),
+    ("--config.rollout.group_size=0", "FATAL config error: config.rollout.group_size=0: must be positive"),
+])
+def test_launcher_reports_a_bad_flag_in_one_line_and_writes_nothing(tmp_path, flag, message):
+  workdir = tmp_path / "run"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--workdir={workdir}", flag],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == message, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and not workdir.exists()
 
 
 def test_unknown_preset():

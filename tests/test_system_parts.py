@@ -146,5 +146,6 @@ def test_metrics_jsonl_appends(tmp_path):
   assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
   assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
   assert "step 2/10" in w.progress_line(2, rows[1]) and "eta" in w.progress_line(2, rows[1])
-  assert "mean" not in w.progress_line(3, {"reward/mean": float("nan"), "learner/loss": float("nan")})
+  assert "mean reward 0.5 |" in w.progress_line(2, rows[1])
+  assert "reward" not in w.progress_line(3, {"reward/mean": float("nan"), "learner/loss": float("nan")})
   assert "loss nan" in w.progress_line(3, {"reward/mean": float("nan"), "learner/loss": float("nan")})

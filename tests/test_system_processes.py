@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -94,6 +95,35 @@ def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
   assert done.returncode == 0, done.stdout[-4000:]
   assert "resumed" in done.stdout
   assert_every_prompt_once(workdir, load_config(CONFIG, **overrides), last_step=6)
+
+
+def test_sigterm_stops_the_job_cleanly(tmp_path):
+  """`kill -TERM` of launch/local.py: every process shuts down (no crash in a signal handler), the job exits 143."""
+  workdir = str(tmp_path / "run")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(_command(workdir, 2, dict(PROCESS_OVERRIDES, total_steps=50)), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  try:
+    deadline = time.time() + 300
+    while len(read_metrics(workdir)) < 2:  # step 1 trained: every thread and process is at work
+      assert proc.poll() is None, "".join(lines)[-3000:]
+      assert time.time() < deadline, "no step 1 within 300 s"
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  reader.join(10)
+  log = "".join(lines)
+  assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+  assert "local: stopped by SIGTERM; run the same command again" in log, log[-3000:]
+  assert "received SIGTERM: stopped" in log and "Traceback" not in log and "exited with" not in log, log[-3000:]
+  steps = [m["step"] for m in read_metrics(workdir)]
+  assert steps == list(range(len(steps))) and len(steps) < 51
 
 
 def test_two_learner_processes_take_the_single_process_step(tmp_path):

@@ -8,6 +8,8 @@ import sentencepiece as spm
 import tokenizers
 import transformers
 
+from areal_jax.data import synthetic
+from areal_jax.data.prompts import render_prompt
 from areal_jax.tokenizer import CharTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer
 
 TEXT = ["What is 12 + 30? The answer is \\boxed{42}.", "Solve x^2 = 9 for x > 0.", "Natalia sold 48 clips in April.",
@@ -50,6 +52,25 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
   assert rendered.endswith("<|im_start|>assistant\n")
 
 
+def test_chat_template_jinja_file_wins(hf_dir, tmp_path):
+  """transformers saves the template to chat_template.jinja (not tokenizer_config.json), and reads that file first."""
+  ref = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  ref.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+  ref.save_pretrained(tmp_path)
+  assert (tmp_path / "chat_template.jinja").exists()
+  ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  messages = [{"role": "user", "content": "What is 12 + 30?"}]
+  rendered = load_tokenizer(str(tmp_path)).apply_chat_template(messages)
+  assert rendered == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  assert rendered == "[user] What is 12 + 30?\n[assistant] "
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  config["chat_template"] = CHATML  # an older template beside the file: the file still wins, as in transformers
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  assert load_tokenizer(str(tmp_path)).apply_chat_template(messages) == rendered
+  assert transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True) == rendered
+
+
 def test_sentencepiece_tokenizer(tmp_path):
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model, vocab_size=60,
@@ -74,6 +95,13 @@ def test_char_tokenizer():
   assert min(ids) >= 2 and max(ids) < tok.vocab_size
   with pytest.raises(ValueError, match="'%'"):
     tok.encode("50% off")
+  with pytest.raises(ValueError, match=r"'W' .* it has digits, lowercase letters, Q, A, space, newline and \+-\*/="):
+    tok.encode("What is 7 * 8?")  # what the message lists is all it takes
+  problem = synthetic.generate(1, difficulty=1, seed=0)[0]
+  assert tok.apply_chat_template([{"role": "user", "content": problem.question}]) == render_prompt(
+      problem, tok, "plain", instruct=False)  # chat requests see the tiny policy's training prompt
+  symbols = "".join(c for c in CharTokenizer.CHARS if not c.isalnum() and c not in " \n")
+  assert tok.decode(tok.encode("what is 7 * 8? Q A\n" + symbols)) == "what is 7 * 8? Q A\n" + symbols
 
 
 def test_bad_tokenizer_spec(tmp_path):

@@ -13,7 +13,7 @@ the rest learners) and a kill takes down one process, as a lost host does: a ran
 that reaches the phase; the launcher must then stop the others and exit. The last attempt runs to the end. Then,
 from metrics.jsonl, rollouts.jsonl and the checkpoints:
 
-* logs: every line parses (none torn) and metrics has steps 0..N once each;
+* logs: every line parses (none torn), metrics has steps 0..N once each and its time/elapsed_s never goes back;
 * prompts: no prompt is trained on (or filtered) twice, and the prompts done plus those the last checkpoint holds as
   pending are exactly a prefix of the epoch's order (none lost);
 * versions: the policy version equals the step and strictly increases; restarts resume at non-decreasing steps;
@@ -204,6 +204,9 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
   steps = [m["step"] for m in metrics]
   if steps != list(range(args.steps + 1)):
     logs.append(f"metrics.jsonl steps are {steps}, expected 0..{args.steps} once each")
+  elapsed = [m.get("time/elapsed_s", 0.0) for m in metrics]
+  if any(b < a for a, b in zip(elapsed, elapsed[1:])):
+    logs.append(f"time/elapsed_s goes back (restarts from zero on resume?): {[round(t) for t in elapsed]}")
   results.append(("logs: no torn or duplicated lines", logs))
 
   prompts: list[str] = []

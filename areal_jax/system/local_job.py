@@ -3,7 +3,7 @@
 Each process is `launch/tpu_run.py` with `--num_processes/--process_id/--coordinator_address` added, started with
 its CPU affinity already set (XLA sizes its CPU thread pool from the affinity mask when JAX starts, so the pinning
 reaches XLA too), a shared random authkey for the control connections, and its output prefixed with its role.
-SIGINT/SIGTERM are forwarded. If a process dies, the others are stopped within seconds and the job exits non-zero
+SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits with 128 + the signal's number. If a process dies, the others are stopped within seconds and the job exits non-zero
 naming the dead role; starting it again with the same workdir resumes from the last checkpoint.
 """
 
@@ -89,13 +89,16 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
     threading.Thread(target=_prefix, args=(proc.stdout, layout.name), daemon=True).start()
     print(f"local: {layout.name} is process {layout.process_id} (pid {proc.pid}) on cores {cores}", flush=True)
 
+  stopped: list[int] = []
+
   def forward(signum, _frame):
+    stopped.append(signum)
     for c in children:
       _signal_group(c.proc, signum)
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _supervise(children)
+    return _supervise(children, stopped)
   finally:
     for s, handler in old.items():
       signal.signal(s, handler)
@@ -127,9 +130,22 @@ def _stop(children: Sequence[_Child]) -> None:
       c.proc.wait()
 
 
-def _supervise(children: list[_Child]) -> int:
+def _supervise(children: list[_Child], stopped: list[int]) -> int:
+  """0 when every process finished cleanly; 1 when one died; 128 + N after forwarding signal N (then each process
+  gets FINISH_GRACE_S to shut down cleanly; a second signal ends them at once)."""
   leader_done_at = None
   while True:
+    if stopped:
+      deadline = time.monotonic() + FINISH_GRACE_S
+      for c in children:
+        try:
+          c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+          _signal_group(c.proc, signal.SIGKILL)
+          c.proc.wait()
+      print(f"local: stopped by {signal.Signals(stopped[0]).name}; run the same command again to resume from the "
+            "last checkpoint", flush=True)
+      return 128 + stopped[0]
     for c in children:
       code = c.proc.poll()
       if code is not None and code != 0:

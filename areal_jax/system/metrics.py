@@ -7,11 +7,17 @@ import logging
 import math
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
 from etils import epath
+
+
+# The metrics of the progress line and their labels there.
+_PROGRESS = {"reward/mean": "mean reward", "eval/accuracy": "eval accuracy", "learner/loss": "loss",
+             "staleness/max": "max staleness", "sampler/tokens_per_s": "sampler tokens/s"}
 
 
 class MetricsWriter:
@@ -34,10 +40,9 @@ class MetricsWriter:
     done = step - self.start_step
     elapsed = time.time() - self._t0
     eta = elapsed / max(done, 1) * (self.total_steps - step)
-    keys = ("reward/mean", "eval/accuracy", "learner/loss", "staleness/max", "sampler/tokens_per_s")
     # reward/mean is NaN when no rollout finished since the last step (metrics.jsonl keeps it): left off the line.
-    shown = [k for k in keys if k in m and not (k == "reward/mean" and math.isnan(m[k]))]
-    parts = [f"{k.split('/')[-1] if k != 'eval/accuracy' else 'eval'} {m[k]:.4g}" for k in shown]
+    shown = [k for k in _PROGRESS if k in m and not (k == "reward/mean" and math.isnan(m[k]))]
+    parts = [f"{_PROGRESS[k]} {m[k]:.4g}" for k in shown]
     return f"step {step}/{self.total_steps} | " + " | ".join(parts) + f" | eta {_hms(eta)}"
 
   def close(self) -> None:
@@ -123,6 +128,16 @@ def read_metrics(workdir: str) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def cut_logs(workdir: str | os.PathLike, step: int | None) -> None:
+  """Cuts a resumed run's logs (metrics.jsonl, rollouts.jsonl, TensorBoard events) back to the restored `step`: the
+  steps after it are redone. `None` (no checkpoint: the run starts again from nothing) removes every step, 0 too."""
+  workdir = epath.Path(workdir)
+  keep = -1 if step is None else step
+  for name in ("metrics.jsonl", "rollouts.jsonl"):
+    truncate_jsonl(workdir / name, keep)
+  truncate_events(workdir / "tensorboard", keep)
+
+
 def truncate_jsonl(path: epath.Path, step: int) -> None:
   """Drops the lines of a per-step JSONL log written after `step` (a resumed run redoes those steps), and a torn
   last line (the process was killed while appending). The file is replaced whole, never left half-written."""
@@ -140,10 +155,49 @@ def truncate_jsonl(path: epath.Path, step: int) -> None:
       continue
     if record["step"] <= step:
       kept.append(line)
-  text = "".join(line + "\n" for line in kept)
+  _replace(path, "".join(line + "\n" for line in kept))
+
+
+def _records(data: bytes) -> list[bytes]:
+  """The records of a TFRecord file (8-byte length, 4-byte CRC, data, 4-byte CRC); a torn last record is dropped."""
+  out, i = [], 0
+  while i + 12 <= len(data):
+    (n,) = struct.unpack("<Q", data[i:i + 8])
+    if i + 12 + n + 4 > len(data):
+      break
+    out.append(data[i + 12:i + 12 + n])
+    i += 12 + n + 4
+  return out
+
+
+def truncate_events(logdir: epath.Path, step: int) -> None:
+  """Drops the TensorBoard events of steps after `step` from every event file in `logdir` (TensorBoard would plot a
+  redone step twice); a file left with no scalars is removed. Each file is replaced whole."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from tensorboardX.record_writer import masked_crc32c  # pylint: disable=g-import-not-at-top
+
+  if not logdir.exists():
+    return
+  for path in logdir.iterdir():
+    if not path.name.startswith("events"):
+      continue
+    old = path.read_bytes()
+    kept = [r for r in _records(old) if event_pb2.Event.FromString(r).step <= step]
+    if not any(event_pb2.Event.FromString(r).HasField("summary") for r in kept):
+      path.unlink()
+      continue
+    data = b"".join(struct.pack("<Q", len(r)) + struct.pack("<I", masked_crc32c(struct.pack("<Q", len(r)))) + r
+                    + struct.pack("<I", masked_crc32c(r)) for r in kept)
+    if len(data) != len(old):  # steps dropped, or a torn last record
+      _replace(path, data)
+
+
+def _replace(path: epath.Path, data: bytes | str) -> None:
+  """Writes a file whole: an object is replaced in one upload; a local file through a temporary file and a rename."""
+  write = "write_text" if isinstance(data, str) else "write_bytes"
   if "://" in os.fspath(path):
-    path.write_text(text)  # an object is replaced whole
+    getattr(path, write)(data)
     return
   tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(text)
+  getattr(tmp, write)(data)
   os.replace(tmp, path)

@@ -23,6 +23,7 @@ import traceback
 import jax
 from flax import nnx
 
+from areal_jax import cli
 from areal_jax.models import create
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
@@ -69,6 +70,8 @@ class _Sampler:
   def run(self) -> None:
     try:
       self._serve()
+    except cli.Stopped:
+      raise  # a signal, not an error: the job's other processes got it too
     except BaseException as e:
       self._report(e)
       raise

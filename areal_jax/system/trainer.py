@@ -15,8 +15,8 @@ Sampler processes run `sampler_process.run_sampler`.
 Resume order (a workdir with checkpoints is resumed automatically): 1. model config from the config; 2. parameters
 and optimizer state of the latest checkpoint, straight onto the learner's shardings; 3. learner step and policy
 version; 4. dataset iterator position, then the prompts that were drawn but not yet trained on (generated again
-first); 5. the next rollout group id (the sampling RNG is keyed by seed and group id); 6. metrics.jsonl and
-rollouts.jsonl are cut back to the restored step.
+first); 5. the next rollout group id (the sampling RNG is keyed by seed and group id); 6. metrics.jsonl,
+rollouts.jsonl and the TensorBoard events are cut back to the restored step (to nothing when there is no checkpoint).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
 from areal_jax.system.controller import RewardChannels, RolloutController
 from areal_jax.system.evaluation import Evaluator
-from areal_jax.system.metrics import MetricsWriter, append_lines, truncate_jsonl
+from areal_jax.system.metrics import MetricsWriter, append_lines, cut_logs
 from areal_jax.system.roles import ProcessLayout, authkey
 from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
 from areal_jax.system.sampler_hub import SamplerHub
@@ -138,7 +138,7 @@ def _learner_mesh(config, layout: ProcessLayout):
   try:
     return make_mesh(jax.devices(), {"fsdp": -1, "tensor": config.mesh.learner_tensor}), None
   except ValueError as e:
-    raise ValueError(f"config.mesh.learner_tensor={config.mesh.learner_tensor}: {e}") from e
+    raise config_lib.ConfigError(f"config.mesh.learner_tensor={config.mesh.learner_tensor}: {e}") from e
 
 
 def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]:
@@ -149,8 +149,8 @@ def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]
   for handler in logging.getLogger().handlers:
     handler.addFilter(_QuietLibraries())
   workdir = epath.Path(workdir)
+  config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())  # before any write
   if layout.role == "sampler":
-    config_lib.validate(config)
     sampler_process.run_sampler(config, str(workdir), layout, model_cfg=_model_config(config))
     return []
   # The leader listens at once, so the other processes can connect while it compiles.
@@ -168,11 +168,6 @@ def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]
 def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time: float, control: ControlServer | None,
                  leader: Peer | None) -> list[dict]:
   is_leader = layout.is_leader
-  if is_leader:
-    workdir.mkdir(parents=True, exist_ok=True)
-  config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())
-  if is_leader:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
   # --- devices and meshes ---------------------------------------------------------------------------------------
   learner_mesh, sampler_mesh = _learner_mesh(config, layout)
@@ -186,11 +181,15 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   # --- learner: model, optimizer, parameters ------------------------------------------------------------------------
   model_cfg = _model_config(config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
-    raise ValueError(f"model vocab_size {model_cfg.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}")
+    raise config_lib.ConfigError(f"config.model.vocab_size={model_cfg.vocab_size}: smaller than the tokenizer's "
+                                 f"{tokenizer.vocab_size} ids")
   learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
   learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
                     seed=config.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
+  if is_leader:  # the settings, data and model are sound: the run's directory
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
                       max_to_keep=config.checkpoint.max_to_keep)
 
@@ -202,6 +201,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
     learner.params, learner.opt_state, meta = ckpt.restore(latest, params=learner.params, opt_state=learner.opt_state)
     step, controller_state = meta["step"], meta["controller"]
     learner.restore_counters(version=meta["version"], updates=meta["updates"])
+    start_time -= meta.get("elapsed_s", 0.0)  # time/elapsed_s goes on from the checkpoint's
     train.restore(controller_state["dataset"])
     logging.info("resumed %s at step %d (version %d)", workdir, step, learner.version)
   else:
@@ -211,7 +211,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   def checkpoint(controller_state, force=False):
     if ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
         "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "model_config": orbax_io.config_to_json(model_cfg)}):
+        "elapsed_s": time.time() - start_time, "model_config": orbax_io.config_to_json(model_cfg)}):
       faults.reach("checkpoint_write")  # the asynchronous write is in flight
 
   if leader is not None:
@@ -220,8 +220,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
     finally:
       ckpt.close()
     return []
-  for name in ("metrics.jsonl", "rollouts.jsonl"):
-    truncate_jsonl(workdir / name, step)
+  cut_logs(workdir, step if latest is not None else None)  # no checkpoint: the killed attempts' rows go too
 
   # --- sampler(s), rewards, controller ------------------------------------------------------------------------------
   local = local_copy(learner.params, learner_mesh)  # a collective when the learner spans processes
