@@ -38,16 +38,16 @@ Presets (`--config=configs/math.py:PRESET`):
   `python tools/aot_check.py --config=configs/math.py:qwen2.5-1.5b --learner_topology=v5p:2x2x1
   --sampler_topology=v5p:2x2x1` (GiB per device, all included; README "Real-size check" has the full tables):
   learner logprobs 8.11, accumulate 17.79 (32768 tokens per row), apply 6.62; sampler (bfloat16 weights) prefill
-  54.47, decode 52.73 (one step per call: `sampler.decode_steps=1`; a multi-step call's loop would need 101.36 of
-  temporaries), insert 53.68 (64 slots, 28673 pages of 64 per data shard). A v5e-8 (v5e:2x4, 16 GiB chips) holds
-  each role too: accumulate 15.30 at 32k-token rows (12.59 at 16k), sampler with `sampler.memory_fraction=0.7`.
+  54.47, decode 52.77 (8 steps per call, the pool updated in place through the loop), insert 53.68 (64 slots, 28673
+  pages of 64 per data shard). A v5e-8 (v5e:2x4, 16 GiB chips) holds each role too: accumulate 15.30 at 32k-token
+  rows (12.59 at 16k), sampler with `sampler.memory_fraction=0.7` (decode 12.32 at 8 steps).
 
 * `r1-distill-qwen-7b`: DeepSeek-R1-Distill-Qwen-7B shapes, same hyperparameters; the learner mesh is fsdp alone.
 
   Meant for a v5p-16 (8 chips, 95 GiB) per role; checked by `python tools/aot_check.py
   --config=configs/math.py:r1-distill-qwen-7b --learner_topology=v5p:2x2x2 --sampler_topology=v5p:2x2x2` (GiB per
   device): learner logprobs 19.31, accumulate 41.27 (8 rows x 32768 tokens), apply 14.19; sampler (bfloat16
-  weights, 14.19 instead of 28.37 in float32) prefill 67.53, decode 63.40 (one step per call), insert 66.01 (32 slots,
+  weights, 14.19 instead of 28.37 in float32) prefill 67.53, decode 63.58 (8 steps per call), insert 66.01 (32 slots,
   14337 pages of 64 per data shard). Both presets run their layers under `lax.scan` (`model.scan_layers`), which is
   what fits the 7B learner without tensor parallelism (104.53 unrolled) and the 1.5B learner on v5e.
 
@@ -165,9 +165,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.top_k = -1
   c.sampler.attention = "auto"  # auto | jax | pallas_tpu
   c.sampler.attention_block = 0  # tokens per block of the pure-JAX paged attention; 0 = 32 on CPU, 256 elsewhere
-  # Decode steps per device call (new answers and weights wait for the call to end). More than one runs in a
-  # while loop whose carried state costs XLA two extra copies of the KV pool: at real size, one step per call.
-  c.sampler.decode_steps = 8 if tiny else 1
+  # Decode steps per device call, in one while loop that updates the KV pool in place (new answers and weights wait
+  # for the call to end).
+  c.sampler.decode_steps = 8
   c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
   # The sampler's copy of the weights (the learner keeps float32 master weights): bfloat16 halves their HBM and the
   # bytes of each weight update; its behaviour logprobs then differ slightly from the learner's (logged each step as

@@ -1,6 +1,9 @@
-"""Paged attention against the dense reference, cache writes, and the Pallas TPU path compiling for a v5e topology."""
+"""Paged attention against the dense reference, cache writes, the Pallas TPU kernel (interpreted on CPU) against the
+pure-JAX path, and the Pallas TPU path compiling for a v5e topology with the pool updated in place."""
 
+import functools
 import os
+import re
 
 import numpy as np
 import jax
@@ -9,7 +12,7 @@ import pytest
 
 from areal_jax.models import ModelConfig
 from areal_jax.models.modules import gqa_attention
-from areal_jax.sampler.attention import paged_attention, write_chunks, write_decode_kv
+from areal_jax.sampler.attention import pallas_paged_attention, paged_attention, write_chunks, write_decode_kv
 from areal_jax.sampler.config import SamplerConfig
 
 
@@ -59,6 +62,25 @@ def test_decode_write_goes_to_the_slot_page_or_scratch():
   assert np.count_nonzero(kp2) == 2 * kv_heads * dim
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)])
+def test_pallas_kernel_interpreted_equals_jax_path(heads, kv_heads):
+  """Ragged lengths (0, one key, mid-page, page-aligned, the full sequence) over shuffled pages, in several compute
+  blocks. Keys and values are bfloat16 values held in float32: the kernel reads them in bfloat16, exactly then."""
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  rng = np.random.default_rng(2)
+  slots, dim, page, m = 5, 8, 4, 8
+  lengths = np.array([0, 1, 7, 16, m * page], np.int32)
+  q, _, _, kp, vp, ids = _random_paged(rng, slots=slots, heads=heads, kv_heads=kv_heads, dim=dim, page=page,
+                                       pages_per_seq=m, lengths=lengths)
+  kp, vp = (jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32) for x in (kp, vp))
+  args = (jnp.asarray(q), kp, vp, jnp.asarray(lengths), jnp.asarray(ids))
+  want = paged_attention(*args)
+  with pltpu.force_tpu_interpret_mode():
+    got = jax.jit(functools.partial(pallas_paged_attention, block_tokens=2 * page))(*args)  # 4 blocks of 2 pages
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got)[0] == 0)  # length 0: zeros
+
+
 def test_write_chunks_keeps_only_this_shard():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   k = jnp.arange(2 * 8 * 1 * 2, dtype=jnp.float32).reshape(2, 8, 1, 2)  # B=2, T=8, K=1, D=2, page 4
@@ -83,13 +105,20 @@ def test_pallas_tpu_path_compiles_for_v5e():
   from areal_jax.sampler.aot import lower_sampler
 
   mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))
-  cfg = ModelConfig(family="qwen2", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=128, attention_bias=True, dtype="bfloat16", param_dtype="bfloat16")
+  cfg = ModelConfig(family="qwen2", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                    num_kv_heads=4, head_dim=128, attention_bias=True, dtype="bfloat16", param_dtype="bfloat16")
   sc = SamplerConfig(num_slots=8, page_size=16, num_pages=64, max_seq_len=128, attention="pallas_tpu")
   lowered = lower_sampler(cfg, sc, mesh, prefill_len=32)
   decode = lowered["decode"].compile()
   assert "tpu_custom_call" in lowered["decode"].as_text()  # the Pallas kernel, not the pure-JAX fallback
   assert decode.memory_analysis() is not None
+  # The pool is carried through the decode loop (8 steps) and updated in place: no copy of a layer's pages, which
+  # XLA inserted (entering and leaving the loop, and per layer and step) while the cache write was a scatter.
+  # A layer's pages per device: 2 of 4 heads (tensor), 32 of 64 pages (data), 16 x 128 (with one head per device
+  # XLA kept the default layout even with the scatter).
+  assert sc.decode_steps == 8 and " while(" in decode.as_text()
+  copies = re.findall(r"= bf16\[2,32,16,128\]\{[^}]*\} copy\(", decode.as_text())
+  assert not copies, f"{len(copies)} copies of a layer's pages in the decode program"
   lowered["insert"].compile()
 
 

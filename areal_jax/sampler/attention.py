@@ -6,7 +6,10 @@ over the mesh's `data` axis and heads over `tensor`. Both attention implementati
 
 * `paged_attention`: pure JAX (CPU/GPU, and the TPU fallback). An online-softmax loop over blocks of pages that stops
   at the longest live sequence, so a step costs what the sequences hold, not the cache's maximum length.
-* `pallas_paged_attention`: `jax.experimental.pallas.ops.tpu.paged_attention` (TPU only).
+* `pallas_paged_attention`: `jax.experimental.pallas.ops.tpu.paged_attention` (TPU; on CPU under Pallas' TPU
+  interpret mode, for tests). Chosen over `ragged_paged_attention` because it reads this layout as it is (the ragged
+  kernel wants keys and values interleaved per page, `[pages, page_size, 2 * kv_heads, head_dim]`) and the engine
+  prefills densely, so it needs decode only. The kernel reads keys and values in bfloat16 whatever the cache's dtype.
 """
 
 from __future__ import annotations
@@ -91,27 +94,42 @@ def _pages_per_compute_block(pages_per_seq: int, page_size: int, target_tokens: 
 
 
 def pallas_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-                           page_table: jax.Array) -> jax.Array:
-  """Same contract as `paged_attention`, on the Pallas TPU kernel (which expects q pre-scaled and lengths >= 1)."""
+                           page_table: jax.Array, *, block_tokens: int = 512) -> jax.Array:
+  """Same contract as `paged_attention`, on the Pallas TPU kernel (which expects q pre-scaled and lengths >= 1, and
+  rounds keys and values to bfloat16), in blocks of at most `block_tokens` keys."""
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel  # TPU-only import
 
   d = q.shape[-1]
-  ppcb = _pages_per_compute_block(page_table.shape[1], k_pages.shape[2])
+  ppcb = _pages_per_compute_block(page_table.shape[1], k_pages.shape[2], block_tokens)
   q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)
   out = kernel(q, k_pages, v_pages, jnp.maximum(lengths, 1).astype(jnp.int32), page_table,
                pages_per_compute_block=ppcb)
   return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
+def tpu_interpret_forced() -> bool:
+  """Whether Pallas TPU kernels traced now run in TPU interpret mode (`pltpu.force_tpu_interpret_mode()`)."""
+  from jax._src import config  # the mode has no public getter
+
+  return config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 def write_decode_kv(k_pages, v_pages, k, v, page_table, positions, active):
-  """Writes one token per slot: k, v [S, K, D] at `positions` [S]; idle slots write to the scratch page."""
+  """Writes one token per slot: k, v [S, K, D] at `positions` [S]; idle slots write to the scratch page.
+
+  One `dynamic_update_slice` per slot, not one scatter: on TPU a scatter makes XLA carry the pool through the decode
+  loop in a layout of its own (heads second-minor), which costs a copy of the whole pool into and out of the loop
+  and, per layer and step, one into the Pallas kernel's layout. An update slice writes in place in any layout.
+  """
   page = k_pages.shape[2]
   rows = jnp.arange(page_table.shape[0])
   col = jnp.minimum(positions // page, page_table.shape[1] - 1)
   dst = jnp.where(active, page_table[rows, col], SCRATCH_PAGE)
   off = positions % page
-  k_pages = k_pages.at[:, dst, off].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype))
-  v_pages = v_pages.at[:, dst, off].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype))
+  for s in range(k.shape[0]):
+    at = (0, dst[s], off[s], 0)
+    k_pages = jax.lax.dynamic_update_slice(k_pages, k[s, :, None, None].astype(k_pages.dtype), at)
+    v_pages = jax.lax.dynamic_update_slice(v_pages, v[s, :, None, None].astype(v_pages.dtype), at)
   return k_pages, v_pages
 
 

@@ -15,10 +15,12 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
   `budget[s]` tokens, or (if `stop_eos[s]`) once its pending token is in `eos`; the loop ends when no slot is live,
   or once `refill_at` > 0 slots have stopped (so that the host can refill them with waiting answers). Drawing uses
   `fold_in(key, index)` as one step at a time does, so the tokens do not depend on the number of steps per call.
-  With `cfg.decode_steps` = 1 there is no loop: XLA carries a while loop's state in copies (two more of the KV pool
-  on TPU, by `tools/aot_check.py`), which real-size pools cannot afford; one step updates the pool in place. For the
-  same reason a step runs its layers unrolled (`run_layers(unroll=True)`), each on its own layer's pool: a scan over
-  layers would carry the pool too, or slice a copy of a layer's pool per layer and step.
+  The loop carries the KV pool and updates it in place: the cache write is one `dynamic_update_slice` per slot
+  (`attention.write_decode_kv`). A scatter there let XLA's TPU layout assignment carry the pool in a layout of its
+  own, which cost a copy of the pool into and one out of the loop and, per layer and step, one into the Pallas
+  kernel's layout (by `tools/aot_check.py`, 101 GiB of temporaries for the 1.5B preset's 49 GiB pool). A step runs
+  its layers unrolled (`run_layers(unroll=True)`), each on its own layer's pool: a scan over layers would slice a
+  copy of a layer's pool per layer and step. With `cfg.decode_steps` = 1 the step runs without a loop.
 """
 
 from __future__ import annotations
@@ -77,13 +79,16 @@ class Programs:
 
 
 def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) -> str:
-  """`auto` picks the Pallas TPU kernel on TPU when head_dim is a multiple of 128, else pure JAX."""
+  """`auto` picks the Pallas TPU kernel on TPU for a bfloat16 cache and head_dim a multiple of 128, else pure JAX (the
+  kernel reads keys and values in bfloat16, so a float32 cache would lose precision). `pallas_tpu` needs TPU devices,
+  or Pallas' TPU interpret mode forced (`pltpu.force_tpu_interpret_mode()`: the kernel runs interpreted on CPU)."""
   platform = mesh.devices.flat[0].platform
   if cfg.attention == "pallas_tpu":
-    if platform != "tpu":
+    if platform != "tpu" and not attention.tpu_interpret_forced():
       raise ValueError(f"sampler.attention='pallas_tpu' needs TPU devices; the sampler mesh has {platform!r}")
     return "pallas_tpu"
-  if cfg.attention == "auto" and platform == "tpu" and model_cfg.head_dim % 128 == 0:
+  if (cfg.attention == "auto" and platform == "tpu" and model_cfg.head_dim % 128 == 0
+      and model_cfg.compute_dtype == jnp.bfloat16):
     return "pallas_tpu"
   return "jax"
 
@@ -166,7 +171,6 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
 
     init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
             jnp.zeros((s, k_steps), jnp.float32))
-    # One step needs no loop (see the module docstring).
     loop = step if k_steps == 1 else functools.partial(jax.lax.while_loop, more, step)
     _, state, _, count, tokens, log_prob = loop(init)
     return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
