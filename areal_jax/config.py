@@ -136,6 +136,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("learner.eps_clip", lr.eps_clip, "must lie in (0, 1)")
   if lr.c_clip and lr.c_clip <= 1:
     _fail("learner.c_clip", lr.c_clip, "the dual clip must be > 1 (or 0 to disable)")
+  if lr.vocab_chunk < 0:
+    _fail("learner.vocab_chunk", lr.vocab_chunk, "must be >= 0 (0 = the whole vocabulary at once)")
   if lr.max_tokens_per_mb < s.max_seq_len:
     _fail("learner.max_tokens_per_mb", lr.max_tokens_per_mb,
           f"must hold one whole sequence (sampler.max_seq_len={s.max_seq_len})")

@@ -84,6 +84,7 @@ def test_unknown_preset():
     ({"sampler.max_new_tokens": 4096}, "sampler.max_seq_len"),
     ({"learner.ppo_n_minibatches": 3}, "learner.ppo_n_minibatches"),
     ({"learner.eps_clip": 1.5}, "learner.eps_clip"),
+    ({"learner.vocab_chunk": -1}, "learner.vocab_chunk"),
     ({"data.source": "parquet"}, "data.source"),
     ({"data.source": "jsonl"}, "data.path"),
     ({"rollout.max_head_offpolicyness": -1}, "rollout.max_head_offpolicyness"),

@@ -105,7 +105,7 @@ def test_packed_microbatch_gradients_equal_one_padded_batch():
 
 def test_sharded_step_matches_single_device():
   cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=2, warmup_steps=0,
-                      logits_chunk=32)  # the chunked vocabulary projection, under vocab-sharding on 8 devices
+                      vocab_chunk=16)  # the chunked vocabulary projection, under vocab-sharding on 8 devices
   init = nnx.split(create(CFG, 5))[1]
   trajs = make_trajectories(2)
   one = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), params=init)

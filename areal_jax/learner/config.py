@@ -37,7 +37,7 @@ class LearnerConfig:
   ppo_n_minibatches: int = 4
   max_tokens_per_mb: int = 32768
   min_bucket: int = 128
-  logits_chunk: int = 4096
+  vocab_chunk: int = 8192  # vocabulary entries per chunk of the output projection; 0 = all at once
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
@@ -55,7 +55,7 @@ class LearnerConfig:
       if getattr(self, f) <= 0:
         bad(f, "must be positive")
     for f in ("weight_decay", "grad_clip", "warmup_steps", "eps_clip_higher", "behav_imp_weight_cap", "kl_coef",
-              "entropy_coef", "logits_chunk"):
+              "entropy_coef", "vocab_chunk"):
       if getattr(self, f) < 0:
         bad(f, "must be >= 0")
     if self.c_clip and self.c_clip <= 1.0:

@@ -32,7 +32,7 @@ from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
 from areal_jax.learner.ppo import kl_estimate, loglinear_proximal, ppo_token_terms
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.logprobs import entropy_of, logprobs_of
+from areal_jax.models.logprobs import logprobs_and_entropy
 from areal_jax.models.transformer import create
 from areal_jax.sharding import LEARNER_RULES, Rules, make_mesh, spec, state_shardings, use_rules
 
@@ -60,26 +60,13 @@ def packed_logprobs(model, tokens: jax.Array, positions: jax.Array, segment_ids:
                     chunk: int = 0, with_entropy: bool = False) -> tuple[jax.Array, ...]:
   """(logprob of token t + 1 at t, [entropy at t]) over packed rows, each [rows, length].
 
-  Values where t + 1 is not in t's segment are meaningless; callers mask them. With `chunk`, the vocabulary
-  projection runs `chunk` positions at a time under rematerialisation, so the [tokens, vocab] logits never exist whole.
+  Values where t + 1 is not in t's segment are meaningless; callers mask them. The vocabulary projection runs
+  `chunk` vocabulary entries at a time (`logprobs_and_entropy`), so the [tokens, vocab] logits never exist.
   """
   h = model.hidden(tokens, positions=positions, segment_ids=segment_ids)
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-
-  def head(h, t):
-    logits = model.logits(h)
-    lp = logprobs_of(logits, t, temperature)
-    return (lp, entropy_of(logits, temperature)) if with_entropy else (lp,)
-
-  rows, length = tokens.shape
-  if not chunk or length <= chunk:
-    return head(h, targets)
-  n = -(-length // chunk)
-  pad = n * chunk - length
-  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(rows, n, chunk, -1).swapaxes(0, 1)
-  t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(rows, n, chunk).swapaxes(0, 1)
-  outs = jax.lax.map(jax.checkpoint(lambda xs: head(*xs)), (h, t))
-  return tuple(o.swapaxes(0, 1).reshape(rows, n * chunk)[:, :length] for o in outs)
+  lp, ent = logprobs_and_entropy(h, model.unembedding(), targets, temperature, chunk=chunk)
+  return (lp, ent) if with_entropy else (lp,)
 
 
 def stat_keys(cfg: LearnerConfig) -> tuple[str, ...]:
@@ -97,7 +84,7 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
   """`Σ m·w·ℓ · inv_tokens` of one micro-batch (PPO + optional KL and entropy terms; w = `loss_weights`) and its
   statistic sums."""
   lp, ent = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
-                            temperature=temperature, chunk=cfg.logits_chunk, with_entropy=True)
+                            temperature=temperature, chunk=cfg.vocab_chunk, with_entropy=True)
   mask = batch["loss_mask"] > 0
   behavior = batch["behavior_logprobs"]
   if cfg.loglinear_proximal:
@@ -214,7 +201,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   def logprobs(params, batch):
     model = nnx.merge(graphdef, params)
     (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
-                            temperature=temperature, chunk=cfg.logits_chunk)
+                            temperature=temperature, chunk=cfg.vocab_chunk)
     return lp
 
   def accumulate(params, grads, stats, batch, inv_tokens):

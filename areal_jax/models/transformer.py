@@ -93,10 +93,13 @@ class Transformer(nnx.Module):
     x, aux = jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers, dtype=jnp.int32), state))
     return self.final_norm(x), aux
 
+  def unembedding(self) -> jax.Array:
+    """The output projection [hidden, vocab]: `lm_head`, or the tied embedding transposed."""
+    return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
   def logits(self, h: jax.Array) -> jax.Array:
     """Float32 logits [..., vocab] from final hidden states."""
-    w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-    out = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    out = jnp.einsum("...d,dv->...v", h, self.unembedding().astype(h.dtype), preferred_element_type=jnp.float32)
     return constrain(out, ("batch", "seq", "act_vocab")) if out.ndim == 3 else out
 
   def hidden(self, tokens: jax.Array, *, positions: jax.Array | None = None,
