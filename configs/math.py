@@ -75,7 +75,7 @@ def _model(preset: str) -> ml_collections.ConfigDict:
   # its 4 layers unrolled: on CPU its learner step measured ~9% faster so (the parameters are stacked either way).
   m.scan_layers = preset != "tiny"
   # Packed training attention (models/packed_attention.py): auto = the Pallas splash kernel on TPU, else `flash`
-  # (pure JAX, skips the key blocks no segment reaches); `dense` is the quadratic reference.
+  # (pure JAX, skips the key blocks no segment reaches; `dense`, the quadratic reference, for rows of <= 2 blocks).
   m.attention = "auto"  # auto | flash | splash | dense
   m.attention_block = 0  # tokens per block of `flash`; 0 = 128 on CPU, 512 elsewhere (measured best on each)
   if preset == "tiny":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from areal_jax.models.modules import gqa_attention, packed_mask
-from areal_jax.models.packed_attention import block_ranges, flash_attention, packed_attention
+from areal_jax.models.packed_attention import block_ranges, flash_attention, packed_attention, resolve
 from areal_jax.sharding import LEARNER_RULES, make_mesh, use_rules
 
 
@@ -111,3 +111,10 @@ def test_splash_kernel_in_interpret_mode_under_learner_sharding():
       return attend(q, k, v)[0]
 
   _check(sharded, seg, q, k, v, atol=1e-4)
+
+
+def test_auto_picks_dense_only_for_rows_of_two_blocks_off_tpu():
+  assert resolve("auto", 256, 128) == "dense" and resolve("auto", 384, 128) == "flash"
+  assert resolve("splash", 256, 128) == "splash"
+  with pytest.raises(ValueError, match="'flashy'"):
+    resolve("flashy", 256, 128)

@@ -215,20 +215,23 @@ def _platform() -> str:
   return (ctx[0].devices.flat[0] if ctx else jax.devices()[0]).platform
 
 
-def resolve(impl: str) -> str:
-  """`auto` → `splash` on TPU, else `flash`."""
+def resolve(impl: str, length: int, block: int) -> str:
+  """`auto` → `splash` on TPU; elsewhere `flash`, or `dense` for rows of at most two blocks, where skipping blocks saves
+  at most a quarter of the work and the loops cost more to compile than they save (the tiny CPU preset's rows)."""
   if impl not in IMPLS:
     raise ValueError(f"attention implementation {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  return "splash" if _platform() == "tpu" else "flash"
+  if _platform() == "tpu":
+    return "splash"
+  return "dense" if length <= 2 * block else "flash"
 
 
 def packed_attention(segment_ids: jax.Array, *, impl: str = "auto", block: int = 0, interpret: bool = False):
   """The training `attend(q, k, v) -> (out, None)` over packed rows (see the module docstring); `dense` is
   `modules.dense_attention`, the quadratic reference. `block`: the flash kernel's (0: by platform)."""
-  impl = resolve(impl)
   block = block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT)
+  impl = resolve(impl, segment_ids.shape[1], block)
   if impl == "dense":
     from areal_jax.models.modules import dense_attention  # pylint: disable=g-import-not-at-top
     return dense_attention(segment_ids)
