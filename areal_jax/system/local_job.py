@@ -117,11 +117,9 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     pass
 
 
-def _stop(children: Sequence[_Child]) -> None:
-  for c in children:
-    if c.proc.poll() is None:
-      _signal_group(c.proc, signal.SIGTERM)
-  deadline = time.monotonic() + STOP_GRACE_S
+def _wait_or_kill(children: Sequence[_Child], grace_s: float) -> None:
+  """Waits up to `grace_s` in all for the processes to exit; kills those still running then."""
+  deadline = time.monotonic() + grace_s
   for c in children:
     try:
       c.proc.wait(max(0.0, deadline - time.monotonic()))
@@ -130,19 +128,20 @@ def _stop(children: Sequence[_Child]) -> None:
       c.proc.wait()
 
 
+def _stop(children: Sequence[_Child]) -> None:
+  for c in children:
+    if c.proc.poll() is None:
+      _signal_group(c.proc, signal.SIGTERM)
+  _wait_or_kill(children, STOP_GRACE_S)
+
+
 def _supervise(children: list[_Child], stopped: list[int]) -> int:
   """0 when every process finished cleanly; 1 when one died; 128 + N after forwarding signal N (then each process
   gets FINISH_GRACE_S to shut down cleanly; a second signal ends them at once)."""
   leader_done_at = None
   while True:
     if stopped:
-      deadline = time.monotonic() + FINISH_GRACE_S
-      for c in children:
-        try:
-          c.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-          _signal_group(c.proc, signal.SIGKILL)
-          c.proc.wait()
+      _wait_or_kill(children, FINISH_GRACE_S)
       print(f"local: stopped by {signal.Signals(stopped[0]).name}; run the same command again to resume from the "
             "last checkpoint", flush=True)
       return 128 + stopped[0]
