@@ -46,7 +46,7 @@ Presets (`--config=configs/math.py:PRESET`):
 
   Meant for a v5p-16 (8 chips, 95 GiB) per role; checked by `python tools/aot_check.py
   --config=configs/math.py:r1-distill-qwen-7b --learner_topology=v5p:2x2x2 --sampler_topology=v5p:2x2x2` (GiB per
-  device): learner logprobs 19.31, accumulate 41.27 (8 rows x 32768 tokens), apply 14.19; sampler (bfloat16
+  device): learner logprobs 18.03, accumulate 40.21 (8 rows x 32768 tokens), apply 14.19; sampler (bfloat16
   weights, 14.19 instead of 28.37 in float32) prefill 67.53, decode 63.58 (8 steps per call), insert 66.01 (32 slots,
   14337 pages of 64 per data shard). Both presets run their layers under `lax.scan` (`model.scan_layers`), which is
   what fits the 7B learner without tensor parallelism (104.53 unrolled) and the 1.5B learner on v5e.
