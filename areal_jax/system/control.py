@@ -12,6 +12,7 @@ learner batches). Arrays never travel here: weights go over `jax.experimental.tr
                                         ◄──────      ("pulled", {version, seconds, fingerprint})
                                         ◄──────      ("stats", {tokens, busy_s, ...})
                                         ◄──────      ("error", traceback)
+                                        ◄──────      ("stopped", signum)   signalled: the leader stops too
 
     leader                                         learner process k > 0 (a follower)
       ("step", {step, trajectories})    ──────►      the same train step on its shards (SPMD)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from areal_jax import cli
 from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardResult, RewardService
 from areal_jax.sampler.loop import SamplerLoop
@@ -114,6 +115,8 @@ class RolloutController:
       self._thread.join(timeout=30)
 
   def check(self) -> None:
+    if isinstance(self.error, cli.Stopped):
+      raise self.error  # a sampler process was signalled: this process stops the same way
     if self.error is not None:
       raise RuntimeError("rollout controller failed") from self.error
 
@@ -156,6 +159,8 @@ class RolloutController:
         busy |= self._collect_rewards()
         if not busy:
           time.sleep(0.002)
+    except cli.Stopped as e:
+      self.error = e
     except BaseException as e:  # surfaced to the learner thread through check()
       logging.exception("rollout controller failed")
       self.error = e

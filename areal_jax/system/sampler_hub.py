@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import threading
 import time
 
 import numpy as np
 
+from areal_jax import cli
 from areal_jax.sampler.requests import Request
 from areal_jax.system.control import Peer
 from areal_jax.system.weight_transfer import WeightPublisher, check_fingerprint
@@ -73,6 +75,8 @@ class SamplerHub:
     self.version = version
 
   def check(self) -> None:
+    if isinstance(self.error, cli.Stopped):
+      raise self.error
     if self.error is not None:
       raise RuntimeError(f"sampler process failed: {self.error}") from self.error
 
@@ -133,6 +137,10 @@ class SamplerHub:
         elif kind == "error":
           raise RuntimeError(f"{peer.name} (process {peer.process_id}) failed:\n{payload}")
         elif kind == "bye":
+          return
+        elif kind == "stopped":  # signalled: so is the whole job; stop as if this process got it (no traceback)
+          logging.warning("%s (process %d) stopped by %s", peer.name, peer.process_id, signal.Signals(payload).name)
+          self.error = cli.peer_stopped(payload)
           return
         else:
           raise RuntimeError(f"{peer.name} sent an unknown message {kind!r}")

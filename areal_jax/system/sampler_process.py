@@ -70,8 +70,9 @@ class _Sampler:
   def run(self) -> None:
     try:
       self._serve()
-    except cli.Stopped:
-      raise  # a signal, not an error: the job's other processes got it too
+    except cli.Stopped as e:
+      self._send("stopped", e.signum)  # a signal, not an error: the leader stops too, quietly
+      raise
     except BaseException as e:
       self._report(e)
       raise
@@ -82,8 +83,11 @@ class _Sampler:
       self.leader.close()
 
   def _report(self, e: BaseException) -> None:
+    self._send("error", "".join(traceback.format_exception(e)))
+
+  def _send(self, kind: str, payload) -> None:
     try:
-      self.leader.send("error", "".join(traceback.format_exception(e)))
+      self.leader.send(kind, payload)
     except OSError:
       pass
 

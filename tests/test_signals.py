@@ -1,0 +1,49 @@
+"""A job is signalled as a whole: a sampler process that stops first makes the leader stop the same way (no
+traceback, exit 128 + N), and the signal's own late arrival at the leader cannot cut its shutdown."""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from areal_jax import cli
+from areal_jax.system.control import Peer
+from areal_jax.system.sampler_hub import SamplerHub
+
+
+@pytest.fixture
+def signal_handlers():
+  saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  yield
+  for s, h in saved.items():
+    signal.signal(s, h)
+  cli._stopping = False  # pylint: disable=protected-access
+
+
+def test_a_sampler_stopped_by_a_signal_stops_the_leader_quietly(signal_handlers):
+  del signal_handlers
+  cli.stop_on_signals()
+  ours, theirs = multiprocessing.Pipe()
+  hub = SamplerHub(peers={1: Peer(ours, name="sampler 0", process_id=1)}, publisher=None).start()
+  theirs.send(("stopped", int(signal.SIGTERM)))
+  theirs.close()
+  deadline = time.time() + 10
+  while hub.error is None and time.time() < deadline:
+    time.sleep(0.01)
+  with pytest.raises(cli.Stopped, match="received SIGTERM") as stopped:
+    hub.check()
+  assert stopped.value.signum == signal.SIGTERM
+  os.kill(os.getpid(), signal.SIGTERM)  # the job's signal reaching the leader too: absorbed, not a second Stopped
+  time.sleep(0.1)
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a further signal ends the process at once
+
+
+def test_the_first_signal_raises_stopped(signal_handlers):
+  del signal_handlers
+  cli.stop_on_signals()
+  with pytest.raises(cli.Stopped, match="received SIGINT"):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+  assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
