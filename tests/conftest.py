@@ -1,6 +1,16 @@
 """Test setup: 8 emulated CPU devices, set before JAX is imported anywhere."""
 
+import atexit
 import os
+import shutil
+import tempfile
+
+# One XLA compilation cache for the session, shared with the runs the tests start as subprocesses (they compile the
+# same tiny programs again and again). Empty at the start of every session: nothing carries over between runs.
+_CACHE = tempfile.mkdtemp(prefix="areal_jax_test_xla_cache_")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

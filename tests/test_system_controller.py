@@ -11,7 +11,7 @@ from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardResult
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.system.controller import RolloutController
-from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory
 
 G = 4
@@ -66,20 +66,18 @@ def test_filtering_admission_and_bookkeeping():
   ds = _dataset()
   loop, rewards = FakeLoop(), FakeRewards()
   b, eta = 4, 1
-  staleness = StalenessControl(batch_size=b, max_offpolicyness=eta, max_concurrent=100)
-  out = TrajectoryQueue(100)
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, staleness=staleness, out=out, group_size=G,
+  out = RolloutBuffer(batch_size=b, max_offpolicyness=eta, max_concurrent=100, maxsize=100)
+  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=out, group_size=G,
                           sampling=SamplingParams(), filter_uniform=True).start()
   try:
     trained, filtered = [], []
     for version in range(1, 4):
-      batch = out.get_batch(b, timeout=10)
+      batch = out.take_batch(b, version - 1, timeout=10)
       assert batch is not None
       for g in batch:
         assert len(g.trajectories) == G and len(set(g.rewards.tolist())) > 1  # uniform groups never reach training
       trained += [g.record.uid for g in batch]
       ctl.mark_trained(batch)
-      staleness.set_version(version)
       loop.version = version
       state, newly_filtered = ctl.snapshot()
       filtered += [g.record.uid for g in newly_filtered]
@@ -91,8 +89,8 @@ def test_filtering_admission_and_bookkeeping():
   state, newly_filtered = ctl.snapshot()
   filtered += [g.record.uid for g in newly_filtered]
   # Admission: kept groups (trained + queued) never exceed (eta + v + 1) * B.
-  assert staleness.accepted + staleness.running <= (eta + 3 + 1) * b
-  assert staleness.accepted == len(trained) + len(out)
+  assert out.accepted + out.running <= (eta + 3 + 1) * b
+  assert out.accepted == len(trained) + len(out)
   # Every drawn prompt is exactly one of: trained, filtered, or still undone (queued / in flight) - in draw order.
   undone = state["undone"]
   drawn = trained + filtered + undone
@@ -105,9 +103,9 @@ def test_filtering_admission_and_bookkeeping():
 def test_replay_comes_first_and_group_ids_continue():
   ds = _dataset()
   loop, rewards = FakeLoop(), FakeRewards()
-  staleness = StalenessControl(batch_size=2, max_offpolicyness=0, max_concurrent=100)
+  buffer = RolloutBuffer(batch_size=2, max_offpolicyness=0, max_concurrent=100, maxsize=10)
   replay = [ds.records[10], ds.records[20]]
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, staleness=staleness, out=TrajectoryQueue(10),
+  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=buffer,
                           group_size=G, sampling=SamplingParams(), filter_uniform=False, next_group_id=7,
                           replay=replay)
   ctl.start()

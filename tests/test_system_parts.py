@@ -1,4 +1,4 @@
-"""Controller parts: admission rule, trajectory queue, weight sync, slices, checkpoints, metrics."""
+"""Controller parts: the rollout buffer (admission rule, batches), weight sync, slices, checkpoints, metrics."""
 
 import json
 import threading
@@ -15,7 +15,7 @@ from areal_jax.models import ModelConfig, create, weights
 from areal_jax.system import weight_sync
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.metrics import MetricsWriter, read_metrics
-from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.system.slices import build_slices
 from areal_jax.types import Trajectory
 from flax import nnx
@@ -28,34 +28,39 @@ def _capacity_reference(max_concurrent, eta, v, b, accepted, running):
 def test_admission_matches_eq3_under_random_events():
   rng = np.random.default_rng(0)
   for eta in (0, 1, 4):
-    ctl = StalenessControl(batch_size=4, max_offpolicyness=eta, max_concurrent=10)
+    buf = RolloutBuffer(batch_size=4, max_offpolicyness=eta, max_concurrent=10, maxsize=1000)
     accepted = running = v = 0
+    gids = iter(range(10**6))
+    out = []
     for _ in range(500):
-      assert ctl.capacity() == _capacity_reference(10, eta, v, 4, accepted, running)
+      assert buf.capacity(v) == _capacity_reference(10, eta, v, 4, accepted, running)
       event = rng.integers(3)
-      if event == 0 and ctl.capacity() > 0:
-        ctl.started()
+      if event == 0 and buf.capacity(v) > 0:
+        out.append(next(gids))
+        buf.admit(out[-1], v)
         running += 1
       elif event == 1 and running:
         kept = bool(rng.integers(2))
-        ctl.finished(kept=kept)
+        buf.finish(out.pop(rng.integers(len(out))), [_traj(v)] if kept else None, version=v)
         running, accepted = running - 1, accepted + kept
       elif event == 2 and accepted >= (v + 1) * 4:
         v += 1
-        ctl.set_version(v)
       # Never more generated (kept or in flight) than the staleness bound allows.
       assert accepted + running <= (eta + v + 1) * 4
+    if buf.capacity(v) == 0:
+      with pytest.raises(RuntimeError, match="beyond the staleness bound"):
+        buf.admit(-1, v)
 
 
 def test_eta_zero_is_synchronous():
-  ctl = StalenessControl(batch_size=3, max_offpolicyness=0, max_concurrent=100)
-  assert ctl.capacity() == 3
-  ctl.started(3)
-  for _ in range(3):
-    ctl.finished(kept=True)
-  assert ctl.capacity() == 0  # the whole batch is done: nothing more until the learner steps
-  ctl.set_version(1)
-  assert ctl.capacity() == 3
+  buf = RolloutBuffer(batch_size=3, max_offpolicyness=0, max_concurrent=100, maxsize=10)
+  assert buf.capacity(0) == 3
+  for g in range(3):
+    buf.admit(g, 0)
+  for g in range(3):
+    buf.finish(g, [_traj(0, g)], version=0)
+  assert buf.capacity(0) == 0  # the whole batch is done: nothing more until the learner steps
+  assert buf.capacity(1) == 3
 
 
 def _traj(version, group=0):
@@ -64,20 +69,51 @@ def _traj(version, group=0):
                     group_id=group)
 
 
-def test_queue_oldest_first_and_bounded():
-  q = TrajectoryQueue(maxsize=3)
-  for i, v in enumerate([2, 0, 1]):
-    q.put([_traj(v, i)], version=v)
-  stop = threading.Event()
-  blocked = threading.Thread(target=lambda: q.put([_traj(5, 9)], version=5, stop=stop))
-  blocked.start()
+def _wait_in_thread(fn):
+  out = []
+  t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+  t.start()
+  return t, out
+
+
+def test_buffer_oldest_first_and_bounded():
+  buf = RolloutBuffer(batch_size=1, max_offpolicyness=10, max_concurrent=100, maxsize=3)
+  for g in range(4):
+    buf.admit(g, 0)
+  for g, v in enumerate([2, 0, 1]):
+    buf.finish(g, [_traj(v, g)], version=v)
+  blocked, done = _wait_in_thread(lambda: buf.finish(3, [_traj(5, 3)], version=5))
   blocked.join(0.3)
-  assert blocked.is_alive() and len(q) == 3  # full: the producer waits
-  batch = q.get_batch(2)
+  assert blocked.is_alive() and len(buf) == 3  # full: the producer waits
+  batch = buf.take_batch(2, version=0)
   assert [g[0].version_start for g in batch] == [0, 1]
   blocked.join(2)
-  assert not blocked.is_alive() and len(q) == 2
-  assert q.get_batch(3, timeout=0.2) is None
+  assert not blocked.is_alive() and done == [True] and len(buf) == 2
+  assert buf.take_batch(3, version=0, timeout=0.2) is None
+
+
+def test_take_batch_waits_for_groups_at_the_staleness_bound():
+  """A group admitted under v - eta is trained in the step after v or never within the bound: the batch waits for it,
+  and a group finishing faster does not take its place."""
+  buf = RolloutBuffer(batch_size=2, max_offpolicyness=1, max_concurrent=100, maxsize=10)
+  buf.admit(0, 0)  # slow, admitted under version 0
+  buf.admit(1, 1)
+  buf.admit(2, 1)
+  buf.finish(1, ["g1"], version=1)
+  buf.finish(2, ["g2"], version=1)
+  assert buf.take_batch(2, version=0, timeout=0.1) == [["g1"], ["g2"]]  # step 1 (v=0): 0 - eta < 0 waits for none
+  buf.admit(3, 1)
+  buf.admit(4, 1)
+  buf.finish(3, ["g3"], version=1)
+  buf.finish(4, ["g4"], version=1)
+  waiter, got = _wait_in_thread(lambda: buf.take_batch(2, version=1))  # step 2 (v=1) must wait for group 0
+  waiter.join(0.3)
+  assert waiter.is_alive()
+  buf.finish(0, ["g0"], version=0)  # wakes the learner at once: no polling
+  waiter.join(2)
+  assert got == [[["g0"], ["g3"]]]
+  buf.close()
+  assert buf.take_batch(1, version=5) is None and not buf.finish(99, ["late"])
 
 
 def test_weight_sync_is_device_to_device_and_exact():

@@ -2,7 +2,7 @@
 
 It runs in its own thread beside the sampler loop and the learner:
 
-    prompts ─(capacity > 0)─► SamplerLoop ─► answers ─► RewardService ─► whole groups ─► TrajectoryQueue ─► learner
+    prompts ─(capacity > 0)─► SamplerLoop ─► answers ─► RewardService ─► whole groups ─► RolloutBuffer ─► learner
 
 A group is finished when its G answers are scored. Groups whose answers all score the same are dropped (they carry
 no learning signal) when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
@@ -28,7 +28,7 @@ from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardResult, RewardService
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import Request, SamplingParams
-from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory
 
 _SHOWN_REWARD_FAILURES = 5  # reward failures logged one by one; after that every 100th
@@ -84,16 +84,14 @@ class _Pending:
 
 class RolloutController:
 
-  def __init__(self, *, dataset, loop: SamplerLoop, rewards: RewardChannels, staleness: StalenessControl,
-               out: TrajectoryQueue, group_size: int, sampling: SamplingParams, filter_uniform: bool,
+  def __init__(self, *, dataset, loop: SamplerLoop, rewards: RewardChannels, buffer: RolloutBuffer, group_size: int, sampling: SamplingParams, filter_uniform: bool,
                next_group_id: int = 0, replay: Sequence[PromptRecord] = ()):
-    self.dataset, self.loop, self.rewards, self.staleness, self.out = dataset, loop, rewards, staleness, out
+    self.dataset, self.loop, self.rewards, self.buffer = dataset, loop, rewards, buffer
     self.group_size, self.sampling, self.filter_uniform = group_size, sampling, filter_uniform
     self._next_id = next_group_id
     self._replay = collections.deque(replay)
     self._inflight: dict[int, _Pending] = {}
     self._undone: dict[int, PromptRecord] = {}  # drawn, not yet trained on or filtered (group id -> record)
-    self._unqueued: dict[int, int] = {}  # admitted, not yet queued or filtered (group id -> learner version then)
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -111,6 +109,7 @@ class RolloutController:
 
   def stop(self) -> None:
     self._stop.set()
+    self.buffer.close()  # a group waiting for room in a full buffer gives up
     if self._thread is not None:
       self._thread.join(timeout=30)
 
@@ -124,15 +123,6 @@ class RolloutController:
     with self._lock:
       for g in groups:
         self._undone.pop(g.trajectories[0].group_id, None)
-
-  def unqueued_at_or_below(self, version: int) -> bool:
-    """Whether a group admitted under learner version <= `version` is still generating or being scored.
-
-    The learner at version v waits for those admitted at v - eta before taking a batch: trained any later, they would
-    be more than eta versions stale (groups finish out of order; the queue hands out the oldest first).
-    """
-    with self._lock:
-      return any(v <= version for v in self._unqueued.values())
 
   def snapshot(self) -> tuple[dict, list[Group]]:
     """(checkpoint state, groups filtered since the last snapshot), taken together so no group falls between.
@@ -166,15 +156,15 @@ class RolloutController:
       self.error = e
 
   def _admit(self) -> bool:
-    n = self.staleness.capacity()
+    version = self.loop.version  # the policy the sampler generates from now
+    n = self.buffer.capacity(version)
     for _ in range(n):
       record = self._replay.popleft() if self._replay else next(self.dataset)
       with self._lock:
         gid, self._next_id = self._next_id, self._next_id + 1
         self._inflight[gid] = _Pending(record=record)
         self._undone[gid] = record
-        self._unqueued[gid] = self.staleness.version
-      self.staleness.started()
+      self.buffer.admit(gid, version)
       self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
                                sampling=self.sampling))
     return n > 0
@@ -222,8 +212,4 @@ class RolloutController:
         self._undone.pop(gid, None)
         self._filtered.append(group)
     self.counters["groups_kept" if keep else "groups_filtered"] += 1
-    self.staleness.finished(kept=keep)
-    if keep:
-      self.out.put(group, version=min(t.version_start for t in trajs), stop=self._stop)
-    with self._lock:
-      self._unqueued.pop(gid, None)
+    self.buffer.finish(gid, group if keep else None, version=min(t.version_start for t in trajs))

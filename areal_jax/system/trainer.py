@@ -2,12 +2,12 @@
 
 One process (the default) runs three threads and a process pool:
 - the sampler loop (sampler slice) generates without pause and takes new weights between decode steps;
-- the rollout controller admits prompt groups under the staleness bound and queues scored groups;
+- the rollout controller admits prompt groups under the staleness bound (`RolloutBuffer`) and hands it scored groups;
 - reward workers (processes) verify answers;
 - this thread is the learner (learner slice): B groups → PPO step → weights pushed device-to-device → version + 1.
 
 In a multi-process job (`roles.ProcessLayout`) the same code runs per role. The leader (learner process 0) keeps the
-rollout controller, reward workers, queue, checkpoints and metrics, and drives the sampler processes through a
+rollout controller, reward workers, rollout buffer, checkpoints and metrics, and drives the sampler processes through a
 `SamplerHub` (requests and answers over authenticated connections, weights over `jax.experimental.transfer`).
 Other learner processes follow the leader step by step on their shards of one fsdp x tensor mesh (`_follow`).
 Sampler processes run `sampler_process.run_sampler`.
@@ -53,7 +53,7 @@ from areal_jax.system.controller import RewardChannels, RolloutController
 from areal_jax.system.evaluation import Evaluator
 from areal_jax.system.metrics import MetricsWriter, append_lines, cut_logs
 from areal_jax.system.roles import ProcessLayout, authkey
-from areal_jax.system.rollout_control import StalenessControl, TrajectoryQueue
+from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.system.sampler_hub import SamplerHub
 from areal_jax.system.slices import build_slices
 from areal_jax.system.weight_transfer import WeightPublisher, local_copy
@@ -253,14 +253,13 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
 
   rewards = RewardChannels(lambda **kw: RewardService.from_config(config.reward, **kw))
   r = config.rollout
-  staleness = StalenessControl(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
-                               max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
-  staleness.set_version(learner.version)
-  queue = TrajectoryQueue(r.queue_size)
+  buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
+                         max_concurrent=r.max_concurrent_rollouts, maxsize=r.queue_size,
+                         accepted=learner.version * r.batch_size)
   by_uid = {rec.uid: rec for rec in train.records}
   s = config.sampler
   controller = RolloutController(
-      dataset=train, loop=loop, rewards=rewards, staleness=staleness, out=queue, group_size=r.group_size,
+      dataset=train, loop=loop, rewards=rewards, buffer=buffer, group_size=r.group_size,
       sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens, seed=config.seed),
       filter_uniform=config.learner.filter_uniform_groups,
@@ -295,16 +294,11 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
       while groups is None:
         controller.check()
         loop.check()
-        # Groups admitted under version v - eta are trained in this step or never within the bound: wait for them
-        # (unless the queue is full: queue_size >= (eta + 1) * B, checked by the config, keeps that from happening).
-        if controller.unqueued_at_or_below(learner.version - r.max_head_offpolicyness) and not queue.full():
-          time.sleep(0.005)
-        else:
-          groups = queue.get_batch(r.batch_size, timeout=1.0)
+        groups = buffer.take_batch(r.batch_size, learner.version, timeout=1.0)
         if groups is None and time.time() - waiting_since > 120:
-          logging.warning("step %d: no batch of %d groups after %.0fs (%d queued; %s); groups whose answers all "
+          logging.warning("step %d: no batch of %d groups after %.0fs (%d finished; %s); groups whose answers all "
                           "score the same are dropped (learner.filter_uniform_groups)", step + 1,
-                          r.batch_size, time.time() - waiting_since, len(queue), dict(controller.counters))
+                          r.batch_size, time.time() - waiting_since, len(buffer), dict(controller.counters))
           waiting_since = time.time()
       trajectories = [t for g in groups for t in g.trajectories]
       if config.metrics.save_batches:
@@ -318,7 +312,6 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
       sync_start = time.time()
       local = local_copy(learner.params, learner_mesh)
       push(local, learner.version)
-      staleness.set_version(learner.version)
       sync_s = time.time() - sync_start
       now, loop_stats = time.time(), loop.stats()
       learner_busy += now - busy_start
@@ -334,7 +327,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
           "sampler/busy_s": loop_stats.get("busy_s", 0.0),
           "learner/busy_s": learner_busy,
           "sync/seconds": sync_s,
-          "rollout/queue_groups": len(queue),
+          "rollout/queue_groups": len(buffer),
           "rollout/groups_filtered": controller.counters["groups_filtered"],
           "rollout/reward_failures": controller.counters["reward_failures"],
           "time/elapsed_s": now - start_time,

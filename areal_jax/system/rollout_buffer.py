@@ -1,0 +1,95 @@
+"""The rollout buffer: the one owner of the staleness bound η (paper Eq. 3) and of the finished groups.
+
+    capacity(version) ─► admit(gid, version) ─► generating ─► finish(gid, group | None) ─► take_batch(n, version)
+
+- `capacity(version)`: how many new prompt groups may start generating when the sampler runs policy `version`:
+  min(max_concurrent - running, (η + version + 1) * B - (accepted + running)), where `accepted` counts finished groups
+  that were kept (not filtered) and `running` those in flight. η = 0 is synchronous RL: B groups per version.
+- `take_batch(n, version)`: the n oldest finished groups (by the policy version their answers started from; ties by
+  arrival) for the learner step after `version`. A group admitted under version − η or earlier is trained in this
+  step or never within the bound, so it waits for every such group still out, unless the buffer is full.
+
+The version is always an argument: the learner's counter (and what the sampler was last given) is its only owner.
+One condition variable wakes every waiter; nothing polls.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from typing import Any
+
+
+class RolloutBuffer:
+
+  def __init__(self, *, batch_size: int, max_offpolicyness: int, max_concurrent: int, maxsize: int,
+               accepted: int = 0):
+    self.batch_size, self.eta, self.max_concurrent, self.maxsize = batch_size, max_offpolicyness, max_concurrent, maxsize
+    self.accepted = accepted  # finished and kept, since the start of training (restored from the version on resume)
+    self._out: dict[int, int] = {}  # generating: group id -> version it was admitted under
+    self._heap: list[tuple[int, int, Any]] = []  # finished: (version, arrival, group)
+    self._arrival = itertools.count()
+    self._closed = False
+    self._cond = threading.Condition()
+
+  @property
+  def running(self) -> int:
+    return len(self._out)
+
+  def __len__(self) -> int:
+    with self._cond:
+      return len(self._heap)
+
+  def capacity(self, version: int) -> int:
+    with self._cond:
+      return self._capacity(version)
+
+  def _capacity(self, version: int) -> int:
+    running = len(self._out)
+    return max(0, min(self.max_concurrent - running,
+                      (self.eta + version + 1) * self.batch_size - (self.accepted + running)))
+
+  def admit(self, group_id: int, version: int) -> None:
+    """Group `group_id` starts generating under `version` (the caller checked `capacity(version)`)."""
+    with self._cond:
+      if self._capacity(version) <= 0:
+        raise RuntimeError(f"group {group_id} admitted beyond the staleness bound at version {version}")
+      self._out[group_id] = version
+
+  def finish(self, group_id: int, group=None, *, version: int = 0) -> bool:
+    """Group `group_id` is done: `group` (generated from policy `version` on) is kept for training, None drops it
+    (filtered). Waits while the buffer is full; False if the buffer was closed first."""
+    with self._cond:
+      if group is not None:
+        self._cond.wait_for(lambda: len(self._heap) < self.maxsize or self._closed)
+        if self._closed:
+          return False
+        heapq.heappush(self._heap, (version, next(self._arrival), group))
+        self.accepted += 1
+      del self._out[group_id]
+      self._cond.notify_all()
+      return True
+
+  def take_batch(self, n: int, version: int, *, timeout: float | None = None) -> list | None:
+    """The n oldest finished groups for the learner step after `version`; None if `timeout` passes or the buffer
+    closes first."""
+    def ready():
+      if self._closed:
+        return True
+      if len(self._heap) >= self.maxsize:
+        return len(self._heap) >= n
+      return len(self._heap) >= n and not any(v <= version - self.eta for v in self._out.values())
+
+    with self._cond:
+      if not self._cond.wait_for(ready, timeout) or self._closed:
+        return None
+      batch = [heapq.heappop(self._heap)[2] for _ in range(n)]
+      self._cond.notify_all()
+      return batch
+
+  def close(self) -> None:
+    """Ends every wait: `finish` returns False and `take_batch` None from now on."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
