@@ -112,7 +112,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("data.tfds_name", c.data.tfds_name, "data.source='tfds' needs a dataset name")
   _positive(c, "data.max_prompt_len", "sampler.num_slots", "sampler.page_size", "sampler.max_seq_len",
             "sampler.max_new_tokens", "learner.lr", "learner.ppo_n_minibatches", "learner.max_tokens_per_mb",
-            "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts", "rollout.queue_size",
+            "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts",
             "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps", "eval.every_steps",
             "eval.num_samples")
 
@@ -148,10 +148,6 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
   r = c.rollout
   if r.max_head_offpolicyness < 0:
     _fail("rollout.max_head_offpolicyness", r.max_head_offpolicyness, "must be >= 0 (0 = synchronous RL)")
-  if r.queue_size < (r.max_head_offpolicyness + 1) * r.batch_size:
-    _fail("rollout.queue_size", r.queue_size,
-          f"must hold (rollout.max_head_offpolicyness + 1) x rollout.batch_size = "
-          f"{(r.max_head_offpolicyness + 1) * r.batch_size} groups: every group the staleness bound lets finish untrained")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
 

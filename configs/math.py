@@ -214,8 +214,6 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.group_size = 8 if tiny else 16  # G: answers per prompt
   c.rollout.max_head_offpolicyness = 4 if tiny else 8  # eta; 0 = synchronous RL
   c.rollout.max_concurrent_rollouts = 16 if tiny else 256  # groups in flight
-  # Bounded trajectory queue (groups); (eta + 1) * B holds every group the admission rule lets finish untrained.
-  c.rollout.queue_size = 80 if tiny else 4608
 
   c.reward = ml_collections.ConfigDict()
   c.reward.kind = "math"  # math | code

@@ -92,7 +92,6 @@ def test_unknown_preset():
     ({"sampler.num_slots": 66}, "sampler.num_slots"),
     ({"mesh.sampler_devices": 8}, "mesh.sampler_devices"),
     ({"model.vocab_size": 32}, "model.vocab_size"),
-    ({"rollout.max_head_offpolicyness": 8}, "rollout.queue_size"),  # 9 x 16 groups do not fit a queue of 80
     ({"sampler.param_dtype": "float16"}, "sampler.param_dtype"),
     ({"sampler.param_dtype": "bf16"}, "sampler.param_dtype"),
 ])

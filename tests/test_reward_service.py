@@ -3,12 +3,13 @@
 import os
 import random
 import time
+from concurrent.futures import wait
 
 import pytest
 
 from areal_jax.config import load_config
 from areal_jax.reward import sandbox
-from areal_jax.reward.service import RewardService
+from areal_jax.reward.service import RewardService, score_all
 from helpers import SLOW_MATH
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")
@@ -34,26 +35,23 @@ def _procs_in(path: str) -> list[int]:
   return out
 
 
-def _drain(service, n, timeout=60.0):
-  results = {}
-  deadline = time.monotonic() + timeout
-  while len(results) < n:
-    r = service.get(timeout=max(0.1, deadline - time.monotonic()))
-    results[r.item_id] = r
-  return results
+def _results(futures, timeout=60.0):
+  """item id -> result, waiting at most `timeout` seconds in all."""
+  done, not_done = wait(futures, timeout=timeout)
+  assert not not_done, f"{len(not_done)} of {len(futures)} items not scored within {timeout} s"
+  return {f.result().item_id: f.result() for f in done}
 
 
 def test_scores_math_and_code_without_blocking():
   with RewardService(num_workers=2, timeout_s=5.0) as service:
     t0 = time.monotonic()
-    for i in range(40):
-      service.submit(("m", i), "math", rf"\boxed{{{i}}}", str(i if i % 2 else i + 1))
-    service.submit("code", "code", "```python\nprint(sum(map(int, input().split())))\n```",
-                   {"inputs": ["2 3\n"], "outputs": ["5\n"]})
-    service.submit("kind", "poetry", "roses", "red")
+    futures = [service.submit(("m", i), "math", rf"\boxed{{{i}}}", str(i if i % 2 else i + 1)) for i in range(40)]
+    futures.append(service.submit("code", "code", "```python\nprint(sum(map(int, input().split())))\n```",
+                                  {"inputs": ["2 3\n"], "outputs": ["5\n"]}))
+    futures.append(service.submit("kind", "poetry", "roses", "red"))
     assert time.monotonic() - t0 < 0.5  # submit never waits for a worker
-    assert service.poll() == [] or service.pending > 0
-    results = _drain(service, 42)
+    assert not all(f.done() for f in futures) and service.pending > 0
+    results = _results(futures)
     assert all(results[("m", i)].reward == float(i % 2 == 1) for i in range(40))
     assert results["code"].reward == 1.0 and results["code"].reason == "all 1 tests passed"
     assert results["kind"].reward == 0.0 and "unknown reward kind 'poetry'" in results["kind"].reason
@@ -100,9 +98,8 @@ def test_1000_adversarial_completions_finish_in_time_and_service_stays_healthy()
   timeout_s = 5.0  # the default; workers' soft budget is 3 s
   t0 = time.monotonic()
   with RewardService(num_workers=2, timeout_s=timeout_s) as service:
-    for i, (completion, reference) in enumerate(items):
-      service.submit(i, "math", completion, reference)
-    results = _drain(service, len(items), timeout=120)
+    futures = [service.submit(i, "math", completion, reference) for i, (completion, reference) in enumerate(items)]
+    results = _results(futures, timeout=120)
     wall = time.monotonic() - t0
     assert service.healthy
     stats = service.stats()  # no item needed a kill: the screen or the workers' soft timeout ended each one
@@ -113,8 +110,7 @@ def test_1000_adversarial_completions_finish_in_time_and_service_stays_healthy()
                         for r in results.values() if r.item_id < 40 and r.reward != 0.0]
     assert not wrongly_rewarded, wrongly_rewarded  # (item, completion head, reference, reward, seconds)
     # still scoring correctly afterwards
-    service.submit("after", "math", r"The answer is \boxed{\frac{3}{4}}.", "0.75")
-    assert service.get(timeout=10).reward == 1.0
+    assert service.submit("after", "math", r"The answer is \boxed{\frac{3}{4}}.", "0.75").result(10).reward == 1.0
   assert wall < 90, f"1000 adversarial items took {wall:.1f} s"
 
 
@@ -125,12 +121,12 @@ def test_hung_item_times_out_and_worker_is_replaced(tmp_path, monkeypatch):
   with RewardService(num_workers=2, timeout_s=1.0, soft_timeout_s=60, code_limits=limits) as service:
     service.wait_ready()
     pids = set(service.worker_pids())
-    service.submit("slow-math", "math", SLOW_MATH, "5")
-    service.submit("hung-code", "code", hang, {"inputs": [""], "outputs": ["1"]})
+    futures = [service.submit("slow-math", "math", SLOW_MATH, "5"),
+               service.submit("hung-code", "code", hang, {"inputs": [""], "outputs": ["1"]})]
     time.sleep(0.5)
     assert _procs_in(str(tmp_path))  # the hung program is running in its sandbox
     t0 = time.monotonic()
-    results = _drain(service, 2, timeout=10)
+    results = _results(futures, timeout=10)
     assert time.monotonic() - t0 < 3.0
     for r in results.values():
       assert r.reward == 0.0 and r.reason == "timed out after 1.0 s", r
@@ -139,39 +135,35 @@ def test_hung_item_times_out_and_worker_is_replaced(tmp_path, monkeypatch):
     assert not pids & set(service.worker_pids())
     assert not any(_alive(p) for p in pids)
     assert _procs_in(str(tmp_path)) == []  # the sandboxed program died with its worker
-    service.submit("next", "math", r"\boxed{2}", "2")
-    assert service.get(timeout=30).reward == 1.0
+    assert service.submit("next", "math", r"\boxed{2}", "2").result(30).reward == 1.0
     assert service.healthy
 
 
 def test_crashed_worker_scores_zero_and_pool_recovers():
   with RewardService(num_workers=1, timeout_s=30.0, soft_timeout_s=30) as service:
     service.wait_ready()
-    service.submit("victim", "math", SLOW_MATH, "5")
-    service.submit("queued", "math", r"\boxed{4}", "4")
+    futures = [service.submit("victim", "math", SLOW_MATH, "5"), service.submit("queued", "math", r"\boxed{4}", "4")]
     time.sleep(0.5)
     os.kill(service.worker_pids()[0], 9)
-    results = _drain(service, 2, timeout=30)
+    results = _results(futures, timeout=30)
     assert results["victim"].reward == 0.0 and results["victim"].reason == "worker crashed (exit code -9)"
     assert results["queued"].reward == 1.0  # waited in the queue, then went to the replacement
     assert service.stats()["crashes"] == 1 and service.healthy
 
 
-def test_on_result_callback_and_close_cancels_pending():
+def test_futures_callbacks_and_close_finishes_pending():
   seen = []
-  service = RewardService(num_workers=1, timeout_s=30.0, soft_timeout_s=30, on_result=seen.append)
-  service.submit("fast", "math", r"\boxed{1}", "1")
-  deadline = time.monotonic() + 30
-  while not seen and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert [r.item_id for r in seen] == ["fast"] and service.poll() == []
-  service.submit("slow", "math", SLOW_MATH, "5")
-  service.submit("waiting", "math", r"\boxed{1}", "1")
+  service = RewardService(num_workers=1, timeout_s=30.0, soft_timeout_s=30)
+  service.submit("fast", "math", r"\boxed{1}", "1").add_done_callback(lambda f: seen.append(f.result()))
+  assert score_all(service, [("math", r"\boxed{2}", "2"), ("math", "no", "3")]) == [1.0, 0.0]
+  assert [r.item_id for r in seen] == ["fast"]  # on the dispatcher thread, before the later items
+  futures = [service.submit("slow", "math", SLOW_MATH, "5"), service.submit("waiting", "math", r"\boxed{1}", "1")]
   time.sleep(0.3)
   assert service.pending == 2
   pid = service.worker_pids()[0]
   service.close()
-  assert {r.item_id: r.reason for r in seen[1:]} == {"slow": "service closed", "waiting": "service closed"}
+  assert {f.result(0).item_id: f.result(0).reason for f in futures} == {"slow": "service closed",
+                                                                         "waiting": "service closed"}
   assert not _alive(pid)
   with pytest.raises(RuntimeError, match="after close"):
     service.submit("late", "math", "1", "1")
@@ -179,8 +171,7 @@ def test_on_result_callback_and_close_cancels_pending():
 
 def test_workers_that_cannot_start_break_the_service_loudly():
   service = RewardService(num_workers=1, timeout_s=5.0, memory_mb=32)  # too little to import sympy
-  service.submit("doomed", "math", r"\boxed{1}", "1")
-  r = service.get(timeout=60)
+  r = service.submit("doomed", "math", r"\boxed{1}", "1").result(60)
   assert r.reward == 0.0 and "died while starting" in r.reason
   assert not service.healthy
   with pytest.raises(RuntimeError, match="broken"):
@@ -192,5 +183,4 @@ def test_from_config():
   config = load_config(CONFIG)
   with RewardService.from_config(config.reward) as service:
     assert service.num_workers == config.reward.num_workers and service.timeout_s == config.reward.timeout_s
-    service.submit(0, config.reward.kind, r"\boxed{3}", "3")
-    assert service.get(timeout=30).reward == 1.0
+    assert service.submit(0, config.reward.kind, r"\boxed{3}", "3").result(30).reward == 1.0

@@ -5,6 +5,7 @@ learner's, and the learner's `sampler/logprob_gap` is that difference."""
 
 import functools
 import threading
+from concurrent.futures import as_completed
 
 import jax
 import jax.numpy as jnp
@@ -129,19 +130,25 @@ def test_loop_thread_end_to_end(models, engine):
   sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=24, seed=2)
   rng = np.random.default_rng(1)
   with loop:
-    for g in range(4):
-      loop.submit(Request(group_id=g, prompt_ids=rng.integers(2, 64, size=rng.integers(3, 14)), num_answers=3,
-                          sampling=sampling))
-    first = loop.get(timeout=120)
+    futures = [f for g in range(4)
+               for f in loop.submit(Request(group_id=g, prompt_ids=rng.integers(2, 64, size=rng.integers(3, 14)),
+                                            num_answers=3, sampling=sampling))]
+    # Group 4 asks for policy version 1: the loop holds it until the learner publishes that version.
+    held = loop.submit(Request(group_id=4, prompt_ids=[5, 6, 7], num_answers=2, sampling=sampling, min_version=1))
+    next(as_completed(futures, timeout=120))
+    assert not any(f.done() for f in held)
     # The learner publishes from its own thread.
     publisher = threading.Thread(target=loop.update_params, args=(params[1], 1))
     publisher.start()
     publisher.join()
-    loop.submit(Request(group_id=4, prompt_ids=[5, 6, 7], num_answers=2, sampling=sampling))
-    out = [first] + [loop.get(timeout=120) for _ in range(4 * 3 + 2 - 1)]
+    never = loop.submit(Request(group_id=5, prompt_ids=[5, 6], sampling=sampling, min_version=2))
+    out = [f.result(timeout=120) for f in futures + held]
     with pytest.raises(ValueError, match="prompt of 40 tokens"):
       loop.submit(Request(group_id=9, prompt_ids=np.ones(40, np.int32)))
+    with pytest.raises(ValueError, match="group 5 is already in flight"):
+      loop.submit(Request(group_id=5, prompt_ids=[5, 6]))
     stats = loop.stats()
+  assert never[0].cancelled()  # stop() cancels what is still in flight or held
   assert sorted(t.group_id for t in out) == sorted([g for g in range(4) for _ in range(3)] + [4, 4])
   assert stats["weight_updates"] == 1 and loop.version == 1
   assert all(set(t.versions.tolist()) == {1} for t in out if t.group_id == 4)

@@ -1,8 +1,7 @@
 """The rollout controller with a scripted sampler and reward pool: admission, filtering, resumable bookkeeping."""
 
-import queue
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -18,42 +17,43 @@ G = 4
 
 
 class FakeLoop:
-  """Answers every request at once; the answer text says whether it is correct."""
+  """Answers every request at once (its futures are done when returned); the answer text says whether it is
+  correct."""
 
   def __init__(self):
-    self.output_queue = queue.Queue()
     self.version = 0
     self.submitted = []
 
-  def check(self):
-    pass
-
   def submit(self, request):
     self.submitted.append(request.group_id)
+    assert request.min_version <= self.version + 1
     uid_number = int(request.prompt_ids[0])
+    futures = []
     for i in range(request.num_answers):
       # Prompts whose number is divisible by 3 get all-wrong answers (a uniform group); others one right answer.
       correct = uid_number % 3 != 0 and i == 0
-      self.output_queue.put(Trajectory(
+      futures.append(_done(Trajectory(
           prompt_ids=request.prompt_ids, response_ids=np.array([5, 6], np.int32),
           logprobs=np.zeros(2, np.float32), versions=np.full(2, self.version, np.int32), finish_reason="eos",
-          group_id=request.group_id, response_text="right" if correct else "wrong"))
+          group_id=request.group_id, response_text="right" if correct else "wrong")))
+    return futures
+
+
+def _done(value):
+  f = Future()
+  f.set_result(value)
+  return f
 
 
 class FakeRewards:
+  """Scores in a thread of its own, as the reward service's dispatcher does."""
 
   def __init__(self):
-    self._results = queue.SimpleQueue()
+    self._pool = ThreadPoolExecutor(1)
 
-  def submit(self, channel, key, kind, completion, reference):
-    self._results.put(RewardResult(item_id=key, reward=float(completion == "right"), reason="ok", latency_s=0.0,
-                                   run_s=0.0))
-
-  def poll(self, channel):
-    out = []
-    while not self._results.empty():
-      out.append(self._results.get())
-    return out
+  def submit(self, key, kind, completion, reference):
+    return self._pool.submit(lambda: RewardResult(item_id=key, reward=float(completion == "right"), reason="ok",
+                                                  latency_s=0.0, run_s=0.0))
 
 
 def _dataset(n=60):
@@ -66,9 +66,10 @@ def test_filtering_admission_and_bookkeeping():
   ds = _dataset()
   loop, rewards = FakeLoop(), FakeRewards()
   b, eta = 4, 1
-  out = RolloutBuffer(batch_size=b, max_offpolicyness=eta, max_concurrent=100, maxsize=100)
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=out, group_size=G,
-                          sampling=SamplingParams(), filter_uniform=True).start()
+  out = RolloutBuffer(batch_size=b, max_offpolicyness=eta, max_concurrent=100)
+  learner = {"version": 0}
+  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=out, version=lambda: learner["version"],
+                          group_size=G, sampling=SamplingParams(), filter_uniform=True).start()
   try:
     trained, filtered = [], []
     for version in range(1, 4):
@@ -78,7 +79,8 @@ def test_filtering_admission_and_bookkeeping():
         assert len(g.trajectories) == G and len(set(g.rewards.tolist())) > 1  # uniform groups never reach training
       trained += [g.record.uid for g in batch]
       ctl.mark_trained(batch)
-      loop.version = version
+      learner["version"] = loop.version = version
+      ctl.admit()
       state, newly_filtered = ctl.snapshot()
       filtered += [g.record.uid for g in newly_filtered]
       assert all(np.all(g.rewards == 0) for g in newly_filtered)
@@ -103,9 +105,9 @@ def test_filtering_admission_and_bookkeeping():
 def test_replay_comes_first_and_group_ids_continue():
   ds = _dataset()
   loop, rewards = FakeLoop(), FakeRewards()
-  buffer = RolloutBuffer(batch_size=2, max_offpolicyness=0, max_concurrent=100, maxsize=10)
+  buffer = RolloutBuffer(batch_size=2, max_offpolicyness=0, max_concurrent=100)
   replay = [ds.records[10], ds.records[20]]
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=buffer,
+  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=buffer, version=lambda: 0,
                           group_size=G, sampling=SamplingParams(), filter_uniform=False, next_group_id=7,
                           replay=replay)
   ctl.start()

@@ -7,8 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from areal_jax.config import load_config
 from areal_jax.data import build_dataset
 from areal_jax.system import trainer

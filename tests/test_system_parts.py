@@ -28,7 +28,7 @@ def _capacity_reference(max_concurrent, eta, v, b, accepted, running):
 def test_admission_matches_eq3_under_random_events():
   rng = np.random.default_rng(0)
   for eta in (0, 1, 4):
-    buf = RolloutBuffer(batch_size=4, max_offpolicyness=eta, max_concurrent=10, maxsize=1000)
+    buf = RolloutBuffer(batch_size=4, max_offpolicyness=eta, max_concurrent=10)
     accepted = running = v = 0
     gids = iter(range(10**6))
     out = []
@@ -53,7 +53,7 @@ def test_admission_matches_eq3_under_random_events():
 
 
 def test_eta_zero_is_synchronous():
-  buf = RolloutBuffer(batch_size=3, max_offpolicyness=0, max_concurrent=100, maxsize=10)
+  buf = RolloutBuffer(batch_size=3, max_offpolicyness=0, max_concurrent=100)
   assert buf.capacity(0) == 3
   for g in range(3):
     buf.admit(g, 0)
@@ -76,26 +76,20 @@ def _wait_in_thread(fn):
   return t, out
 
 
-def test_buffer_oldest_first_and_bounded():
-  buf = RolloutBuffer(batch_size=1, max_offpolicyness=10, max_concurrent=100, maxsize=3)
-  for g in range(4):
+def test_buffer_hands_out_the_oldest_first():
+  buf = RolloutBuffer(batch_size=1, max_offpolicyness=10, max_concurrent=100)
+  for g, v in enumerate([2, 0, 1, 0]):
     buf.admit(g, 0)
-  for g, v in enumerate([2, 0, 1]):
     buf.finish(g, [_traj(v, g)], version=v)
-  blocked, done = _wait_in_thread(lambda: buf.finish(3, [_traj(5, 3)], version=5))
-  blocked.join(0.3)
-  assert blocked.is_alive() and len(buf) == 3  # full: the producer waits
-  batch = buf.take_batch(2, version=0)
-  assert [g[0].version_start for g in batch] == [0, 1]
-  blocked.join(2)
-  assert not blocked.is_alive() and done == [True] and len(buf) == 2
-  assert buf.take_batch(3, version=0, timeout=0.2) is None
+  batch = buf.take_batch(3, version=0)
+  assert [(g[0].version_start, g[0].group_id) for g in batch] == [(0, 1), (0, 3), (1, 2)]  # ties: arrival order
+  assert len(buf) == 1 and buf.take_batch(2, version=0, timeout=0.2) is None
 
 
 def test_take_batch_waits_for_groups_at_the_staleness_bound():
   """A group admitted under v - eta is trained in the step after v or never within the bound: the batch waits for it,
   and a group finishing faster does not take its place."""
-  buf = RolloutBuffer(batch_size=2, max_offpolicyness=1, max_concurrent=100, maxsize=10)
+  buf = RolloutBuffer(batch_size=2, max_offpolicyness=1, max_concurrent=100)
   buf.admit(0, 0)  # slow, admitted under version 0
   buf.admit(1, 1)
   buf.admit(2, 1)
@@ -113,7 +107,7 @@ def test_take_batch_waits_for_groups_at_the_staleness_bound():
   waiter.join(2)
   assert got == [[["g0"], ["g3"]]]
   buf.close()
-  assert buf.take_batch(1, version=5) is None and not buf.finish(99, ["late"])
+  assert buf.take_batch(1, version=5) is None
 
 
 def test_weight_sync_is_device_to_device_and_exact():

@@ -75,7 +75,6 @@ def bench_config(config, *, eta: int, steps: int, init_from: str, mix: str, cpu_
   if seed is not None:
     c.seed = seed
   c.rollout.max_head_offpolicyness = eta
-  c.rollout.queue_size = max(c.rollout.queue_size, (eta + 1) * c.rollout.batch_size)  # what the bound lets finish
   c.learner.use_decoupled_loss = eta > 0
   c.total_steps = steps
   c.eval.every_steps = max(steps, 1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,7 @@ from areal_jax.evaluate.benchmarks import Benchmark, load_benchmarks
 from areal_jax.evaluate.results import Settings, is_done, result_path, summarize, write_result
 from areal_jax.models import hf_io, orbax_io
 from areal_jax.models.config import ModelConfig
-from areal_jax.reward.service import RewardService
+from areal_jax.reward.service import RewardService, score_all
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sharding import SAMPLER_RULES, make_mesh
 from areal_jax.system.evaluation import Evaluator
@@ -81,14 +80,7 @@ class _Session:
   def _score(self, items: Sequence[tuple[str, str, str]]) -> list[float]:
     if self._rewards is None:
       self._rewards = RewardService(num_workers=self._reward_workers, timeout_s=self._reward_timeout_s)
-    for i, (kind, text, reference) in enumerate(items):
-      self._rewards.submit(i, kind, text, reference)
-    out = [0.0] * len(items)
-    wait_s = 120.0 + self._reward_timeout_s * math.ceil(len(items) / self._reward_workers)
-    for _ in items:
-      r = self._rewards.get(timeout=wait_s)
-      out[r.item_id] = r.reward
-    return out
+    return score_all(self._rewards, items)
 
   def close(self) -> None:
     if self._rewards is not None:

@@ -1,9 +1,8 @@
 """A pool of reward worker processes that never blocks its caller.
 
     service = RewardService(num_workers=2, timeout_s=5.0)    # or RewardService.from_config(config.reward)
-    service.submit(item_id, "math", completion, reference)   # returns at once (kind "math" or "code")
-    for r in service.poll():                                  # finished results, possibly none
-      r.item_id, r.reward, r.reason, r.latency_s
+    future = service.submit(item_id, "math", completion, reference)   # at once (kind "math" or "code")
+    r = future.result()                                       # r.item_id, r.reward, r.reason, r.latency_s
     service.close()                                           # no process left behind
 
 One dispatcher thread hands items to idle workers and collects their answers. An item that runs past `timeout_s` on
@@ -22,13 +21,13 @@ import itertools
 import logging
 import multiprocessing.connection
 import os
-import queue
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Hashable
+from concurrent.futures import Future
+from typing import Any, Hashable
 
 import areal_jax
 from areal_jax.reward import sandbox
@@ -55,6 +54,7 @@ class _Item:
   completion: str
   reference: Any
   submitted: float
+  future: Future
 
 
 @dataclasses.dataclass
@@ -67,28 +67,40 @@ class _Worker:
   spawned: float = dataclasses.field(default_factory=time.monotonic)
 
 
+def score_all(service: RewardService, items, *, what: str = "evaluation") -> list[float]:
+  """Rewards of (kind, completion, reference) items, in order: submitted together, then awaited. An item that timed
+  out or crashed its worker counts as wrong; how many did is logged once, naming `what`."""
+  futures = [service.submit(i, kind, text, reference) for i, (kind, text, reference) in enumerate(items)]
+  wait_s = 120.0 + service.timeout_s * -(-len(items) // service.num_workers)  # every item once on a worker, serially
+  results = [f.result(timeout=wait_s) for f in futures]
+  failed = sorted({r.reason for r in results if r.reason.startswith(("timed out", "worker crashed"))})
+  if failed:
+    n = sum(r.reason.startswith(("timed out", "worker crashed")) for r in results)
+    _log.warning("%s: %d of %d answers could not be scored and count as wrong (%s)", what, n, len(items),
+                 "; ".join(failed))
+  return [r.reward for r in results]
+
+
 class RewardService:
   """Scores (kind, completion, reference) items in worker processes; see the module docstring.
 
-  Results go to `on_result(result)` (called on the dispatcher thread) when given, else to a queue read by `poll()`
-  and `get()`. `timeout_s` is the hard limit per item once on a worker; workers get a soft budget a little shorter
+  Each `submit` returns a `concurrent.futures.Future` of its `RewardResult`, completed on the dispatcher thread (so
+  its callbacks must not block). `timeout_s` is the hard limit per item once on a worker; workers get a soft budget a little shorter
   (`soft_timeout_s`: the math check's own timeout, the code tests' total time) so that most slow items end without
   a kill. `memory_mb` caps each worker's address space (0: no cap).
   """
 
   def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0, soft_timeout_s: float | None = None,
-               code_limits: sandbox.Limits | None = None, memory_mb: int = 4096,
-               on_result: Callable[[RewardResult], None] | None = None):
+               code_limits: sandbox.Limits | None = None, memory_mb: int = 4096):
     if num_workers < 1:
       raise ValueError(f"num_workers={num_workers} must be >= 1")
     if timeout_s <= 0:
       raise ValueError(f"timeout_s={timeout_s} must be positive")
     self.num_workers, self.timeout_s = num_workers, timeout_s
     self._soft_s = soft_timeout_s or max(0.1, timeout_s - min(2.0, 0.4 * timeout_s))
-    self._code_limits, self._memory_mb, self._on_result = code_limits, memory_mb, on_result
+    self._code_limits, self._memory_mb = code_limits, memory_mb
     self._lock = threading.Lock()
     self._queue: collections.deque[_Item] = collections.deque()
-    self._results: queue.SimpleQueue[RewardResult] = queue.SimpleQueue()
     self._seq = itertools.count()
     self._stats = collections.Counter()
     self._closing = False
@@ -110,34 +122,20 @@ class RewardService:
 
   # ---- caller side: nothing here waits for a worker
 
-  def submit(self, item_id: Hashable, kind: str, completion: str, reference: Any) -> None:
-    """Queues one item; its result arrives later through `poll()`, `get()` or `on_result`."""
+  def submit(self, item_id: Hashable, kind: str, completion: str, reference: Any) -> Future[RewardResult]:
+    """Queues one item and returns at once; the future completes when it is scored (always with a result: a timeout,
+    crash or close scores 0 and says why)."""
+    future = Future()
     with self._lock:
       if self._closing:
         raise RuntimeError("RewardService.submit after close()")
       if self._broken:
         raise RuntimeError(f"RewardService is broken: {self._broken}")
       self._queue.append(_Item(seq=next(self._seq), item_id=item_id, kind=kind, completion=completion,
-                               reference=reference, submitted=time.monotonic()))
+                               reference=reference, submitted=time.monotonic(), future=future))
       self._stats["submitted"] += 1
     self._wake()
-
-  def poll(self, max_items: int | None = None) -> list[RewardResult]:
-    """Finished results, at most `max_items`; an empty list when none are ready."""
-    out = []
-    while max_items is None or len(out) < max_items:
-      try:
-        out.append(self._results.get_nowait())
-      except queue.Empty:
-        break
-    return out
-
-  def get(self, timeout: float | None = None) -> RewardResult:
-    """The next finished result, waiting up to `timeout` seconds (TimeoutError after)."""
-    try:
-      return self._results.get(timeout=timeout)
-    except queue.Empty:
-      raise TimeoutError(f"no reward result within {timeout} s ({self.pending} pending)") from None
+    return future
 
   @property
   def pending(self) -> int:
@@ -240,13 +238,7 @@ class RewardService:
                           latency_s=time.monotonic() - item.submitted, run_s=run_s)
     with self._lock:
       self._stats["finished"] += 1
-    if self._on_result is None:
-      self._results.put(result)
-      return
-    try:
-      self._on_result(result)
-    except Exception:  # pylint: disable=broad-except
-      _log.exception("reward on_result callback failed for item %r", item.item_id)
+    item.future.set_result(result)  # a callback that raises is logged by concurrent.futures
 
   def _dispatch(self) -> None:
     for w in self._workers:

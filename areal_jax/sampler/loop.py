@@ -1,15 +1,18 @@
-"""The sampler's background loop: prompt groups in, finished `Trajectory`s out, weights swappable from any thread.
+"""The sampler's background loop: prompt groups in, futures of finished `Trajectory`s out, weights swappable from
+any thread.
 
     loop = SamplerLoop(engine=engine, params=params, version=0, eos_ids=[tok.eos_id], detokenize=tok.decode)
     loop.start()
-    loop.submit(Request(group_id=7, prompt_ids=ids, num_answers=16, sampling=SamplingParams(max_new_tokens=512)))
-    traj = loop.output_queue.get()  # one per finished answer, group_id 7, ...
+    futures = loop.submit(Request(group_id=7, prompt_ids=ids, num_answers=16, sampling=SamplingParams(...)))
+    traj = futures[0].result()  # answer 0 of group 7, once it has finished
     loop.update_params(new_params, version=1)  # e.g. from the learner thread; applied between two decode calls
     loop.stop()
 
 One thread runs the scheduler (admission, decode steps, weight swaps); a second one detokenises finished answers and
-puts them on `output_queue`, so tokenizer work never delays a decode step. An exception in either thread stops the
-loop; `check()`, `stop()` and `get()` re-raise it.
+completes their futures (callbacks run there: they must not block), so tokenizer work never delays a decode step. A
+group waits until the loop generates from policy `request.min_version` or newer. An exception in either thread stops
+the loop and fails every future still open; `check()` and `stop()` re-raise it; `stop()` cancels the futures of
+answers still in flight.
 """
 
 from __future__ import annotations
@@ -17,25 +20,26 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from collections.abc import Callable, Iterable, Sequence
 
 from areal_jax import faults
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
 from areal_jax.sampler.scheduler import Scheduler
-from areal_jax.types import Trajectory
 
 
 class SamplerLoop:
 
   def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids: Iterable[int] = (),
-               detokenize: Callable[[Sequence[int]], str] | None = None, input_queue: queue.Queue | None = None,
-               output_queue: queue.Queue | None = None, idle_wait_s: float = 0.005):
+               detokenize: Callable[[Sequence[int]], str] | None = None, idle_wait_s: float = 0.005):
     self.scheduler = Scheduler(engine=engine, params=params, version=version, eos_ids=eos_ids)
     self.detokenize = detokenize
-    self.input_queue: queue.Queue[Request] = input_queue or queue.Queue()
-    self.output_queue: queue.Queue[Trajectory] = output_queue or queue.Queue()
+    self.input_queue: queue.Queue[Request] = queue.Queue()
     self.idle_wait_s = idle_wait_s
+    self._held: list[Request] = []  # waiting for weights of their min_version (loop thread only)
+    self._futures: dict[tuple[int, int], Future] = {}  # (group id, answer) -> its future, until finished
+    self._futures_lock = threading.Lock()
     self.error: BaseException | None = None
     self._finished: queue.Queue = queue.Queue()
     self._stop = threading.Event()
@@ -45,10 +49,17 @@ class SamplerLoop:
 
   # --- controller-facing API --------------------------------------------------------------------------------------
 
-  def submit(self, request: Request) -> None:
-    """Queues a prompt group (checked here: a bad prompt raises in the caller's thread)."""
+  def submit(self, request: Request) -> list[Future]:
+    """Queues a prompt group (checked here: a bad prompt raises in the caller's thread); returns one future per
+    answer, in answer order. Group ids must be unique among the groups in flight."""
     self.scheduler.validate(request)
+    futures = [Future() for _ in range(request.num_answers)]
+    with self._futures_lock:
+      if (request.group_id, 0) in self._futures:
+        raise ValueError(f"group {request.group_id} is already in flight")
+      self._futures.update({(request.group_id, i): f for i, f in enumerate(futures)})
     self.input_queue.put(request)
+    return futures
 
   def update_params(self, params, version: int) -> None:
     """New weights (already on the sampler's shardings) used from the next decode call on; every running answer's
@@ -60,18 +71,6 @@ class SamplerLoop:
   def version(self) -> int:
     return self.scheduler.version
 
-  def get(self, timeout: float | None = None) -> Trajectory:
-    """The next finished answer; raises the loop's error if it stopped on one, queue.Empty after `timeout`."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-      self.check()
-      wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-      try:
-        return self.output_queue.get(timeout=wait)
-      except queue.Empty:
-        if deadline is not None and time.monotonic() >= deadline:
-          raise
-
   def stats(self) -> dict[str, float]:
     """Counters (tokens, decode_steps, preemptions, weight_updates, ...), answers running and waiting, version,
     `busy_s` (seconds spent stepping); a snapshot the loop thread publishes after each step (safe from any thread)."""
@@ -79,7 +78,8 @@ class SamplerLoop:
 
   def _publish_stats(self) -> None:
     s = self.scheduler
-    self._stats = {**s.counters, "running": len(s.running), "waiting": sum(map(len, s.waiting)) + len(s.resume),
+    waiting = sum(map(len, s.waiting)) + len(s.resume) + sum(r.num_answers for r in self._held)
+    self._stats = {**s.counters, "running": len(s.running), "waiting": waiting,
                    "version": s.version, "busy_s": self._busy_s}
 
   def check(self) -> None:
@@ -96,10 +96,11 @@ class SamplerLoop:
     return self
 
   def stop(self, timeout: float | None = 60.0) -> None:
-    """Stops after the current step; answers still in flight are abandoned."""
+    """Stops after the current step; answers still in flight are abandoned (their futures cancelled)."""
     self._stop.set()
     for t in self._threads:
       t.join(timeout)
+    self._end_futures(None)
     self.check()
 
   def __enter__(self) -> SamplerLoop:
@@ -111,13 +112,30 @@ class SamplerLoop:
   # --- threads --------------------------------------------------------------------------------------------------
 
   def _drain(self, block: bool) -> None:
+    """New requests to the scheduler, each once the next step generates from its `min_version` or newer."""
     try:
       request = self.input_queue.get(timeout=self.idle_wait_s) if block else self.input_queue.get_nowait()
       while True:
-        self.scheduler.submit(request)
+        self._held.append(request)
         request = self.input_queue.get_nowait()
     except queue.Empty:
       pass
+    if self._held:
+      version = self.scheduler.next_version
+      ready = [r for r in self._held if r.min_version <= version]
+      self._held = [r for r in self._held if r.min_version > version]
+      for r in ready:
+        self.scheduler.submit(r)
+
+  def _end_futures(self, error: BaseException | None) -> None:
+    """Fails (or, with None, cancels) every future still open."""
+    with self._futures_lock:
+      futures, self._futures = list(self._futures.values()), {}
+    for f in futures:
+      if error is None:
+        f.cancel()
+      else:
+        f.set_exception(error)
 
   def _run(self) -> None:
     try:
@@ -131,8 +149,9 @@ class SamplerLoop:
           faults.reach("generation")
           self._busy_s += time.perf_counter() - start
         self._publish_stats()
-    except BaseException as e:  # surfaced by check()/get()/stop()
+    except BaseException as e:  # surfaced by check()/stop() and the open futures
       self.error = e
+      self._end_futures(e)
     finally:
       self._finished.put(None)
 
@@ -140,7 +159,11 @@ class SamplerLoop:
     try:
       while (seq := self._finished.get()) is not None:
         text = self.detokenize(seq.tokens) if self.detokenize else ""
-        self.output_queue.put(seq.trajectory(text))
+        with self._futures_lock:
+          future = self._futures.pop((seq.request.group_id, seq.answer), None)
+        if future is not None:  # None: cancelled by stop()
+          future.set_result(seq.trajectory(text))
     except BaseException as e:
       self.error = e
       self._stop.set()
+      self._end_futures(e)

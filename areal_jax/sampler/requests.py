@@ -44,6 +44,7 @@ class Request:
   prompt_ids: np.ndarray
   num_answers: int = 1
   sampling: SamplingParams = SamplingParams()
+  min_version: int = 0  # generated from this policy version or newer (a sampler holds the group until then)
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, np.int32).reshape(-1))

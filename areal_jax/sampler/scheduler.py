@@ -89,6 +89,12 @@ class Scheduler:
   def has_update(self) -> bool:
     return self._pending is not None
 
+  @property
+  def next_version(self) -> int:
+    """The policy version the next step generates from: a pending update's, else the current one."""
+    with self._lock:
+      return self._pending[1] if self._pending is not None else self.version
+
   # --- the step -------------------------------------------------------------------------------------------------
 
   def step(self) -> list[Sequence]:

@@ -8,7 +8,7 @@ learner batches). Arrays never travel here: weights go over `jax.experimental.tr
       ("weights", {version, uuid})      ──────►      pulls, swaps between two decode steps
       ("request", Request)              ──────►      generates the group's answers
       ("stop", None)                    ──────►      exits
-                                        ◄──────      ("trajectory", Trajectory)   one finished answer
+                                        ◄──────      ("trajectory", (answer, Trajectory))   one finished answer
                                         ◄──────      ("pulled", {version, seconds, fingerprint})
                                         ◄──────      ("stats", {tokens, busy_s, ...})
                                         ◄──────      ("error", traceback)

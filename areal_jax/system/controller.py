@@ -1,11 +1,16 @@
-"""The rollout controller: admits prompt groups under the staleness bound, scores answers, queues finished groups.
+"""The rollout controller: admits prompt groups under the staleness bound and chains each one to the buffer.
 
-It runs in its own thread beside the sampler loop and the learner:
+    admit ─(capacity > 0)─► sampler (one future per answer) ─► reward service (a future per answer) ─► whole group
+          ─► RolloutBuffer ─► learner
 
-    prompts ─(capacity > 0)─► SamplerLoop ─► answers ─► RewardService ─► whole groups ─► RolloutBuffer ─► learner
+It has no thread of its own. `admit()` runs wherever capacity may have grown: at the start, after each learner step
+and when a group finishes; each answer's future starts its scoring, and the last score of a group hands the group to
+the buffer, in the thread that completed the future (the sampler's, the reward dispatcher's). A group is finished
+when its G answers are scored. Groups whose answers all score the same are dropped (they carry no learning signal)
+when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
 
-A group is finished when its G answers are scored. Groups whose answers all score the same are dropped (they carry
-no learning signal) when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
+Every group is admitted under the learner's current version and asks the sampler for weights of that version or
+newer, so a group admitted just after a learner step waits for that step's weights.
 
 For exact resumption the controller tracks which drawn prompts are not yet done (trained on or filtered): a checkpoint
 saves them with the dataset's iterator state, and a restarted run generates them again before drawing new ones.
@@ -15,52 +20,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
-import queue
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
 from areal_jax import cli
 from areal_jax.data.records import PromptRecord
-from areal_jax.reward.service import RewardResult, RewardService
-from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.reward.service import RewardService
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory
 
 _SHOWN_REWARD_FAILURES = 5  # reward failures logged one by one; after that every 100th
-
-
-class RewardChannels:
-  """One reward pool shared by several consumers (rollouts, evaluation): results are routed by channel name."""
-
-  def __init__(self, service_factory):
-    self._queues: dict[str, queue.SimpleQueue] = collections.defaultdict(queue.SimpleQueue)
-    self.service: RewardService = service_factory(on_result=self._route)
-
-  def _route(self, result: RewardResult) -> None:
-    channel, key = result.item_id
-    self._queues[channel].put(dataclasses.replace(result, item_id=key))
-
-  def submit(self, channel: str, key, kind: str, completion: str, reference) -> None:
-    self.service.submit((channel, key), kind, completion, reference)
-
-  def poll(self, channel: str) -> list[RewardResult]:
-    out, q = [], self._queues[channel]
-    while True:
-      try:
-        out.append(q.get_nowait())
-      except queue.Empty:
-        return out
-
-  def get(self, channel: str, timeout: float | None = None) -> RewardResult:
-    return self._queues[channel].get(timeout=timeout)
-
-  def close(self) -> None:
-    self.service.close()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,18 +58,21 @@ class _Pending:
 
 
 class RolloutController:
+  """See the module docstring. `loop` is a `SamplerLoop` or a `SamplerHub` (`submit` returns one future per answer);
+  `version()` is the learner's policy version."""
 
-  def __init__(self, *, dataset, loop: SamplerLoop, rewards: RewardChannels, buffer: RolloutBuffer, group_size: int, sampling: SamplingParams, filter_uniform: bool,
-               next_group_id: int = 0, replay: Sequence[PromptRecord] = ()):
-    self.dataset, self.loop, self.rewards, self.buffer = dataset, loop, rewards, buffer
+  def __init__(self, *, dataset, loop, rewards: RewardService, buffer: RolloutBuffer, version: Callable[[], int],
+               group_size: int, sampling: SamplingParams, filter_uniform: bool, next_group_id: int = 0,
+               replay: Sequence[PromptRecord] = ()):
+    self.dataset, self.loop, self.rewards, self.buffer, self.version = dataset, loop, rewards, buffer, version
     self.group_size, self.sampling, self.filter_uniform = group_size, sampling, filter_uniform
     self._next_id = next_group_id
     self._replay = collections.deque(replay)
     self._inflight: dict[int, _Pending] = {}
     self._undone: dict[int, PromptRecord] = {}  # drawn, not yet trained on or filtered (group id -> record)
     self._lock = threading.Lock()
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
+    self._admitting, self._admit_again = False, False
+    self._stopped = False
     self.error: BaseException | None = None
     self.counters = collections.Counter()
     self.finished_rewards: list[float] = []  # every scored answer since the last `take_rewards()`
@@ -103,21 +81,40 @@ class RolloutController:
   # --- learner-facing ---------------------------------------------------------------------------------------------
 
   def start(self) -> RolloutController:
-    self._thread = threading.Thread(target=self._run, name="rollout-controller", daemon=True)
-    self._thread.start()
+    self.admit()
     return self
 
   def stop(self) -> None:
-    self._stop.set()
-    self.buffer.close()  # a group waiting for room in a full buffer gives up
-    if self._thread is not None:
-      self._thread.join(timeout=30)
+    """No more admissions; groups in flight are abandoned (the loop cancels their futures)."""
+    self._stopped = True
+    self.buffer.close()
 
   def check(self) -> None:
     if isinstance(self.error, cli.Stopped):
       raise self.error  # a sampler process was signalled: this process stops the same way
     if self.error is not None:
       raise RuntimeError("rollout controller failed") from self.error
+
+  def admit(self) -> None:
+    """Starts as many groups as the buffer allows at the learner's version. Safe from any thread: a call made while
+    another one runs (e.g. from a future completed inside it) makes that one look again instead."""
+    with self._lock:
+      if self._admitting:
+        self._admit_again = True
+        return
+      self._admitting = True
+    try:
+      while True:
+        self._admit_all()
+        with self._lock:
+          if not self._admit_again:
+            return
+          self._admit_again = False
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+      self._fail(e)
+    finally:
+      with self._lock:
+        self._admitting = False
 
   def mark_trained(self, groups: Sequence[Group]) -> None:
     with self._lock:
@@ -139,69 +136,66 @@ class RolloutController:
       out, self.finished_rewards = self.finished_rewards, []
     return out
 
-  # --- the thread -------------------------------------------------------------------------------------------------
+  # --- one group's chain ------------------------------------------------------------------------------------------
 
-  def _run(self) -> None:
-    try:
-      while not self._stop.is_set():
-        busy = self._admit()
-        busy |= self._collect_answers()
-        busy |= self._collect_rewards()
-        if not busy:
-          time.sleep(0.002)
-    except cli.Stopped as e:
-      self.error = e
-    except BaseException as e:  # surfaced to the learner thread through check()
-      logging.exception("rollout controller failed")
-      self.error = e
-
-  def _admit(self) -> bool:
-    version = self.loop.version  # the policy the sampler generates from now
-    n = self.buffer.capacity(version)
-    for _ in range(n):
-      record = self._replay.popleft() if self._replay else next(self.dataset)
-      with self._lock:
+  def _admit_all(self) -> None:
+    version = self.version()
+    while not self._stopped and self.error is None and self.buffer.capacity(version) > 0:
+      with self._lock:  # drawn and recorded as undone at once: a snapshot never sees one without the other
+        record = self._replay.popleft() if self._replay else next(self.dataset)
         gid, self._next_id = self._next_id, self._next_id + 1
         self._inflight[gid] = _Pending(record=record)
         self._undone[gid] = record
       self.buffer.admit(gid, version)
-      self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
-                               sampling=self.sampling))
-    return n > 0
+      futures = self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
+                                         sampling=self.sampling, min_version=version))
+      for index, future in enumerate(futures):
+        future.add_done_callback(self._guarded(functools.partial(self._answered, gid, index)))
 
-  def _collect_answers(self) -> bool:
-    self.loop.check()
-    n = 0
-    while True:
+  def _guarded(self, fn):
+    """A future's callback whose failure stops the run (concurrent.futures would only log it)."""
+    def run(future: Future) -> None:
+      if self._stopped or future.cancelled():
+        return
       try:
-        t = self.loop.output_queue.get_nowait()
-      except queue.Empty:
-        return n > 0
-      n += 1
-      pending = self._inflight[t.group_id]
-      index = len(pending.answers)
-      pending.answers[index] = t
-      self.rewards.submit("rollout", (t.group_id, index), pending.record.kind, t.response_text,
-                          pending.record.reference)
+        fn(future)
+      except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+        self._fail(e)
+    return run
 
-  def _collect_rewards(self) -> bool:
-    results = self.rewards.poll("rollout")
-    for r in results:
-      gid, index = r.item_id
+  def _fail(self, e: BaseException) -> None:
+    if self.error is None:
+      if not isinstance(e, cli.Stopped):
+        logging.error("rollout controller failed", exc_info=e)
+      self.error = e
+
+  def _answered(self, gid: int, index: int, future: Future) -> None:
+    traj: Trajectory = future.result()  # the sampler's error, if it failed
+    with self._lock:
+      pending = self._inflight[gid]
+      pending.answers[index] = traj
+    scored = self.rewards.submit((gid, index), pending.record.kind, traj.response_text, pending.record.reference)
+    scored.add_done_callback(self._guarded(functools.partial(self._scored, gid, index)))
+
+  def _scored(self, gid: int, index: int, future: Future) -> None:
+    r = future.result()
+    failed = r.reason.startswith(("timed out", "worker crashed"))  # scored 0; the service replaced the worker
+    with self._lock:
       pending = self._inflight[gid]
       pending.rewards[index] = r.reward
-      if r.reason.startswith(("timed out", "worker crashed")):
-        self.counters["reward_failures"] += 1  # scored 0; the service has already replaced the worker
-        n = self.counters["reward_failures"]
-        if n <= _SHOWN_REWARD_FAILURES or n % 100 == 0:
-          logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
-                          "rollout/reward_failures)", index, pending.record.uid, r.reason, n)
-      if len(pending.rewards) == self.group_size:
-        self._finish(gid, pending)
-    return bool(results)
+      self.counters["reward_failures"] += failed
+      n = self.counters["reward_failures"]
+      done = len(pending.rewards) == self.group_size
+      if done:
+        del self._inflight[gid]
+    if failed and (n <= _SHOWN_REWARD_FAILURES or n % 100 == 0):
+      logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
+                      "rollout/reward_failures)", index, pending.record.uid, r.reason, n)
+    if done:
+      self._finish(gid, pending)
+      self.admit()
 
   def _finish(self, gid: int, pending: _Pending) -> None:
-    del self._inflight[gid]
     trajs = tuple(pending.answers[i].replace(reward=float(pending.rewards[i])) for i in range(self.group_size))
     group = Group(record=pending.record, trajectories=trajs)
     rewards = group.rewards
@@ -211,5 +205,5 @@ class RolloutController:
       if not keep:
         self._undone.pop(gid, None)
         self._filtered.append(group)
-    self.counters["groups_kept" if keep else "groups_filtered"] += 1
+      self.counters["groups_kept" if keep else "groups_filtered"] += 1
     self.buffer.finish(gid, group if keep else None, version=min(t.version_start for t in trajs))

@@ -7,10 +7,11 @@
   that were kept (not filtered) and `running` those in flight. η = 0 is synchronous RL: B groups per version.
 - `take_batch(n, version)`: the n oldest finished groups (by the policy version their answers started from; ties by
   arrival) for the learner step after `version`. A group admitted under version − η or earlier is trained in this
-  step or never within the bound, so it waits for every such group still out, unless the buffer is full.
+  step or never within the bound, so it waits for every such group still out.
 
-The version is always an argument: the learner's counter (and what the sampler was last given) is its only owner.
-One condition variable wakes every waiter; nothing polls.
+The version is always an argument: the learner's counter is its only owner. The bound also bounds the buffer: it
+never holds more than (η + 1) * B groups, so `finish` never waits. One condition variable wakes the learner; nothing
+polls.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from typing import Any
 
 class RolloutBuffer:
 
-  def __init__(self, *, batch_size: int, max_offpolicyness: int, max_concurrent: int, maxsize: int,
-               accepted: int = 0):
-    self.batch_size, self.eta, self.max_concurrent, self.maxsize = batch_size, max_offpolicyness, max_concurrent, maxsize
+  def __init__(self, *, batch_size: int, max_offpolicyness: int, max_concurrent: int, accepted: int = 0):
+    self.batch_size, self.eta, self.max_concurrent = batch_size, max_offpolicyness, max_concurrent
     self.accepted = accepted  # finished and kept, since the start of training (restored from the version on resume)
     self._out: dict[int, int] = {}  # generating: group id -> version it was admitted under
     self._heap: list[tuple[int, int, Any]] = []  # finished: (version, arrival, group)
@@ -57,29 +57,21 @@ class RolloutBuffer:
         raise RuntimeError(f"group {group_id} admitted beyond the staleness bound at version {version}")
       self._out[group_id] = version
 
-  def finish(self, group_id: int, group=None, *, version: int = 0) -> bool:
+  def finish(self, group_id: int, group=None, *, version: int = 0) -> None:
     """Group `group_id` is done: `group` (generated from policy `version` on) is kept for training, None drops it
-    (filtered). Waits while the buffer is full; False if the buffer was closed first."""
+    (filtered)."""
     with self._cond:
       if group is not None:
-        self._cond.wait_for(lambda: len(self._heap) < self.maxsize or self._closed)
-        if self._closed:
-          return False
         heapq.heappush(self._heap, (version, next(self._arrival), group))
         self.accepted += 1
       del self._out[group_id]
       self._cond.notify_all()
-      return True
 
   def take_batch(self, n: int, version: int, *, timeout: float | None = None) -> list | None:
     """The n oldest finished groups for the learner step after `version`; None if `timeout` passes or the buffer
     closes first."""
     def ready():
-      if self._closed:
-        return True
-      if len(self._heap) >= self.maxsize:
-        return len(self._heap) >= n
-      return len(self._heap) >= n and not any(v <= version - self.eta for v in self._out.values())
+      return self._closed or (len(self._heap) >= n and not any(v <= version - self.eta for v in self._out.values()))
 
     with self._cond:
       if not self._cond.wait_for(ready, timeout) or self._closed:
@@ -89,7 +81,7 @@ class RolloutBuffer:
       return batch
 
   def close(self) -> None:
-    """Ends every wait: `finish` returns False and `take_batch` None from now on."""
+    """Ends the learner's wait: `take_batch` returns None from now on."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()

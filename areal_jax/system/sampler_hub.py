@@ -2,9 +2,9 @@
 
 The rollout controller submits prompt groups to it exactly as to an in-process loop, so admission (paper Eq. 3) is
 decided in one place for all sampler processes. A group goes whole to the sampler process with the fewest answers
-outstanding; finished answers from every sampler arrive on one `output_queue`. `update_params` publishes a version
-with `jax.experimental.transfer` and tells every sampler to pull it; each pull is checked against the published
-fingerprint when the sampler reports it.
+outstanding; `submit` returns one future per answer, completed when the answer arrives (on the reader thread of its
+sampler process). `update_params` publishes a version with `jax.experimental.transfer` and tells every sampler to
+pull it; each pull is checked against the published fingerprint when the sampler reports it.
 
 A sampler process that dies, or reports an error, makes `check()` raise with its name: the run stops and is resumed
 from its last checkpoint (prompts in flight are generated again).
@@ -13,10 +13,9 @@ from its last checkpoint (prompts in flight are generated again).
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import threading
-import time
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -33,7 +32,7 @@ class SamplerHub:
   def __init__(self, *, peers: dict[int, Peer], publisher: WeightPublisher):
     self.peers = dict(enumerate(peers[k] for k in sorted(peers)))  # sampler index -> peer
     self.publisher = publisher
-    self.output_queue: queue.Queue = queue.Queue()
+    self._futures: dict[tuple[int, int], Future] = {}  # (group id, answer) -> its future, until the answer arrives
     self.error: BaseException | None = None
     self.version = -1
     self._outstanding = dict.fromkeys(self.peers, 0)
@@ -49,13 +48,15 @@ class SamplerHub:
       t.start()
     return self
 
-  def submit(self, request: Request) -> None:
+  def submit(self, request: Request) -> list[Future]:
     self.check()
+    futures = [Future() for _ in range(request.num_answers)]
     with self._lock:
       i = min(self._outstanding, key=lambda k: (self._outstanding[k], k))
       self._outstanding[i] += request.num_answers
-    # Generated from the newest published version on (the sampler holds it until pulled), so staleness stays <= eta.
-    self.peers[i].send("request", {"request": request, "min_version": self.version})
+      self._futures.update({(request.group_id, a): f for a, f in enumerate(futures)})
+    self.peers[i].send("request", request)  # held there until it generates from request.min_version
+    return futures
 
   def update_params(self, staged, version: int) -> None:
     """Offers `staged` (from `publisher.stage`) as `version`; samplers swap it in between two decode steps.
@@ -64,9 +65,8 @@ class SamplerHub:
     learner's device, so a sampler that pulls slower than the learner steps must not pile them up.
     """
     self.check()
-    while self.publisher.live_versions() >= MAX_LIVE_VERSIONS:
-      self.check()
-      time.sleep(0.002)
+    while not self.publisher.wait_live_below(MAX_LIVE_VERSIONS, timeout=1.0):
+      self.check()  # a sampler that died never pulls
     uuids, fp = self.publisher.offer(staged, version, list(self.peers))
     with self._lock:
       self._fingerprints[version] = fp
@@ -117,6 +117,7 @@ class SamplerHub:
     for t in self._threads:
       if t.is_alive():
         t.join(timeout_s)
+    self._end_futures(None)
 
   # --- one reader thread per sampler process ----------------------------------------------------------------------
 
@@ -126,9 +127,12 @@ class SamplerHub:
       while True:
         kind, payload = peer.recv()
         if kind == "trajectory":
+          answer, traj = payload
           with self._lock:
             self._outstanding[i] -= 1
-          self.output_queue.put(payload)
+            future = self._futures.pop((traj.group_id, answer), None)
+          if future is not None:  # None: cancelled by stop()
+            future.set_result(traj)
         elif kind == "stats":
           with self._lock:
             self._stats[i] = payload
@@ -141,13 +145,25 @@ class SamplerHub:
         elif kind == "stopped":  # signalled: so is the whole job; stop as if this process got it (no traceback)
           logging.warning("%s (process %d) stopped by %s", peer.name, peer.process_id, signal.Signals(payload).name)
           self.error = cli.peer_stopped(payload)
+          self._end_futures(self.error)
           return
         else:
           raise RuntimeError(f"{peer.name} sent an unknown message {kind!r}")
-    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check() and the open futures
       if not self._stopping:
         logging.error("%s", e)
         self.error = e
+        self._end_futures(e)
+
+  def _end_futures(self, error: BaseException | None) -> None:
+    """Fails (or, with None, cancels) every answer's future still open."""
+    with self._lock:
+      futures, self._futures = list(self._futures.values()), {}
+    for f in futures:
+      if error is None:
+        f.cancel()
+      else:
+        f.set_exception(error)
 
   def _pulled(self, i: int, report: dict) -> None:
     version = report["version"]

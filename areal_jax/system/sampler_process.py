@@ -2,8 +2,9 @@
 
 It owns its local devices (a data x tensor mesh of its own; it never joins the learner's collectives), connects to
 the leader, and then, until told to stop:
-- generates the prompt groups the leader sends (a `SamplerLoop`: continuous batching, paged KV cache);
-- sends every finished answer back (detokenised here, scored by the leader's reward workers);
+- generates the prompt groups the leader sends (a `SamplerLoop`: continuous batching, paged KV cache), each from
+  the policy version it names or newer;
+- sends every finished answer back as its future completes (detokenised here, scored by the leader's reward workers);
 - pulls each new policy version in a background thread, beside decoding, and swaps it in between two decode steps
   (answers in flight are re-prefilled under it);
 - reports its counters once a second.
@@ -14,6 +15,7 @@ possible and ends the process with a non-zero status.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -61,9 +63,6 @@ class _Sampler:
     self.loop: SamplerLoop | None = None
     self.puller: WeightPuller | None = None
     self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
-    self.version = -1  # the newest version handed to the loop
-    self.held: list[dict] = []  # requests waiting for the version they were admitted under
-    self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.stop = threading.Event()
 
@@ -104,23 +103,20 @@ class _Sampler:
     params = self._pull(notice)
     self.loop = SamplerLoop(engine=self.engine, params=params, version=notice["version"], eos_ids=self.eos_ids,
                             detokenize=self.detokenize).start()
-    self.version = notice["version"]
     threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
-               for f in (self._forward, self._pull_loop)}
+               for f in (self._report_stats, self._pull_loop)}
     for t in threads.values():
       t.start()
     while not self.stop.is_set():
       if self.error is not None:
         raise self.error
+      self.loop.check()
       if not self.leader.poll(0.2):
         continue
       kind, payload = self.leader.recv()
       if kind == "request":
-        with self.lock:
-          if payload["min_version"] <= self.version:
-            self.loop.submit(payload["request"])
-          else:
-            self.held.append(payload)
+        for answer, future in enumerate(self.loop.submit(payload)):
+          future.add_done_callback(functools.partial(self._send_answer, answer))
       elif kind == "weights":
         self.notices.put(payload)
       elif kind == "stop":
@@ -128,7 +124,7 @@ class _Sampler:
         self.stop.set()
         # A pull in flight finishes first: the leader keeps its transfer server up until it hears "bye".
         threads["_pull_loop"].join(PULL_TIMEOUT_S)
-        threads["_forward"].join(10)
+        threads["_report_stats"].join(10)
         self.leader.send("bye")
       else:
         raise RuntimeError(f"{self.layout.name}: unknown message {kind!r}")
@@ -162,23 +158,19 @@ class _Sampler:
       except queue.Empty:
         continue
       # Every published version is pulled (the learner holds each until then); the loop swaps in the newest.
-      params = self._pull(notice)
-      with self.lock:
-        self.loop.update_params(params, notice["version"])  # swapped in before any request submitted after it
-        self.version = notice["version"]
-        ready = [h for h in self.held if h["min_version"] <= self.version]
-        self.held = [h for h in self.held if h["min_version"] > self.version]
-        for h in ready:
-          self.loop.submit(h["request"])
+      self.loop.update_params(self._pull(notice), notice["version"])
 
-  def _forward(self) -> None:
-    last = 0.0
-    while not self.stop.is_set():
-      try:
-        traj = self.loop.get(timeout=0.2)
-        self.leader.send("trajectory", traj)
-      except queue.Empty:
-        pass
-      if time.monotonic() - last > 1.0:
-        last = time.monotonic()
-        self.leader.send("stats", self.loop.stats())
+  def _send_answer(self, answer: int, future) -> None:
+    """On the loop's detokenising thread: one finished answer to the leader (a failed future: the loop's error, which
+    the main thread raises)."""
+    if future.cancelled() or future.exception() is not None:
+      return
+    try:
+      self.leader.send("trajectory", (answer, future.result()))
+    except OSError as e:
+      if not self.stop.is_set():
+        self.error = e
+
+  def _report_stats(self) -> None:
+    while not self.stop.wait(1.0):
+      self.leader.send("stats", self.loop.stats())

@@ -1,10 +1,12 @@
 """`run(config, workdir, layout)`: the asynchronous RL job, in one controller process or as one of several.
 
-One process (the default) runs three threads and a process pool:
-- the sampler loop (sampler slice) generates without pause and takes new weights between decode steps;
-- the rollout controller admits prompt groups under the staleness bound (`RolloutBuffer`) and hands it scored groups;
-- reward workers (processes) verify answers;
+One process (the default) runs four threads and a pool of reward worker processes:
+- the sampler loop (sampler slice) generates without pause and takes new weights between decode steps; a second
+  thread detokenises finished answers and completes their futures;
+- the reward service's dispatcher thread hands answers to the workers (processes) and completes their futures;
 - this thread is the learner (learner slice): B groups → PPO step → weights pushed device-to-device → version + 1.
+The rollout controller has no thread: each group is a chain of futures, generate → score → `RolloutBuffer` (the
+owner of the staleness bound), run by the threads that complete them.
 
 In a multi-process job (`roles.ProcessLayout`) the same code runs per role. The leader (learner process 0) keeps the
 rollout controller, reward workers, rollout buffer, checkpoints and metrics, and drives the sampler processes through a
@@ -21,6 +23,7 @@ rollouts.jsonl and the TensorBoard events are cut back to the restored step (to 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -39,7 +42,7 @@ from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.models import hf_io, orbax_io, weights
 from areal_jax.models.config import ModelConfig
-from areal_jax.reward.service import RewardService
+from areal_jax.reward.service import RewardService, score_all
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
@@ -49,7 +52,7 @@ from areal_jax.system import sampler_process, warmstart, weight_sync
 from areal_jax.system.batches import save_batch
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
-from areal_jax.system.controller import RewardChannels, RolloutController
+from areal_jax.system.controller import RolloutController
 from areal_jax.system.evaluation import Evaluator
 from areal_jax.system.metrics import MetricsWriter, append_lines, cut_logs
 from areal_jax.system.roles import ProcessLayout, authkey
@@ -93,24 +96,6 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
   orbax_io.save_orbax(nnx.merge(learner.fns.graphdef, params), str(cache))
   logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
   return params
-
-
-def _scorer(rewards: RewardChannels):
-  def score(items):
-    for i, (kind, text, reference) in enumerate(items):
-      rewards.submit("eval", i, kind, text, reference)
-    out, failed = [0.0] * len(items), []
-    for _ in items:
-      r = rewards.get("eval", timeout=600)
-      out[r.item_id] = r.reward
-      if r.reason.startswith(("timed out", "worker crashed")):
-        failed.append(r.reason)
-    if failed:
-      logging.warning("evaluation: %d of %d answers could not be scored and count as wrong (%s)", len(failed),
-                      len(items), "; ".join(sorted(set(failed))))
-    return out
-
-  return score
 
 
 class _QuietLibraries(logging.Filter):
@@ -251,15 +236,14 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
       faults.reach("weight_update")
       loop.update_params(moved, version)
 
-  rewards = RewardChannels(lambda **kw: RewardService.from_config(config.reward, **kw))
+  rewards = RewardService.from_config(config.reward)
   r = config.rollout
   buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
-                         max_concurrent=r.max_concurrent_rollouts, maxsize=r.queue_size,
-                         accepted=learner.version * r.batch_size)
+                         max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
   by_uid = {rec.uid: rec for rec in train.records}
   s = config.sampler
   controller = RolloutController(
-      dataset=train, loop=loop, rewards=rewards, buffer=buffer, group_size=r.group_size,
+      dataset=train, loop=loop, rewards=rewards, buffer=buffer, version=lambda: learner.version, group_size=r.group_size,
       sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens, seed=config.seed),
       filter_uniform=config.learner.filter_uniform_groups,
@@ -268,7 +252,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   eval_mesh = make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor})
   evaluator = Evaluator(model_cfg=model_cfg, records=evalset.records, mesh=eval_mesh,
                         sampler_cfg=SamplerConfig.from_config(config.sampler).replace(num_pages=0, memory_fraction=0.5),
-                        eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, score=_scorer(rewards),
+                        eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, score=functools.partial(score_all, rewards),
                         num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
@@ -312,6 +296,7 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
       sync_start = time.time()
       local = local_copy(learner.params, learner_mesh)
       push(local, learner.version)
+      controller.admit()  # the new version's capacity
       sync_s = time.time() - sync_start
       now, loop_stats = time.time(), loop.stats()
       learner_busy += now - busy_start

@@ -115,7 +115,7 @@ class WeightPublisher:
     self._dtype = floats.pop() if floats else None
     self.server = _server(devices, host)
     self._live: dict[int, tuple[list, set[int]]] = {}  # version -> (published leaves, pullers still to pull)
-    self._lock = threading.Lock()
+    self._cond = threading.Condition()
 
   @property
   def address(self) -> str:
@@ -142,23 +142,24 @@ class WeightPublisher:
     for i in pullers:
       uuids[i] = version * 4096 + i
       self.server.await_pull(uuids[i], leaves)
-    with self._lock:
+    with self._cond:
       self._live[version] = (leaves, set(pullers))
     return uuids, fp
 
   def pulled(self, version: int, puller: int) -> None:
     """`puller` has version `version`: once every puller has it, the published copy is released."""
-    with self._lock:
+    with self._cond:
       if version in self._live:
         leaves, waiting = self._live[version]
         waiting.discard(puller)
         if not waiting:
           del self._live[version]
+          self._cond.notify_all()
 
-  def live_versions(self) -> int:
-    """Versions published and not yet pulled by every puller (each holds one copy of the weights on device)."""
-    with self._lock:
-      return len(self._live)
+  def wait_live_below(self, n: int, timeout: float | None = None) -> bool:
+    """Waits until fewer than `n` versions are live; False if `timeout` passed first."""
+    with self._cond:
+      return self._cond.wait_for(lambda: len(self._live) < n, timeout)
 
 
 class WeightPuller:
