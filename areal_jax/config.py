@@ -121,7 +121,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("sampler.max_seq_len", s.max_seq_len,
           f"must hold data.max_prompt_len={c.data.max_prompt_len} + sampler.max_new_tokens={s.max_new_tokens}")
   if s.max_seq_len > model.max_position_embeddings:
-    _fail("sampler.max_seq_len", s.max_seq_len, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
+    _fail("sampler.max_seq_len", s.max_seq_len,
+          f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
   if s.num_pages and s.num_pages < math.ceil(s.max_seq_len / s.page_size):
     _fail("sampler.num_pages", s.num_pages, f"cannot hold one sequence of sampler.max_seq_len={s.max_seq_len}")
   if s.temperature < 0:

@@ -85,7 +85,8 @@ class RewardService:
   """Scores (kind, completion, reference) items in worker processes; see the module docstring.
 
   Each `submit` returns a `concurrent.futures.Future` of its `RewardResult`, completed on the dispatcher thread (so
-  its callbacks must not block). `timeout_s` is the hard limit per item once on a worker; workers get a soft budget a little shorter
+  its callbacks must not block). `timeout_s` is the hard limit per item once on a worker; workers get a soft budget
+  a little shorter
   (`soft_timeout_s`: the math check's own timeout, the code tests' total time) so that most slow items end without
   a kill. `memory_mb` caps each worker's address space (0: no cap).
   """

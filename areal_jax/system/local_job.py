@@ -3,8 +3,9 @@
 Each process is `launch/tpu_run.py` with `--num_processes/--process_id/--coordinator_address` added, started with
 its CPU affinity already set (XLA sizes its CPU thread pool from the affinity mask when JAX starts, so the pinning
 reaches XLA too), a shared random authkey for the control connections, and its output prefixed with its role.
-SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits with 128 + the signal's number. If a process dies, the others are stopped within seconds and the job exits non-zero
-naming the dead role; starting it again with the same workdir resumes from the last checkpoint.
+SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits with 128 + the signal's number. If a
+process dies, the others are stopped within seconds and the job exits non-zero naming the dead role; starting it
+again with the same workdir resumes from the last checkpoint.
 """
 
 from __future__ import annotations

@@ -243,7 +243,8 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   by_uid = {rec.uid: rec for rec in train.records}
   s = config.sampler
   controller = RolloutController(
-      dataset=train, loop=loop, rewards=rewards, buffer=buffer, version=lambda: learner.version, group_size=r.group_size,
+      dataset=train, loop=loop, rewards=rewards, buffer=buffer, version=lambda: learner.version,
+      group_size=r.group_size,
       sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens, seed=config.seed),
       filter_uniform=config.learner.filter_uniform_groups,
@@ -252,7 +253,8 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   eval_mesh = make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor})
   evaluator = Evaluator(model_cfg=model_cfg, records=evalset.records, mesh=eval_mesh,
                         sampler_cfg=SamplerConfig.from_config(config.sampler).replace(num_pages=0, memory_fraction=0.5),
-                        eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, score=functools.partial(score_all, rewards),
+                        eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+                        score=functools.partial(score_all, rewards),
                         num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
