@@ -1,9 +1,9 @@
-"""The leader's view of the sampler processes, with the interface of a `SamplerLoop`.
+"""The leader's view of the sampler processes: a `Rollout` (rollout.py).
 
 The rollout controller submits prompt groups to it exactly as to an in-process loop, so admission (paper Eq. 3) is
 decided in one place for all sampler processes. A group goes whole to the sampler process with the fewest answers
 outstanding; `submit` returns one future per answer, completed when the answer arrives (on the reader thread of its
-sampler process). `update_params` publishes a version with `jax.experimental.transfer` and tells every sampler to
+sampler process). `publish` offers a version with `jax.experimental.transfer` and tells every sampler to
 pull it; each pull is checked against the published fingerprint when the sampler reports it.
 
 A sampler process that dies, or reports an error, makes `check()` raise with its name: the run stops and is resumed
@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
 
-from areal_jax import cli
+from areal_jax import cli, faults
 from areal_jax.sampler.requests import Request
 from areal_jax.system.control import Peer
 from areal_jax.system.weight_transfer import WeightPublisher, check_fingerprint
@@ -38,6 +39,7 @@ class SamplerHub:
     self._outstanding = dict.fromkeys(self.peers, 0)
     self._stats = {i: {} for i in self.peers}
     self._pulls = {i: {} for i in self.peers}  # the latest pull each sampler reported
+    self._publish_s = 0.0  # the latest publish: staged and offered
     self._fingerprints: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()
     self._stopping = False
@@ -58,8 +60,17 @@ class SamplerHub:
     self.peers[i].send("request", request)  # held there until it generates from request.min_version
     return futures
 
-  def update_params(self, staged, version: int) -> None:
-    """Offers `staged` (from `publisher.stage`) as `version`; samplers swap it in between two decode steps.
+  def publish(self, params, version: int) -> None:
+    """Offers the learner's local copy `params` as `version`; samplers pull it and swap it in between two decode
+    steps."""
+    start = time.perf_counter()
+    staged = self.publisher.stage(params)
+    faults.reach("weight_update")
+    self._offer(staged, version)
+    self._publish_s = time.perf_counter() - start
+
+  def _offer(self, staged, version: int) -> None:
+    """Offers `staged` (from `publisher.stage`) as `version`.
 
     Waits while `MAX_LIVE_VERSIONS` earlier versions are still being pulled: each holds a copy of the weights on the
     learner's device, so a sampler that pulls slower than the learner steps must not pile them up.
@@ -91,13 +102,14 @@ class SamplerHub:
       return out
 
   def sync_metrics(self) -> dict[str, float]:
-    """`sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the latest pulls, and the same per sampler."""
+    """`sync/publish_seconds` of the latest publish; `sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the
+    latest pulls, and the same per sampler."""
     with self._lock:
       pulls = {i: p for i, p in self._pulls.items() if p}
     if not pulls:
-      return {}
+      return {"sync/publish_seconds": self._publish_s}
     mb = self.publisher.nbytes / 1e6
-    out = {"sync/seconds": max(p["seconds"] for p in pulls.values()),
+    out = {"sync/publish_seconds": self._publish_s, "sync/seconds": max(p["seconds"] for p in pulls.values()),
            "sync/mb_per_s": float(np.mean([mb / max(p["seconds"], 1e-9) for p in pulls.values()])),
            "sync/version_lag": float(self.version - min(p["version"] for p in pulls.values()))}
     for i, p in pulls.items():

@@ -23,12 +23,14 @@ rollouts.jsonl and the TensorBoard events are cut back to the restored step (to 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
 import threading
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,11 +46,9 @@ from areal_jax.models import hf_io, orbax_io, weights
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward.service import RewardService, score_all
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
-from areal_jax.system import sampler_process, warmstart, weight_sync
+from areal_jax.system import sampler_process, warmstart
 from areal_jax.system.batches import save_batch
 from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.system.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
@@ -56,6 +56,7 @@ from areal_jax.system.controller import RolloutController
 from areal_jax.system.evaluation import Evaluator
 from areal_jax.system.metrics import MetricsWriter, append_lines, cut_logs
 from areal_jax.system.roles import ProcessLayout, authkey
+from areal_jax.system.rollout import LocalRollout, Rollout
 from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.system.sampler_hub import SamplerHub
 from areal_jax.system.slices import build_slices
@@ -150,20 +151,44 @@ def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]
       leader.close()
 
 
+@dataclasses.dataclass
+class _Start:
+  """What a learner process starts from: data, model, learner (restored or initialised) and checkpoint position."""
+
+  tokenizer: Any
+  train: Any
+  evalset: Any
+  model_cfg: ModelConfig
+  learner: Learner
+  ckpt: Checkpointer
+  latest: int | None  # the checkpoint resumed, or None
+  step: int
+  controller_state: dict | None
+  start_time: float  # time/elapsed_s counts from here (moved back by the checkpoint's elapsed time)
+  followers: dict[int, Peer]
+
+
 def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time: float, control: ControlServer | None,
                  leader: Peer | None) -> list[dict]:
-  is_leader = layout.is_leader
-
-  # --- devices and meshes ---------------------------------------------------------------------------------------
   learner_mesh, sampler_mesh = _learner_mesh(config, layout)
+  st = _prepare(config, workdir, layout, learner_mesh, start_time, control, leader)
+  if leader is not None:
+    try:
+      _follow(leader, st.learner, st.ckpt, st.step)
+    finally:
+      st.ckpt.close()
+    return []
+  cut_logs(workdir, st.step if st.latest is not None else None)  # no checkpoint: the killed attempts' rows go too
+  return _lead(config, workdir, layout, control, st, learner_mesh, sampler_mesh)
 
-  # --- data ---------------------------------------------------------------------------------------------------------
+
+def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, start_time: float,
+             control: ControlServer | None, leader: Peer | None) -> _Start:
+  """Data, model and learner; the run's directory (leader); the latest checkpoint restored, or the initial weights."""
   tokenizer = load_tokenizer(config.model.tokenizer)
   train = build_dataset(config.data, tokenizer, split="train")
   evalset = build_dataset(config.data, tokenizer, split="eval")
   logging.info("data: %d train prompts %s, %d eval prompts", len(train), train.stats, len(evalset))
-
-  # --- learner: model, optimizer, parameters ------------------------------------------------------------------------
   model_cfg = _model_config(config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise config_lib.ConfigError(f"config.model.vocab_size={model_cfg.vocab_size}: smaller than the tokenizer's "
@@ -172,13 +197,11 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
                     seed=config.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
-  if is_leader:  # the settings, data and model are sound: the run's directory
+  if layout.is_leader:  # the settings, data and model are sound: the run's directory
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
                       max_to_keep=config.checkpoint.max_to_keep)
-
-  # --- resume or start ----------------------------------------------------------------------------------------------
   step, controller_state = 0, None
   latest = ckpt.latest_step()
   followers = _agree_on_start(layout, control, leader, latest, ckpt.directory)
@@ -192,100 +215,55 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
   else:
     learner.params = _initial_params(config, learner, train, tokenizer, workdir)
     learner.opt_state = learner.fns.init_opt_state(learner.params)
+  return _Start(tokenizer=tokenizer, train=train, evalset=evalset, model_cfg=model_cfg, learner=learner, ckpt=ckpt,
+                latest=latest, step=step, controller_state=controller_state, start_time=start_time,
+                followers=followers)
 
-  def checkpoint(controller_state, force=False):
-    if ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
-        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "elapsed_s": time.time() - start_time, "model_config": orbax_io.config_to_json(model_cfg)}):
-      faults.reach("checkpoint_write")  # the asynchronous write is in flight
 
-  if leader is not None:
-    try:
-      _follow(leader, learner, ckpt, step)
-    finally:
-      ckpt.close()
-    return []
-  cut_logs(workdir, step if latest is not None else None)  # no checkpoint: the killed attempts' rows go too
-
-  # --- sampler(s), rewards, controller ------------------------------------------------------------------------------
+def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlServer | None, st: _Start,
+          learner_mesh, sampler_mesh) -> list[dict]:
+  """The leader's loop: a batch from the rollout buffer, one train step, the new weights published, a metrics row,
+  an evaluation and a checkpoint when due."""
+  learner, ckpt, followers, step, r = st.learner, st.ckpt, st.followers, st.step, config.rollout
   local = local_copy(learner.params, learner_mesh)  # a collective when the learner spans processes
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
-  if layout.multi_process:
-    sampler_dtype = SamplerConfig.from_config(config.sampler).weight_dtype
-    publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_dtype),
-                                tensor=config.mesh.sampler_tensor, devices=learner_local, host=layout.host)
-    peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
-    loop = SamplerHub(peers=peers, publisher=publisher).start()
-
-    def push(local_params, version):
-      staged = publisher.stage(local_params)
-      faults.reach("weight_update")
-      loop.update_params(staged, version)
-
-    push(local, learner.version)
-  else:
-    abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
-    engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler), mesh=sampler_mesh)
-    # The sampler's copy is cast to sampler.param_dtype on the learner's devices, before it crosses over.
-    loop = SamplerLoop(engine=engine, params=weight_sync.transfer(local, engine.param_shardings,
-                                                                  dtype=engine.param_dtype),
-                       version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
-
-    def push(local_params, version):
-      moved = weight_sync.transfer(local_params, engine.param_shardings, dtype=engine.param_dtype)
-      faults.reach("weight_update")
-      loop.update_params(moved, version)
-
+  sampler_cfg = SamplerConfig.from_config(config.sampler)
+  rollout = _start_rollout(config, layout, control, sampler_cfg, learner, local, sampler_mesh, learner_local,
+                           st.tokenizer)
   rewards = RewardService.from_config(config.reward)
-  r = config.rollout
   buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
                          max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
-  by_uid = {rec.uid: rec for rec in train.records}
-  s = config.sampler
-  controller = RolloutController(
-      dataset=train, loop=loop, rewards=rewards, buffer=buffer, version=lambda: learner.version,
-      group_size=r.group_size,
-      sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_new_tokens=s.max_new_tokens, seed=config.seed),
-      filter_uniform=config.learner.filter_uniform_groups,
-      next_group_id=controller_state["next_group_id"] if controller_state else 0,
-      replay=[by_uid[u] for u in controller_state["undone"]] if controller_state else ())
-  eval_mesh = make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor})
-  evaluator = Evaluator(model_cfg=model_cfg, records=evalset.records, mesh=eval_mesh,
-                        sampler_cfg=SamplerConfig.from_config(config.sampler).replace(num_pages=0, memory_fraction=0.5),
-                        eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+  controller = _controller(config, st, rollout, rewards, buffer)
+  evaluator = Evaluator(model_cfg=st.model_cfg, records=st.evalset.records,
+                        mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
+                        sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5),
+                        eos_ids=[st.tokenizer.eos_id], detokenize=st.tokenizer.decode,
                         score=functools.partial(score_all, rewards),
                         num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
+
+  def checkpoint(controller_state, force=False):
+    if ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
+        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
+        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg)}):
+      faults.reach("checkpoint_write")  # the asynchronous write is in flight
+
   rows = []
   followers_done = threading.Event()
   for peer in followers.values():
     threading.Thread(target=_watch_follower, args=(peer, followers_done), name=f"watch-{peer.name}",
                      daemon=True).start()
-
-  # --- the learner loop ---------------------------------------------------------------------------------------------
   try:
     if step == 0:
-      result = evaluator(local, version=0)
-      rows.append({"step": 0, "version": 0, **result.metrics(), "time/elapsed_s": time.time() - start_time})
+      rows.append({"step": 0, "version": 0, **evaluator(local, version=0).metrics(),
+                   "time/elapsed_s": time.time() - st.start_time})
       metrics.write(0, rows[-1])
-    if isinstance(loop, SamplerLoop):
-      loop.start()
     controller.start()
-    last_t, last_stats, learner_busy = time.time(), loop.stats(), 0.0
+    timer = _Timer(rollout.stats())
     controller_state = None
     while step < config.total_steps:
-      groups, waiting_since = None, time.time()
-      while groups is None:
-        controller.check()
-        loop.check()
-        groups = buffer.take_batch(r.batch_size, learner.version, timeout=1.0)
-        if groups is None and time.time() - waiting_since > 120:
-          logging.warning("step %d: no batch of %d groups after %.0fs (%d finished; %s); groups whose answers all "
-                          "score the same are dropped (learner.filter_uniform_groups)", step + 1,
-                          r.batch_size, time.time() - waiting_since, len(buffer), dict(controller.counters))
-          waiting_since = time.time()
+      groups = _take_batch(buffer, controller, rollout, r.batch_size, learner.version, step)
       trajectories = [t for g in groups for t in g.trajectories]
       if config.metrics.save_batches:
         save_batch(str(workdir), step + 1, trajectories)
@@ -297,31 +275,14 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
       controller.mark_trained(groups)
       sync_start = time.time()
       local = local_copy(learner.params, learner_mesh)
-      push(local, learner.version)
+      rollout.publish(local, learner.version)
       controller.admit()  # the new version's capacity
-      sync_s = time.time() - sync_start
-      now, loop_stats = time.time(), loop.stats()
-      learner_busy += now - busy_start
-      finished = controller.take_rewards()
-      row = {
-          "version": learner.version,
-          "reward/mean": float(np.mean(finished)) if finished else float("nan"),
-          "reward/trained_mean": float(np.mean([t.reward for t in trajectories])),
-          "staleness/mean": stats.pop("learner/staleness_mean"),
-          "staleness/max": stats.pop("learner/staleness_max"),
-          **stats,
-          "sampler/tokens_per_s": (loop_stats.get("tokens", 0) - last_stats.get("tokens", 0)) / max(now - last_t, 1e-9),
-          "sampler/busy_s": loop_stats.get("busy_s", 0.0),
-          "learner/busy_s": learner_busy,
-          "sync/seconds": sync_s,
-          "rollout/queue_groups": len(buffer),
-          "rollout/groups_filtered": controller.counters["groups_filtered"],
-          "rollout/reward_failures": controller.counters["reward_failures"],
-          "time/elapsed_s": now - start_time,
-      }
-      if isinstance(loop, SamplerHub):  # the publish time here; the samplers' pull times from their reports
-        row |= {"sync/publish_seconds": sync_s, **loop.sync_metrics()}
-      last_t, last_stats = now, loop_stats
+      row = {"version": learner.version, **_step_metrics(stats, trajectories, controller.take_rewards()),
+             **timer.tick(rollout.stats(), busy_start=busy_start, sync_start=sync_start),
+             "rollout/queue_groups": len(buffer),
+             "rollout/groups_filtered": controller.counters["groups_filtered"],
+             "rollout/reward_failures": controller.counters["reward_failures"],
+             "time/elapsed_s": time.time() - st.start_time, **rollout.sync_metrics()}
       if step % config.eval.every_steps == 0 or step == config.total_steps:
         row |= evaluator(local, version=learner.version).metrics()
       metrics.write(step, row)
@@ -341,11 +302,85 @@ def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time:
       except OSError:
         pass
     controller.stop()
-    loop.stop()
+    rollout.stop()
     rewards.close()
     ckpt.close()
     metrics.close()
   return rows
+
+
+def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
+                buffer: RolloutBuffer) -> RolloutController:
+  """The rollout controller, continuing from the checkpoint's state (undone prompts first, group ids on)."""
+  s, state = config.sampler, st.controller_state
+  by_uid = {rec.uid: rec for rec in st.train.records}
+  return RolloutController(
+      dataset=st.train, loop=rollout, rewards=rewards, buffer=buffer, version=lambda: st.learner.version,
+      group_size=config.rollout.group_size,
+      sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_new_tokens=s.max_new_tokens, seed=config.seed),
+      filter_uniform=config.learner.filter_uniform_groups,
+      next_group_id=state["next_group_id"] if state else 0,
+      replay=[by_uid[u] for u in state["undone"]] if state else ())
+
+
+def _take_batch(buffer: RolloutBuffer, controller: RolloutController, rollout: Rollout, n: int, version: int,
+                step: int) -> list:
+  """The next batch; raises what stopped the controller or the samplers meanwhile; warns every 2 minutes."""
+  waiting_since = time.time()
+  while True:
+    controller.check()
+    rollout.check()
+    groups = buffer.take_batch(n, version, timeout=1.0)
+    if groups is not None:
+      return groups
+    if time.time() - waiting_since > 120:
+      logging.warning("step %d: no batch of %d groups after %.0fs (%d finished; %s); groups whose answers all "
+                      "score the same are dropped (learner.filter_uniform_groups)", step + 1, n,
+                      time.time() - waiting_since, len(buffer), dict(controller.counters))
+      waiting_since = time.time()
+
+
+def _step_metrics(stats: dict, trajectories, finished_rewards: list[float]) -> dict[str, float]:
+  """The learner's step statistics with the rewards: every answer scored since the last step, and the trained ones."""
+  stats = dict(stats)
+  return {"reward/mean": float(np.mean(finished_rewards)) if finished_rewards else float("nan"),
+          "reward/trained_mean": float(np.mean([t.reward for t in trajectories])),
+          "staleness/mean": stats.pop("learner/staleness_mean"),
+          "staleness/max": stats.pop("learner/staleness_max"), **stats}
+
+
+class _Timer:
+  """Per-step timing: sampler throughput since the last step, busy seconds of both sides, the weight sync."""
+
+  def __init__(self, sampler_stats: dict):
+    self.last_t, self.last_stats, self.learner_busy = time.time(), sampler_stats, 0.0
+
+  def tick(self, sampler_stats: dict, *, busy_start: float, sync_start: float) -> dict[str, float]:
+    now = time.time()
+    self.learner_busy += now - busy_start
+    tokens = sampler_stats.get("tokens", 0) - self.last_stats.get("tokens", 0)
+    out = {"sampler/tokens_per_s": tokens / max(now - self.last_t, 1e-9),
+           "sampler/busy_s": sampler_stats.get("busy_s", 0.0), "learner/busy_s": self.learner_busy,
+           "sync/seconds": now - sync_start}
+    self.last_t, self.last_stats = now, sampler_stats
+    return out
+
+
+def _start_rollout(config, layout: ProcessLayout, control: ControlServer | None, sampler_cfg: SamplerConfig,
+                   learner: Learner, local, sampler_mesh, learner_local, tokenizer) -> Rollout:
+  """The samplers, holding the learner's current weights: a `SamplerHub` over the sampler processes of a
+  multi-process job, else a `LocalRollout` on this process's sampler slice."""
+  if not layout.multi_process:
+    abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
+    return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, mesh=sampler_mesh, params=local,
+                        version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+  publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
+                              tensor=config.mesh.sampler_tensor, devices=learner_local, host=layout.host)
+  peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
+  hub = SamplerHub(peers=peers, publisher=publisher).start()
+  hub.publish(local, learner.version)
+  return hub
 
 
 def _agree_on_start(layout: ProcessLayout, control: ControlServer | None, leader: Peer | None, latest: int | None,
