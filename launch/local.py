@@ -15,7 +15,7 @@ from absl import app, flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
-from areal_jax.system import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
+from areal_jax.distributed import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
 
 _CONFIG = cli.define_config()
 flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (passed on).")

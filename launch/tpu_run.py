@@ -4,7 +4,7 @@ r"""Starts an asynchronous RL run: one controller process, or one process of a m
 
 One process (the default) splits its devices into a sampler slice and a learner slice. With `--num_processes=N`
 (and `--process_id`, `--coordinator_address=HOST:PORT` of process 0), this is one of N processes:
-`config.mesh.sampler_processes` of them are samplers, the rest form the learner (`areal_jax/system/roles.py`).
+`config.mesh.sampler_processes` of them are samplers, the rest form the learner (`areal_jax/distributed/roles.py`).
 `launch/local.py` starts all N on one machine. A workdir that already holds checkpoints is resumed. On CPU each
 process emulates `config.mesh.cpu_devices` devices.
 """
@@ -17,7 +17,7 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
-from areal_jax.system import roles  # pylint: disable=g-import-not-at-top  # does not import JAX
+from areal_jax.distributed import roles  # pylint: disable=g-import-not-at-top  # does not import JAX
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory, local or gs://.")
@@ -43,7 +43,7 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
 
   from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from areal_jax.system import trainer  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl import trainer  # pylint: disable=g-import-not-at-top
 
   jax.devices()  # the backend first: libtpu installs a SIGTERM handler of its own, replaced here
   cli.stop_on_signals()

@@ -107,7 +107,7 @@ def test_kills_before_the_first_checkpoint_leave_no_rows(tmp_path):
 def test_truncate_events_keeps_steps_up_to_the_restored_one(tmp_path):
   from etils import epath
 
-  from areal_jax.system.metrics import TensorBoard, cut_logs, truncate_events
+  from areal_jax.rl.metrics import TensorBoard, cut_logs, truncate_events
 
   logdir = tmp_path / "tensorboard"
   for steps in (range(0, 3), range(1, 5)):  # an attempt killed after step 2, then one killed after step 4
@@ -130,7 +130,7 @@ def test_truncate_events_keeps_steps_up_to_the_restored_one(tmp_path):
 def test_truncate_jsonl_drops_a_torn_last_line(tmp_path):
   from etils import epath
 
-  from areal_jax.system.metrics import truncate_jsonl
+  from areal_jax.rl.metrics import truncate_jsonl
 
   path = epath.Path(tmp_path / "metrics.jsonl")
   rows = "".join(json.dumps({"step": s}) + "\n" for s in range(4))

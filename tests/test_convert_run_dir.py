@@ -13,7 +13,7 @@ import transformers
 from flax import nnx
 
 from areal_jax.models import ModelConfig, create, orbax_io
-from areal_jax.system.checkpoint import Checkpointer
+from areal_jax.rl.checkpoint import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

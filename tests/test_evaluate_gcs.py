@@ -23,9 +23,9 @@ from areal_jax.data import synthetic
 from areal_jax.evaluate import checkpoints, evaluate, pass_at_k
 from areal_jax.models import orbax_io, save_hf
 from areal_jax.reward.math import verify_math
+from areal_jax.rl import trainer
+from areal_jax.rl.metrics import read_metrics
 from areal_jax.sampler import generate
-from areal_jax.system import trainer
-from areal_jax.system.metrics import read_metrics
 from areal_jax.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

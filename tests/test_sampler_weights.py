@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.distributed import weight_transfer
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner, gap_stats
 from areal_jax.learner.step import make_learner_mesh
+from areal_jax.models import weights
 from areal_jax.models.logprobs import next_token_logprobs
 from areal_jax.sampler import Engine, Request, SamplerConfig, SamplerLoop, SamplingParams, Scheduler
 from areal_jax.sharding import LEARNER_RULES, make_mesh, state_shardings
-from areal_jax.system import weight_sync
 from helpers import TINY, tiny_model
 
 CFG = TINY
@@ -177,11 +178,11 @@ def test_pushed_weights_arrive_in_the_samplers_dtype(models, bf16_engine):
   learner_mesh = make_mesh(devices[4:6], {"fsdp": 2, "tensor": 1})
   state = nnx.state(models[1])
   on_learner = jax.device_put(state, state_shardings(state, learner_mesh, LEARNER_RULES))
-  cast = weight_sync.cast(on_learner, jnp.bfloat16)
+  cast = weights.cast(on_learner, jnp.bfloat16)
   for x, y in zip(jax.tree.leaves(on_learner), jax.tree.leaves(cast)):  # cast where the weights live
     assert y.dtype == jnp.bfloat16 and y.sharding.is_equivalent_to(x.sharding, x.ndim)
-  assert weight_sync.cast(on_learner, jnp.float32) is on_learner
-  moved = weight_sync.transfer(on_learner, bf16_engine.param_shardings, dtype=bf16_engine.param_dtype)
+  assert weights.cast(on_learner, jnp.float32) is on_learner
+  moved = weight_transfer.transfer(on_learner, bf16_engine.param_shardings, dtype=bf16_engine.param_dtype)
   sched = Scheduler(engine=bf16_engine, params=bf16_engine.load_params(models[0]))
   sched.update_params(moved, 1)
   sched.step()  # the swap happens at the start of a step
@@ -192,7 +193,7 @@ def test_pushed_weights_arrive_in_the_samplers_dtype(models, bf16_engine):
     assert w.sharding.device_set == {devices[0]}
     np.testing.assert_array_equal(np.asarray(w), np.asarray(want.astype(jnp.bfloat16)))
   with pytest.raises(ValueError, match=r"float32.*expected bfloat16"):
-    sched.update_params(weight_sync.transfer(on_learner, bf16_engine.param_shardings), 2)
+    sched.update_params(weight_transfer.transfer(on_learner, bf16_engine.param_shardings), 2)
 
 
 def test_bfloat16_sampler_logprobs_differ_and_the_learner_logs_the_gap(models, bf16_engine):

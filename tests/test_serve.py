@@ -25,9 +25,9 @@ import tokenizers
 from flax import nnx
 
 from areal_jax.models import orbax_io, save_hf
+from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.sampler import Request, SamplingParams, generate
 from areal_jax.serve import build
-from areal_jax.system.checkpoint import Checkpointer
 from areal_jax.tokenizer import load_tokenizer
 from helpers import TINY, tiny_model
 

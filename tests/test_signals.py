@@ -9,8 +9,8 @@ import time
 import pytest
 
 from areal_jax import cli
-from areal_jax.system.control import Peer
-from areal_jax.system.sampler_hub import SamplerHub
+from areal_jax.distributed.control import Peer
+from areal_jax.distributed.sampler_hub import SamplerHub
 
 
 @pytest.fixture

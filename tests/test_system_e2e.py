@@ -9,9 +9,9 @@ import time
 
 from areal_jax.config import load_config
 from areal_jax.data import build_dataset
-from areal_jax.system import trainer
-from areal_jax.system.checkpoint import Checkpointer
-from areal_jax.system.metrics import read_metrics
+from areal_jax.rl import trainer
+from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.metrics import read_metrics
 from areal_jax.tokenizer import load_tokenizer
 from helpers import FAST
 

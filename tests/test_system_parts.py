@@ -11,12 +11,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding as shd
 from areal_jax.config import load_config
+from areal_jax.distributed import weight_transfer
+from areal_jax.distributed.slices import build_slices
 from areal_jax.models import ModelConfig, create, weights
-from areal_jax.system import weight_sync
-from areal_jax.system.checkpoint import Checkpointer
-from areal_jax.system.metrics import MetricsWriter, read_metrics
-from areal_jax.system.rollout_buffer import RolloutBuffer
-from areal_jax.system.slices import build_slices
+from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.metrics import MetricsWriter, read_metrics
+from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory
 from flax import nnx
 
@@ -119,13 +119,13 @@ def test_weight_sync_is_device_to_device_and_exact():
   learner_shardings = shd.state_shardings(state, slices.learner, shd.LEARNER_RULES)
   sampler_shardings = shd.state_shardings(state, slices.sampler, shd.SAMPLER_RULES)
   on_learner = jax.device_put(state, learner_shardings)
-  moved = weight_sync.transfer(on_learner, sampler_shardings)
+  moved = weight_transfer.transfer(on_learner, sampler_shardings)
   for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(moved), jax.tree.leaves(sampler_shardings)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert b.sharding.device_set == set(slices.sampler.devices.flat) and b.sharding.is_equivalent_to(s, a.ndim)
   # A host array cannot sneak through the guard.
   with pytest.raises(Exception, match="[Dd]isallowed host-to-device"):
-    weight_sync.transfer(np.ones(4, np.float32), NamedSharding(slices.sampler, P()))
+    weight_transfer.transfer(np.ones(4, np.float32), NamedSharding(slices.sampler, P()))
 
 
 def test_check_compatible_names_the_leaf():

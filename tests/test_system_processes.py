@@ -15,10 +15,10 @@ from areal_jax.config import load_config
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.models.config import ModelConfig
+from areal_jax.rl.batches import load_batch
+from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
-from areal_jax.system.batches import load_batch
-from areal_jax.system.checkpoint import Checkpointer
-from areal_jax.system.metrics import read_metrics
 from helpers import FAST
 from test_system_e2e import CONFIG, ROOT, _rollouts, assert_every_prompt_once
 
@@ -163,7 +163,7 @@ def test_local_launcher_rejects_a_bad_layout(tmp_path):
 
 def test_batches_round_trip(tmp_path):
   n = 3
-  from areal_jax.system.batches import save_batch  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl.batches import save_batch  # pylint: disable=g-import-not-at-top
   from areal_jax.types import Trajectory  # pylint: disable=g-import-not-at-top
 
   trajs = [Trajectory(prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(i + 1, dtype=np.int32),

@@ -2,8 +2,8 @@
 
 import pytest
 
-from areal_jax.system import local_job
-from areal_jax.system.roles import ProcessLayout, from_flags_or_env
+from areal_jax.distributed import local_job
+from areal_jax.distributed.roles import ProcessLayout, from_flags_or_env
 
 
 def test_learners_come_first_then_samplers():

@@ -6,7 +6,7 @@ from flax import nnx
 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.step import build_step, make_learner_mesh
-from areal_jax.system import warmstart
+from areal_jax.rl import warmstart
 from helpers import TINY, tiny_model
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.distributed import weight_transfer
+from areal_jax.distributed.weight_transfer import (WeightPublisher, WeightPuller, check_fingerprint, fingerprint,
+                                                   local_copy)
 from areal_jax.models import weights
 from areal_jax.sharding import LEARNER_RULES, SAMPLER_RULES, make_mesh, state_shardings
-from areal_jax.system import weight_sync
-from areal_jax.system.weight_transfer import (WeightPublisher, WeightPuller, check_fingerprint, fingerprint,
-                                              local_copy)
 from helpers import tiny_model
 
 
@@ -38,7 +38,7 @@ def test_pulled_weights_equal_the_learners_leaf_by_leaf(learner_axes, tensor, sa
   pulled, fp = puller.pull(uuids[0], timeout_s=60)
   check_fingerprint(fp, published_fp, paths=pub.paths, what="test")
   sampler_mesh = make_mesh(devices[4:], sampler_axes)
-  on_sampler = weight_sync.transfer(pulled, state_shardings(params, sampler_mesh, SAMPLER_RULES))
+  on_sampler = weight_transfer.transfer(pulled, state_shardings(params, sampler_mesh, SAMPLER_RULES))
 
   want = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
   for got_tree in (pulled, on_sampler):
@@ -99,7 +99,7 @@ def test_a_pull_that_never_arrives_times_out():
       sys.path.insert(0, TESTS)
       import jax
       from flax import nnx
-      from areal_jax.system.weight_transfer import WeightPublisher, WeightPuller
+      from areal_jax.distributed.weight_transfer import WeightPublisher, WeightPuller
       from helpers import tiny_model
       params = nnx.state(tiny_model(), nnx.Param)
       pub = WeightPublisher(abstract_params=params, tensor=1, devices=jax.devices(), host="127.0.0.1")

@@ -38,8 +38,8 @@ from ml_collections import config_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from areal_jax.system import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
-from areal_jax.system.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+from areal_jax.distributed import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
+from areal_jax.rl.metrics import read_metrics  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_async", "Directory for the runs (one subdirectory each).")

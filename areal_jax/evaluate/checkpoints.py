@@ -1,6 +1,6 @@
 """What to evaluate: a run's checkpoints (local or gs://), an Orbax policy directory, or a HF model directory.
 
-A run's checkpoint directory (an Orbax `CheckpointManager`, see `areal_jax.system.checkpoint`) holds one directory per
+A run's checkpoint directory (an Orbax `CheckpointManager`, see `areal_jax.rl.checkpoint`) holds one directory per
 saved step, named by the step, with the items `params`, `opt_state` and `meta`. Orbax finalizes a step in one of two
 ways: on a local disk it writes `<step>.orbax-checkpoint-tmp-<time>/` and renames it to `<step>/` when done; on GCS
 (no atomic rename) it writes `<step>/` in place and adds `commit_success.txt` last. Anything else -- a temporary

@@ -23,7 +23,7 @@ from etils import epath
 
 from areal_jax.evaluate.benchmarks import Benchmark
 from areal_jax.evaluate.passk import mean_pass_at_k
-from areal_jax.system.evaluation import EvalResult
+from areal_jax.rl.evaluation import EvalResult
 
 _log = logging.getLogger(__name__)
 

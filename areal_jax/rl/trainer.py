@@ -40,27 +40,28 @@ from flax import nnx
 from areal_jax import faults
 from areal_jax import config as config_lib
 from areal_jax.data import build_dataset, warmstart_pairs
+from areal_jax.distributed import sampler_process
+from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
+from areal_jax.distributed.roles import ProcessLayout, authkey
+from areal_jax.distributed.sampler_hub import SamplerHub
+from areal_jax.distributed.slices import build_slices
+from areal_jax.distributed.weight_transfer import WeightPublisher, local_copy
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.models import hf_io, orbax_io, weights
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward.service import RewardService, score_all
+from areal_jax.rl import warmstart
+from areal_jax.rl.batches import save_batch
+from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.controller import RolloutController
+from areal_jax.rl.evaluation import Evaluator
+from areal_jax.rl.metrics import MetricsWriter, append_lines, cut_logs
+from areal_jax.rl.rollout import LocalRollout, Rollout
+from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
-from areal_jax.system import sampler_process, warmstart
-from areal_jax.system.batches import save_batch
-from areal_jax.system.checkpoint import Checkpointer
-from areal_jax.system.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
-from areal_jax.system.controller import RolloutController
-from areal_jax.system.evaluation import Evaluator
-from areal_jax.system.metrics import MetricsWriter, append_lines, cut_logs
-from areal_jax.system.roles import ProcessLayout, authkey
-from areal_jax.system.rollout import LocalRollout, Rollout
-from areal_jax.system.rollout_buffer import RolloutBuffer
-from areal_jax.system.sampler_hub import SamplerHub
-from areal_jax.system.slices import build_slices
-from areal_jax.system.weight_transfer import WeightPublisher, local_copy
 from areal_jax.tokenizer import load_tokenizer
 
 

@@ -20,13 +20,13 @@ from jax.sharding import Mesh
 
 from areal_jax import faults
 from areal_jax.data.records import PromptRecord
+from areal_jax.distributed import weight_transfer
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.sampler.scheduler import Scheduler
-from areal_jax.system import weight_sync
 
 # score(items) -> rewards, items being (kind, completion text, reference).
 Scorer = Callable[[Sequence[tuple[str, str, str]]], list[float]]
@@ -70,7 +70,7 @@ class Evaluator:
     num_samples = self.num_samples if num_samples is None else num_samples
     sampling = dataclasses.replace(self.sampling, **{k: v for k, v in (("temperature", temperature), ("top_p", top_p))
                                                      if v is not None})
-    params = weight_sync.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
+    params = weight_transfer.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
     sched = Scheduler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
     for i, r in enumerate(records):
       sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling))

@@ -26,15 +26,15 @@ import jax
 from flax import nnx
 
 from areal_jax import cli
+from areal_jax.distributed import weight_transfer
+from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
+from areal_jax.distributed.roles import ProcessLayout, authkey
+from areal_jax.distributed.weight_transfer import WeightPuller, local_ip_towards
 from areal_jax.models import create
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sharding import make_mesh
-from areal_jax.system import weight_sync
-from areal_jax.system.control import CONNECT_TIMEOUT_S, Peer, connect
-from areal_jax.system.roles import ProcessLayout, authkey
-from areal_jax.system.weight_transfer import WeightPuller, local_ip_towards
 from areal_jax.tokenizer import load_tokenizer
 
 PULL_TIMEOUT_S = 600.0
@@ -147,7 +147,7 @@ class _Sampler:
     start = time.perf_counter()
     pulled, fp = self.puller.pull(notice["uuid"], timeout_s=PULL_TIMEOUT_S)
     seconds = time.perf_counter() - start
-    params = weight_sync.transfer(pulled, self.engine.param_shardings)  # onto this process's data x tensor mesh
+    params = weight_transfer.transfer(pulled, self.engine.param_shardings)  # onto this process's data x tensor mesh
     self.leader.send("pulled", {"version": notice["version"], "seconds": seconds, "fingerprint": fp})
     return params
 

@@ -14,11 +14,11 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from areal_jax import faults
+from areal_jax.distributed import weight_transfer
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import Request
-from areal_jax.system import weight_sync
 
 
 class Rollout(Protocol):
@@ -56,7 +56,7 @@ class LocalRollout:
   def _move(self, params):
     """Onto the sampler's shardings, device-to-device, cast to `sampler.param_dtype` on the learner's devices first
     (so the narrower copy is what crosses over)."""
-    return weight_sync.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
+    return weight_transfer.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
 
   def submit(self, request: Request) -> list[Future]:
     return self.loop.submit(request)

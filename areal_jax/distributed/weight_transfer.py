@@ -1,4 +1,9 @@
-"""Weights between processes: the learner publishes each version, sampler processes pull it onto their devices.
+"""Weights from the learner to the samplers.
+
+In one process, `transfer(params, shardings, dtype=...)` moves them device-to-device onto the sampler's shardings
+(cast on the learner's devices first, so a narrower copy crosses over); no host round-trip (a transfer guard raises).
+
+Between processes, the learner publishes each version and sampler processes pull it onto their devices:
 
     # learner leader                                        # each sampler process
     pub = WeightPublisher(abstract_params=..., tensor=t,     puller = WeightPuller(address=pub.address, ...)
@@ -25,12 +30,49 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import transfer
+from jax.experimental import transfer as jax_transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models import weights
+from areal_jax.models.weights import cast
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
-from areal_jax.system import weight_sync
+
+
+def _identity(tree):
+  return tree
+
+
+def _stage(x: jax.Array, dst: NamedSharding) -> jax.Array:
+  """Copies x shard-by-shard onto dst's devices (device-to-device), keeping x's partitioning."""
+  if not isinstance(x, jax.Array):
+    return x  # a host value: the transfer guard rejects it below
+  src = x.sharding
+  if src.device_set == dst.device_set:
+    return x
+  dst_devices = list(dst.mesh.devices.flat)
+  if isinstance(src, NamedSharding) and src.mesh.devices.size == len(dst_devices):
+    staged = Mesh(np.asarray(dst_devices, dtype=object).reshape(src.mesh.devices.shape), src.mesh.axis_names)
+    return jax.device_put(x, NamedSharding(staged, src.spec))
+  # Different device counts: replicate on the source (one leaf at a time), then copy the replica across.
+  replicated = jax.jit(_identity, out_shardings=NamedSharding(src.mesh, P()))(x)
+  return jax.device_put(replicated, NamedSharding(dst.mesh, P()))
+
+
+def transfer(params, shardings, *, dtype=None):
+  """Puts `params` (e.g. fsdp-sharded on the learner slice) onto `shardings` (the sampler slice), with floating leaves
+  cast to `dtype` first (None = as they are) where they live, so a narrower copy is what crosses over.
+
+  Shards are copied device-to-device onto the sampler's devices, then resharded there by one compiled program.
+  Host↔device copies raise here (explicit or implicit), so a host round-trip cannot slip in.
+  """
+  with jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"), \
+      jax.transfer_guard_device_to_host("disallow_explicit"):
+    if dtype is not None:
+      params = cast(params, dtype)
+    staged = jax.tree.map(_stage, params, shardings)
+    out = jax.jit(_identity, out_shardings=shardings)(staged)
+    jax.block_until_ready(out)
+  return out
 
 
 def local_ip_towards(host: str) -> str:
@@ -44,7 +86,7 @@ def local_ip_towards(host: str) -> str:
 
 def _server(devices: Sequence[jax.Device], host: str):
   # Both ends must name the same (non-zero) number of transport addresses.
-  return transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
+  return jax_transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
 
 
 def transfer_mesh(devices: Sequence[jax.Device], tensor: int) -> Mesh:
@@ -87,7 +129,7 @@ def local_copy(params, mesh: Mesh):
   mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   if len(mine) == mesh.devices.size:
     return params
-  gather = jax.jit(weight_sync._identity, out_shardings=NamedSharding(mesh, P()))  # pylint: disable=protected-access
+  gather = jax.jit(_identity, out_shardings=NamedSharding(mesh, P()))  # pylint: disable=protected-access
 
   def one(x):  # one leaf at a time: a whole replica of the model never sits on every device at once
     whole = gather(x)
@@ -132,7 +174,7 @@ class WeightPublisher:
     if self._dtype is not None:
       params = weights.cast(params, self._dtype)
     weights.check_compatible(params, self.abstract, what="published weights")
-    return weight_sync.transfer(params, self.shardings)
+    return transfer(params, self.shardings)
 
   def offer(self, staged, version: int, pullers: Sequence[int]) -> tuple[dict[int, int], np.ndarray]:
     """Registers `staged` once per puller; returns ({puller: uuid}, fingerprint)."""

@@ -21,9 +21,9 @@ from concurrent.futures import Future
 import numpy as np
 
 from areal_jax import cli, faults
+from areal_jax.distributed.control import Peer
+from areal_jax.distributed.weight_transfer import WeightPublisher, check_fingerprint
 from areal_jax.sampler.requests import Request
-from areal_jax.system.control import Peer
-from areal_jax.system.weight_transfer import WeightPublisher, check_fingerprint
 
 MAX_LIVE_VERSIONS = 2
 

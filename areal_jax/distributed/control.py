@@ -27,7 +27,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
-from areal_jax.system.roles import ProcessLayout
+from areal_jax.distributed.roles import ProcessLayout
 
 CONNECT_TIMEOUT_S = 600.0  # how long a process waits for the others to connect (compilation may come first)
 

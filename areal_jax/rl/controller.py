@@ -31,8 +31,8 @@ import numpy as np
 from areal_jax import cli
 from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardService
+from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import Request, SamplingParams
-from areal_jax.system.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory
 
 _SHOWN_REWARD_FAILURES = 5  # reward failures logged one by one; after that every 100th

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from areal_jax.system.roles import AUTHKEY_ENV, ProcessLayout
+from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 FINISH_GRACE_S = 60.0  # after the leader finished: how long the others get to exit on their own
