@@ -106,15 +106,15 @@ class RolloutController:
     try:
       while True:
         self._admit_all()
-        with self._lock:
+        with self._lock:  # the same lock as the check above: a call from now on runs itself
           if not self._admit_again:
+            self._admitting = False
             return
           self._admit_again = False
     except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
-      self._fail(e)
-    finally:
       with self._lock:
         self._admitting = False
+      self._fail(e)
 
   def mark_trained(self, groups: Sequence[Group]) -> None:
     with self._lock:
