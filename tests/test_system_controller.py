@@ -118,3 +118,39 @@ def test_replay_comes_first_and_group_ids_continue():
   assert loop.submitted == [7, 8]  # eta = 0: exactly B groups, numbered on from the checkpoint
   state, _ = ctl.snapshot()
   assert state["undone"][:2] == ["p10", "p20"] and state["dataset"]["index"] == 0 and state["next_group_id"] == 9
+
+
+class ThreadedLoop(FakeLoop):
+  """Completes each answer later, from a pool of threads (as the sampler's detokeniser and hub readers do)."""
+
+  def __init__(self, seed=0):
+    super().__init__()
+    self._pool = ThreadPoolExecutor(4)
+    self._rng = np.random.default_rng(seed)
+
+  def submit(self, request):
+    delays = self._rng.uniform(0, 0.003, request.num_answers)
+    return [self._pool.submit(lambda f=f, d=d: (time.sleep(d), f.result())[1])
+            for f, d in zip(super().submit(request), delays)]
+
+
+def test_admissions_from_many_threads_are_never_lost():
+  """Groups finish on several threads at once, each asking the controller to admit: with eta = 0 every version
+  needs exactly B new groups, so one lost admission would stall the learner."""
+  ds, loop, rewards = _dataset(), ThreadedLoop(), FakeRewards()
+  b = 4
+  buffer = RolloutBuffer(batch_size=b, max_offpolicyness=0, max_concurrent=3)
+  learner = {"version": 0}
+  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=buffer, version=lambda: learner["version"],
+                          group_size=G, sampling=SamplingParams(), filter_uniform=False).start()
+  try:
+    for version in range(30):
+      batch = buffer.take_batch(b, version, timeout=10)
+      assert batch is not None, f"no batch for version {version}: {buffer.running} running, {len(buffer)} finished"
+      ctl.mark_trained(batch)
+      learner["version"] = loop.version = version + 1
+      ctl.admit()
+  finally:
+    ctl.stop()
+  ctl.check()
+  assert 30 * b <= buffer.accepted and buffer.accepted + buffer.running <= 31 * b  # trained; Eq. 3 at version 30
