@@ -38,7 +38,6 @@ _CHOICES = {
     "learner.adv_norm": ("group", "batch", "none"),
     "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "learner.prox_logp_method": ("recompute", "loglinear"),
-    "reward.kind": ("math", "code"),
 }
 
 

@@ -216,7 +216,6 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.max_concurrent_rollouts = 16 if tiny else 256  # groups in flight
 
   c.reward = ml_collections.ConfigDict()
-  c.reward.kind = "math"  # math | code
   c.reward.num_workers = 2 if tiny else 16
   c.reward.timeout_s = 5.0  # per item on a worker; it scores 0 past this
   c.reward.code_test_timeout_s = 2.0  # wall and CPU seconds per sandboxed code test

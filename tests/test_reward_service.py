@@ -183,4 +183,4 @@ def test_from_config():
   config = load_config(CONFIG)
   with RewardService.from_config(config.reward) as service:
     assert service.num_workers == config.reward.num_workers and service.timeout_s == config.reward.timeout_s
-    assert service.submit(0, config.reward.kind, r"\boxed{3}", "3").result(30).reward == 1.0
+    assert service.submit(0, "math", r"\boxed{3}", "3").result(30).reward == 1.0

@@ -170,7 +170,3 @@ def check_code(completion: str, reference: str | dict | list, *, limits: sandbox
     if not ok:
       return False, f"test {n + 1}/{len(tests)}: {why}"
   return True, f"all {len(tests)} tests passed"
-
-
-def verify_code(completion: str, reference: str | dict | list) -> bool:
-  return check_code(completion, reference)[0]
