@@ -5,11 +5,11 @@ says who it is; after that each side sends `(kind, payload)` tuples of host data
 learner batches). Arrays never travel here: weights go over `jax.experimental.transfer` (`weight_transfer.py`).
 
     leader                                         sampler process i
-      ("weights", {version, uuid})      ──────►      pulls, swaps between two decode steps
+      ("weights", {version, uuid, fp})  ──────►      pulls, checks fp, swaps between two decode steps
       ("request", Request)              ──────►      generates the group's answers
       ("stop", None)                    ──────►      exits
                                         ◄──────      ("trajectory", (answer, Trajectory))   one finished answer
-                                        ◄──────      ("pulled", {version, seconds, fingerprint})
+                                        ◄──────      ("pulled", {version, seconds})
                                         ◄──────      ("stats", {tokens, busy_s, ...})
                                         ◄──────      ("error", traceback)
                                         ◄──────      ("stopped", signum)   signalled: the leader stops too

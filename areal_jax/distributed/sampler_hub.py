@@ -4,7 +4,7 @@ The rollout controller submits prompt groups to it exactly as to an in-process l
 decided in one place for all sampler processes. A group goes whole to the sampler process with the fewest answers
 outstanding; `submit` returns one future per answer, completed when the answer arrives (on the reader thread of its
 sampler process). `publish` offers a version with `jax.experimental.transfer` and tells every sampler to
-pull it; each pull is checked against the published fingerprint when the sampler reports it.
+pull it; the notice carries the published fingerprint, and the sampler checks its pull against it before the swap.
 
 A sampler process that dies, or reports an error, makes `check()` raise with its name: the run stops and is resumed
 from its last checkpoint (prompts in flight are generated again).
@@ -22,7 +22,7 @@ import numpy as np
 
 from areal_jax import cli, faults
 from areal_jax.distributed.control import Peer
-from areal_jax.distributed.weight_transfer import WeightPublisher, check_fingerprint
+from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.sampler.requests import Request
 
 MAX_LIVE_VERSIONS = 2
@@ -40,7 +40,6 @@ class SamplerHub:
     self._stats = {i: {} for i in self.peers}
     self._pulls = {i: {} for i in self.peers}  # the latest pull each sampler reported
     self._publish_s = 0.0  # the latest publish: staged and offered
-    self._fingerprints: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()
     self._stopping = False
     self._threads = [threading.Thread(target=self._read, args=(i,), name=f"hub-{i}", daemon=True) for i in self.peers]
@@ -79,10 +78,9 @@ class SamplerHub:
     while not self.publisher.wait_live_below(MAX_LIVE_VERSIONS, timeout=1.0):
       self.check()  # a sampler that died never pulls
     uuids, fp = self.publisher.offer(staged, version, list(self.peers))
-    with self._lock:
-      self._fingerprints[version] = fp
     for i, peer in self.peers.items():
-      peer.send("weights", {"version": version, "uuid": uuids[i], "address": self.publisher.address})
+      peer.send("weights", {"version": version, "uuid": uuids[i], "address": self.publisher.address,
+                            "fingerprint": fp})
     self.version = version
 
   def check(self) -> None:
@@ -178,14 +176,7 @@ class SamplerHub:
         f.set_exception(error)
 
   def _pulled(self, i: int, report: dict) -> None:
-    version = report["version"]
-    with self._lock:
-      want = self._fingerprints[version]
-    check_fingerprint(np.asarray(report["fingerprint"]), want, paths=self.publisher.paths,
-                      what=f"weights of version {version} on {self.peers[i].name}")
-    self.publisher.pulled(version, i)
+    """Sampler `i` has pulled (and checked) a version: its published copy can go once every sampler has it."""
+    self.publisher.pulled(report["version"], i)
     with self._lock:
       self._pulls[i] = report
-      # A version every sampler has pulled needs no fingerprint any more.
-      for v in [v for v in self._fingerprints if v < min(p.get("version", -1) for p in self._pulls.values())]:
-        del self._fingerprints[v]

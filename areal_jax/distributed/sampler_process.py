@@ -29,7 +29,7 @@ from areal_jax import cli
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
 from areal_jax.distributed.roles import ProcessLayout, authkey
-from areal_jax.distributed.weight_transfer import WeightPuller, local_ip_towards
+from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
 from areal_jax.models import create
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
@@ -143,12 +143,15 @@ class _Sampler:
     return run
 
   def _pull(self, notice: dict):
-    """Pulls one version, reports it (with its fingerprint) and returns it on the engine's shardings."""
+    """Pulls one version, checks it against the published fingerprint (a layout mismatch would copy the wrong bytes),
+    reports it and returns it on the engine's shardings."""
     start = time.perf_counter()
     pulled, fp = self.puller.pull(notice["uuid"], timeout_s=PULL_TIMEOUT_S)
     seconds = time.perf_counter() - start
+    check_fingerprint(fp, notice["fingerprint"], paths=self.puller.paths,
+                      what=f"weights of version {notice['version']} on {self.layout.name}")
     params = weight_transfer.transfer(pulled, self.engine.param_shardings)  # onto this process's data x tensor mesh
-    self.leader.send("pulled", {"version": notice["version"], "seconds": seconds, "fingerprint": fp})
+    self.leader.send("pulled", {"version": notice["version"], "seconds": seconds})
     return params
 
   def _pull_loop(self) -> None:

@@ -209,6 +209,7 @@ class WeightPuller:
 
   def __init__(self, *, address: str, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
     self.mesh = transfer_mesh(devices, tensor)
+    self.paths = _leaf_paths(abstract_params)
     shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
     self._targets, self._treedef = jax.tree.flatten(jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings))
