@@ -111,7 +111,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("data.tfds_name", c.data.tfds_name, "data.source='tfds' needs a dataset name")
   _positive(c, "data.max_prompt_len", "sampler.num_slots", "sampler.page_size", "sampler.max_seq_len",
             "sampler.max_new_tokens", "learner.lr", "learner.ppo_n_minibatches", "learner.max_tokens_per_mb",
-            "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts",
+            "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts", "rollout.stall_timeout_s",
             "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps", "eval.every_steps",
             "eval.num_samples")
 

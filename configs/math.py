@@ -214,6 +214,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.group_size = 8 if tiny else 16  # G: answers per prompt
   c.rollout.max_head_offpolicyness = 4 if tiny else 8  # eta; 0 = synchronous RL
   c.rollout.max_concurrent_rollouts = 16 if tiny else 256  # groups in flight
+  # A run that accepts no group for this long stops with an error (every answer scores the same: nothing to learn).
+  c.rollout.stall_timeout_s = 300.0 if tiny else 3600.0
 
   c.reward = ml_collections.ConfigDict()
   c.reward.num_workers = 2 if tiny else 16

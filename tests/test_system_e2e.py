@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from areal_jax.config import load_config
 from areal_jax.data import build_dataset
 from areal_jax.rl import trainer
@@ -96,3 +98,14 @@ def assert_every_prompt_once(workdir, config, *, last_step):
   ckpt.close()
   assert not set(undone) & set(logged)
   assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
+
+
+def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
+  """No warm-start: the random policy solves no prompt, every group scores all 0 and is dropped, and the run stops
+  after `rollout.stall_timeout_s` with an error that says why (instead of waiting forever)."""
+  config = load_config(CONFIG, total_steps=4, **dict(FAST, **{
+      "warmstart.steps": 0, "learner.filter_uniform_groups": True, "rollout.stall_timeout_s": 30.0}))
+  with pytest.raises(trainer.Stalled, match=r"step 1: no prompt group accepted for 30 s .* every answer scored the "
+                                            r"same .*warmstart.steps"):
+    trainer.run(config, str(tmp_path))
+  assert [m["step"] for m in read_metrics(str(tmp_path))] == [0]  # the step-0 evaluation, whole

@@ -262,9 +262,13 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
       metrics.write(0, rows[-1])
     controller.start()
     timer = _Timer(rollout.stats())
-    controller_state = None
+    controller_state, stalled = None, None
     while step < config.total_steps:
-      groups = _take_batch(buffer, controller, rollout, r.batch_size, learner.version, step)
+      try:
+        groups = _take_batch(buffer, controller, rollout, r.batch_size, learner.version, step, r.stall_timeout_s)
+      except Stalled as e:
+        stalled = e  # the last step's checkpoint first, below
+        break
       trajectories = [t for g in groups for t in g.trajectories]
       if config.metrics.save_batches:
         save_batch(str(workdir), step + 1, trajectories)
@@ -295,6 +299,8 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
       for peer in followers.values():
         peer.send("save", {"step": step})
       checkpoint(controller_state, force=True)  # the last step, when not on the checkpoint schedule
+    if stalled is not None:
+      raise stalled
   finally:
     followers_done.set()
     for peer in followers.values():
@@ -325,16 +331,32 @@ def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
       replay=[by_uid[u] for u in state["undone"]] if state else ())
 
 
+class Stalled(RuntimeError):
+  """No prompt group was accepted for `rollout.stall_timeout_s`: the run cannot learn as configured."""
+
+
 def _take_batch(buffer: RolloutBuffer, controller: RolloutController, rollout: Rollout, n: int, version: int,
-                step: int) -> list:
-  """The next batch; raises what stopped the controller or the samplers meanwhile; warns every 2 minutes."""
-  waiting_since = time.time()
+                step: int, stall_timeout_s: float) -> list:
+  """The next batch; raises what stopped the controller or the samplers meanwhile, or `Stalled` when no group has
+  been accepted for `stall_timeout_s`; warns every 2 minutes."""
+  waiting_since = last_accept = time.time()
+  accepted, filtered = buffer.accepted, controller.counters["groups_filtered"]
   while True:
     controller.check()
     rollout.check()
     groups = buffer.take_batch(n, version, timeout=1.0)
     if groups is not None:
       return groups
+    if buffer.accepted != accepted:
+      accepted, filtered, last_accept = buffer.accepted, controller.counters["groups_filtered"], time.time()
+    if time.time() - last_accept > stall_timeout_s:
+      dropped = controller.counters["groups_filtered"] - filtered
+      why = (f"the {dropped} groups that finished were all dropped because every answer scored the same "
+             "(learner.filter_uniform_groups): the policy solves none of these prompts (or all of them). Warm-start "
+             "longer (warmstart.steps), lower rollout.max_head_offpolicyness, or use an easier data mix" if dropped
+             else "no group finished at all: if answers take this long, raise rollout.stall_timeout_s")
+      raise Stalled(f"step {step + 1}: no prompt group accepted for {stall_timeout_s:.0f} s "
+                    f"(rollout.stall_timeout_s; {len(buffer)} of the batch's {n} groups are ready); {why}")
     if time.time() - waiting_since > 120:
       logging.warning("step %d: no batch of %d groups after %.0fs (%d finished; %s); groups whose answers all "
                       "score the same are dropped (learner.filter_uniform_groups)", step + 1, n,
