@@ -23,6 +23,7 @@ import numpy as np
 from areal_jax import cli, faults
 from areal_jax.distributed.control import Peer
 from areal_jax.distributed.weight_transfer import WeightPublisher
+from areal_jax.sampler.loop import end_futures
 from areal_jax.sampler.requests import Request
 
 MAX_LIVE_VERSIONS = 2
@@ -166,14 +167,9 @@ class SamplerHub:
         self._end_futures(e)
 
   def _end_futures(self, error: BaseException | None) -> None:
-    """Fails (or, with None, cancels) every answer's future still open."""
     with self._lock:
       futures, self._futures = list(self._futures.values()), {}
-    for f in futures:
-      if error is None:
-        f.cancel()
-      else:
-        f.set_exception(error)
+    end_futures(futures, error)
 
   def _pulled(self, i: int, report: dict) -> None:
     """Sampler `i` has pulled (and checked) a version: its published copy can go once every sampler has it."""

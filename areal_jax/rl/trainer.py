@@ -235,12 +235,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
                          max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
   controller = _controller(config, st, rollout, rewards, buffer)
-  evaluator = Evaluator(model_cfg=st.model_cfg, records=st.evalset.records,
-                        mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
-                        sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5),
-                        eos_ids=[st.tokenizer.eos_id], detokenize=st.tokenizer.decode,
-                        score=functools.partial(score_all, rewards),
-                        num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
+  evaluator = _evaluator(config, st, sampler_cfg, learner_local, rewards)
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
 
@@ -303,11 +298,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
       raise stalled
   finally:
     followers_done.set()
-    for peer in followers.values():
-      try:
-        peer.send("stop")
-      except OSError:
-        pass
+    _send_all(followers, "stop")
     controller.stop()
     rollout.stop()
     rewards.close()
@@ -333,6 +324,24 @@ def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
 
 class Stalled(RuntimeError):
   """No prompt group was accepted for `rollout.stall_timeout_s`: the run cannot learn as configured."""
+
+
+def _evaluator(config, st: _Start, sampler_cfg: SamplerConfig, learner_local, rewards: RewardService) -> Evaluator:
+  """Evaluation on the leader's learner devices (a data x tensor mesh), scored by the run's reward workers."""
+  return Evaluator(model_cfg=st.model_cfg, records=st.evalset.records,
+                   mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
+                   sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5), eos_ids=[st.tokenizer.eos_id],
+                   detokenize=st.tokenizer.decode, score=functools.partial(score_all, rewards),
+                   num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
+
+
+def _send_all(peers: dict[int, Peer], kind: str, payload=None) -> None:
+  """Best effort: a peer whose connection is gone is skipped."""
+  for peer in peers.values():
+    try:
+      peer.send(kind, payload)
+    except OSError:
+      pass
 
 
 def _take_batch(buffer: RolloutBuffer, controller: RolloutController, rollout: Rollout, n: int, version: int,

@@ -29,6 +29,15 @@ from areal_jax.sampler.requests import Request
 from areal_jax.sampler.scheduler import Scheduler
 
 
+def end_futures(futures: Iterable[Future], error: BaseException | None) -> None:
+  """Fails every future with `error`; with None, cancels them (answers abandoned at a stop)."""
+  for f in futures:
+    if error is None:
+      f.cancel()
+    else:
+      f.set_exception(error)
+
+
 class SamplerLoop:
 
   def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids: Iterable[int] = (),
@@ -128,14 +137,9 @@ class SamplerLoop:
         self.scheduler.submit(r)
 
   def _end_futures(self, error: BaseException | None) -> None:
-    """Fails (or, with None, cancels) every future still open."""
     with self._futures_lock:
       futures, self._futures = list(self._futures.values()), {}
-    for f in futures:
-      if error is None:
-        f.cancel()
-      else:
-        f.set_exception(error)
+    end_futures(futures, error)
 
   def _run(self) -> None:
     try:
