@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -105,7 +106,19 @@ def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
   after `rollout.stall_timeout_s` with an error that says why (instead of waiting forever)."""
   config = load_config(CONFIG, total_steps=4, **dict(FAST, **{
       "warmstart.steps": 0, "learner.filter_uniform_groups": True, "rollout.stall_timeout_s": 30.0}))
+  outcome = {}
+
+  def run():  # in a thread: were the stop broken, the run would wait forever
+    try:
+      trainer.run(config, str(tmp_path))
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(600)
+  assert not thread.is_alive(), "the run did not stop within 600 s"
   with pytest.raises(trainer.Stalled, match=r"step 1: no prompt group accepted for 30 s .* every answer scored the "
                                             r"same .*warmstart.steps"):
-    trainer.run(config, str(tmp_path))
+    raise outcome.get("error") or AssertionError("the run finished without stopping")
   assert [m["step"] for m in read_metrics(str(tmp_path))] == [0]  # the step-0 evaluation, whole
