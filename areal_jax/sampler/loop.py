@@ -64,7 +64,7 @@ class SamplerLoop:
     self.scheduler.validate(request)
     futures = [Future() for _ in range(request.num_answers)]
     with self._futures_lock:
-      if (request.group_id, 0) in self._futures:
+      if any(gid == request.group_id for gid, _ in self._futures):  # any answer of it still open
         raise ValueError(f"group {request.group_id} is already in flight")
       self._futures.update({(request.group_id, i): f for i, f in enumerate(futures)})
     self.input_queue.put(request)
