@@ -24,11 +24,14 @@ class Tokenizer(Protocol):
 
   def decode(self, ids: Sequence[int]) -> str: ...
 
-  def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
+  def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> str: ...
 
 
-def _render_chat(template: str | None, messages, *, add_generation_prompt: bool, source: str, **special) -> str:
-  """Renders a HF chat template the way `transformers` does (sandboxed jinja2, trim/lstrip blocks)."""
+def _render_chat(template: str | None, messages, *, add_generation_prompt: bool, source: str,
+                 tools: list[dict] | None = None, **special) -> str:
+  """Renders a HF chat template the way `transformers` does (sandboxed jinja2, trim/lstrip blocks); `tools` (OpenAI
+  tool definitions) reach the template as `tools`, as there."""
   if not template:
     raise ValueError(f"tokenizer {source} has no chat template; use data.prompt_template='plain'")
 
@@ -40,6 +43,8 @@ def _render_chat(template: str | None, messages, *, add_generation_prompt: bool,
   env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
   env.globals.update(raise_exception=raise_exception,
                      strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  if tools is not None:
+    special["tools"] = tools
   return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
 
@@ -66,8 +71,10 @@ class CharTokenizer:
     n = len(self.SPECIALS)
     return "".join(self.CHARS[i - n] for i in ids if n <= i < self.vocab_size)
 
-  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
     """The plain prompt format "Q: ...\\nA: " the tiny policy is trained on (the char vocabulary has no chat markup)."""
+    if tools:
+      raise ValueError("the char vocabulary's prompt format has no tool markup")
     parts = []
     for m in messages:
       parts.append(("Q: " if m["role"] == "user" else "A: ") + m["content"])
@@ -121,9 +128,9 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode(list(ids), skip_special_tokens=True)
 
-  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
     return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                        source=self.path, eos_token=self.eos_token or "", bos_token=self.bos_token or "")
+                        source=self.path, tools=tools, eos_token=self.eos_token or "", bos_token=self.bos_token or "")
 
 
 class SentencePieceTokenizer:
@@ -147,9 +154,9 @@ class SentencePieceTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._sp.decode([int(i) for i in ids])
 
-  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
     return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, source=self.path,
-                        eos_token=self._sp.id_to_piece(self.eos_id), bos_token="")
+                        tools=tools, eos_token=self._sp.id_to_piece(self.eos_id), bos_token="")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -173,6 +173,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # bytes of each weight update; its behaviour logprobs then differ slightly from the learner's (logged each step as
   # sampler/logprob_gap). float32 matches the learner's logprobs within 1e-5 (tested).
   c.sampler.param_dtype = "float32" if tiny else "bfloat16"
+  c.sampler.vocab_limit = 0  # ids at or above are never drawn; 0 = the tokenizer's vocab_size (padded rows unused)
 
   c.learner = ml_collections.ConfigDict()
   c.learner.lr = 1e-4 if tiny else 2e-5

@@ -1,6 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p in one program; logprobs under the temperature-scaled
 distribution; draws fixed by (key, index)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,10 +14,11 @@ LOGITS = np.log(np.array([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.04, 0.03, 0.02, 0.0
                           0.0003, 0.0002]))
 
 
-def draw(n, *, temperature, top_p=1.0, top_k=-1, index=0):
+def draw(n, *, temperature, top_p=1.0, top_k=-1, index=0, logits=LOGITS, vocab_limit=0):
   keys = np.stack([request_key(0, i) for i in range(n)])
   full = lambda x, dt: jnp.full((n,), x, dt)
-  tokens, logp = jax.jit(sample)(jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (n, V)), jnp.asarray(keys),
+  fn = jax.jit(functools.partial(sample, vocab_limit=vocab_limit))
+  tokens, logp = fn(jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, V)), jnp.asarray(keys),
                                  full(index, jnp.int32), full(temperature, jnp.float32), full(top_p, jnp.float32),
                                  full(top_k, jnp.int32))
   return np.asarray(tokens), np.asarray(logp)
@@ -58,3 +61,11 @@ def test_greedy_and_reproducibility():
   np.testing.assert_array_equal(a, b)
   assert (a != c).any()
   assert not np.array_equal(request_key(0, 1, 2), request_key(0, 2, 1))
+
+
+def test_ids_beyond_the_vocab_limit_are_never_drawn():
+  padded = LOGITS[::-1]  # the likeliest ids last, where a padded vocabulary's unused rows are
+  for temperature in (0.0, 1.0):
+    tokens, logp = draw(4000, temperature=temperature, logits=padded, vocab_limit=12)
+    assert tokens.max() < 12 and (temperature or np.all(tokens == 11))
+    np.testing.assert_allclose(logp, padded[tokens], atol=1e-5)  # the logprob as the learner computes it: all ids

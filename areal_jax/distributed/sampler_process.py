@@ -44,8 +44,8 @@ def run_sampler(config, workdir: str, layout: ProcessLayout, *, model_cfg) -> No
   tokenizer = load_tokenizer(config.model.tokenizer)
   mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": config.mesh.sampler_tensor})
   abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
-  engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler),
-                  mesh=mesh)
+  engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler).for_tokenizer(
+      tokenizer.vocab_size), mesh=mesh)
   abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
   leader = connect(layout, authkey(workdir), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)

@@ -58,7 +58,7 @@ class _Session:
     need = longest + settings.max_new_tokens
     self._sampler_cfg = SamplerConfig(num_slots=-(-num_slots // data) * data, page_size=page_size, num_pages=0,
                                       memory_fraction=memory_fraction, max_seq_len=-(-need // page_size) * page_size,
-                                      max_new_tokens=settings.max_new_tokens)
+                                      max_new_tokens=settings.max_new_tokens, vocab_limit=tokenizer.vocab_size)
     self._reward_workers, self._reward_timeout_s = reward_workers, reward_timeout_s
     self._evaluator: Evaluator | None = None
     self._rewards: RewardService | None = None

@@ -228,7 +228,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   learner, ckpt, followers, step, r = st.learner, st.ckpt, st.followers, st.step, config.rollout
   local = local_copy(learner.params, learner_mesh)  # a collective when the learner spans processes
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
-  sampler_cfg = SamplerConfig.from_config(config.sampler)
+  sampler_cfg = SamplerConfig.from_config(config.sampler).for_tokenizer(st.tokenizer.vocab_size)
   rollout = _start_rollout(config, layout, control, sampler_cfg, learner, local, sampler_mesh, learner_local,
                            st.tokenizer)
   rewards = RewardService.from_config(config.reward)

@@ -38,6 +38,9 @@ class SamplerConfig:
   attention_block: int = 0
   decode_steps: int = 8  # decode steps per device call (the host reads tokens and admits new answers between calls)
   param_dtype: str = "float32"  # float32 | bfloat16
+  # Ids at or above this are never drawn: a model vocabulary padded beyond its tokenizer's (Qwen2.5: 151936 rows,
+  # 151665 tokens) would otherwise sample ids that decode to nothing. 0 = every id of the model.
+  vocab_limit: int = 0
 
   def __post_init__(self):
     def bad(field, why):
@@ -46,6 +49,8 @@ class SamplerConfig:
     for f in ("num_slots", "page_size", "max_seq_len", "max_new_tokens", "min_prefill_len", "decode_steps"):
       if getattr(self, f) <= 0:
         bad(f, "must be positive")
+    if self.vocab_limit < 0:
+      bad("vocab_limit", "must be >= 0 (0 = every id of the model)")
     if self.attention_block < 0:
       bad("attention_block", "must be >= 0 (0 = by platform)")
     if self.num_pages < 0:
@@ -78,6 +83,10 @@ class SamplerConfig:
   @property
   def pages_per_seq(self) -> int:
     return -(-self.max_seq_len // self.page_size)
+
+  def for_tokenizer(self, vocab_size: int) -> SamplerConfig:
+    """This config drawing only ids below a tokenizer's `vocab_size`, unless `vocab_limit` is set already."""
+    return self if self.vocab_limit else self.replace(vocab_limit=vocab_size)
 
   def replace(self, **kw) -> SamplerConfig:
     return dataclasses.replace(self, **kw)

@@ -129,6 +129,8 @@ class Engine(engine_api.Engine):
     if config.max_seq_len > self.model_cfg.max_position_embeddings:
       raise ValueError(f"sampler.max_seq_len={config.max_seq_len} exceeds model.max_position_embeddings="
                        f"{self.model_cfg.max_position_embeddings}")
+    if config.vocab_limit > self.model_cfg.vocab_size:
+      raise ValueError(f"sampler.vocab_limit={config.vocab_limit} exceeds model.vocab_size={self.model_cfg.vocab_size}")
     self.graphdef, abstract = nnx.split(model)
     self.param_dtype = config.weight_dtype
     self.abstract_params = with_dtype(abstract, self.param_dtype)

@@ -104,6 +104,7 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
   write_chunks = attention.sharded_write_chunks(mesh, model_cfg.num_kv_heads)
   state_sh = decode_state_shardings(model_cfg, mesh)
   dense_sh = prefix_shardings(model_cfg, mesh)
+  draw = functools.partial(sample, vocab_limit=cfg.vocab_limit)
 
   def prefill(params, tokens, lengths, rows):
     b, t = tokens.shape
@@ -151,7 +152,7 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
 
         h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False,
                                  unroll=True)
-        tokens, log_prob = sample(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
+        tokens, log_prob = draw(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
       inc = live.astype(jnp.int32)
       st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),
                       lengths=pos + inc, index=st.index + inc)
@@ -177,7 +178,7 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
 
   return Programs(
       prefill=jax.jit(prefill),
-      sample=jax.jit(sample),
+      sample=jax.jit(draw),
       insert=jax.jit(insert, donate_argnums=0, out_shardings=state_sh),
       decode=jax.jit(decode, donate_argnums=1, out_shardings=(state_sh, None)),
       attention=impl)

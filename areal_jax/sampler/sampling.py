@@ -5,8 +5,8 @@ Every row carries its own PRNG key (raw threefry key data) and token index, and 
 resumed, so runs are reproducible under a seed.
 
 The returned logprob is the sampled token's log-probability under the temperature-scaled, unfiltered distribution
-(`logprobs_of`, the definition the learner uses); top-k/top-p only restrict which tokens may be drawn. Greedy rows
-(temperature 0) report the logprob under temperature 1.
+(`logprobs_of`, the definition the learner uses); top-k/top-p and `vocab_limit` only restrict which tokens may be
+drawn. Greedy rows (temperature 0) report the logprob under temperature 1.
 """
 
 from __future__ import annotations
@@ -47,12 +47,21 @@ def filter_logits(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.
 
 
 def sample(logits: jax.Array, keys: jax.Array, index: jax.Array, temperature: jax.Array, top_p: jax.Array,
-           top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(tokens [B] int32, logprobs [B] float32) from logits [B, V]; keys [B, 2] uint32, index [B] int32."""
+           top_k: jax.Array, *, vocab_limit: int = 0) -> tuple[jax.Array, jax.Array]:
+  """(tokens [B] int32, logprobs [B] float32) from logits [B, V]; keys [B, 2] uint32, index [B] int32.
+
+  `vocab_limit` > 0: ids at or above it are never drawn (a model's vocabulary padded beyond its tokenizer's).
+  """
   logits = logits.astype(jnp.float32)
   greedy = temperature <= 0
   t = jnp.where(greedy, 1.0, temperature)
   scaled = logits / t[:, None]
+  if 0 < vocab_limit < logits.shape[-1]:
+    drawable = jnp.arange(logits.shape[-1]) < vocab_limit
+    logits = jnp.where(drawable, logits, -jnp.inf)
+    scaled, unmasked = jnp.where(drawable, scaled, -jnp.inf), scaled
+  else:
+    unmasked = scaled
   needs_filter = jnp.any(((top_k > 0) | (top_p < 1)) & ~greedy)
   filtered = jax.lax.cond(needs_filter, filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
 
@@ -62,4 +71,4 @@ def sample(logits: jax.Array, keys: jax.Array, index: jax.Array, temperature: ja
 
   drawn = jax.vmap(draw)(keys, index, filtered)
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-  return tokens, logprobs_of(scaled, tokens)
+  return tokens, logprobs_of(unmasked, tokens)

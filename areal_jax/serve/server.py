@@ -7,32 +7,36 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (see `openai_api` fo
 `GET /health`, `GET /stats` (the backend's counters: requests accepted, rejected and finished, answers running,
 requests waiting, the most answers and requests one decode call advanced, policy version).
 
-Handlers never block the event loop: tokenizing and shaping answers run in worker threads, and a handler awaits its
-request's future, which the sampler thread resolves. Errors are OpenAI-style bodies (`{"error": {"message", "type",
-"param"}}`): 400 for malformed JSON, wrong types and values the server cannot serve, 429 when `max_queue` requests
-wait already, 503 if the sampler thread has stopped. A refused request changes nothing; the next one is served.
+Handlers never block the event loop on the device: tokenizing, scoring and shaping answers run in worker threads, and
+a handler awaits its requests' futures, which the sampler thread resolves; a streamed request gets each decode call's
+new tokens from the sampler thread through an asyncio queue. Errors are OpenAI-style bodies (`{"error": {"message",
+"type", "param", "code"}}`): 400 for malformed JSON, wrong types and values the server cannot serve, 404 for another
+model's name, 429 when `max_queue` requests wait beyond the free decode slots, 503 if the sampler thread has stopped
+(in a stream: an error event, then the stream ends). A refused request changes nothing; the next one is served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any
 
 import fastapi
 import fastapi.exceptions
 import jax
 import uvicorn
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
-from areal_jax.serve import openai_api, policy
+from areal_jax.serve import openai_api, policy, scoring, streaming
 from areal_jax.serve.backend import Backend, QueueFull
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import Tokenizer, load_tokenizer
@@ -60,6 +64,7 @@ def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fa
   app = fastapi.FastAPI(title="areal_jax policy server")
   engine = backend.scheduler.engine
   limits = {"max_seq_len": engine.cfg.max_seq_len, "vocab_size": engine.model_cfg.vocab_size}
+  scorer = scoring.Scorer(engine)
   created = int(time.time())
 
   @app.exception_handler(openai_api.ApiError)
@@ -71,33 +76,102 @@ def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fa
     err = _validation_error(exc)
     return JSONResponse(err.body(), status_code=err.status)
 
-  async def generate(body, to_prompt: Callable, respond: Callable) -> dict[str, Any]:
-    def prepare():
-      return openai_api.prepare(body, to_prompt(body, tokenizer), tokenizer=tokenizer, **limits)
+  def score(ids: list[int], temperature: float) -> scoring.Scores:
+    return scorer(backend.scheduler.params, ids, temperature=temperature, vocab_limit=engine.cfg.vocab_limit)
 
-    prepared = await asyncio.to_thread(prepare)
+  def submit(prepared: openai_api.Prepared, on_tokens=None):
     try:
-      future = backend.submit(prepared.request)
+      return backend.submit_many(prepared.requests, on_tokens)
     except QueueFull as e:
       raise openai_api.ApiError(429, str(e), kind="rate_limit_error") from None
     except ValueError as e:  # what the scheduler itself refuses
       raise openai_api.ApiError(400, str(e)) from None
     except RuntimeError as e:
       raise openai_api.ApiError(503, f"{e}: {backend.error!r}", kind="server_error") from None
+
+  def failed(e: BaseException) -> openai_api.ApiError:
+    return openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {backend.error!r})",
+                               kind="server_error")
+
+  async def generate(body, to_prompts: Callable, respond: Callable):
+    if body.model is not None and body.model != model_name:
+      raise openai_api.ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`",
+                                param="model", code="model_not_found")
+
+    def prepare():
+      return openai_api.prepare(body, to_prompts(body, tokenizer), tokenizer=tokenizer, **limits)
+
+    prepared = await asyncio.to_thread(prepare)
+    if prepared.stream:
+      return await stream(prepared, chat=isinstance(body, openai_api.ChatRequest))
+    futures = submit(prepared)
     try:
-      seqs = await asyncio.wrap_future(future)
+      seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except Exception as e:  # pylint: disable=broad-except  # the sampler thread stopped (on an error, or shutting down)
-      raise openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {backend.error!r})",
-                                kind="server_error") from None
-    return await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name)
+      raise failed(e) from None
+    scored = functools.partial(score, temperature=prepared.temperature)
+    return await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name, score=scored)
+
+  async def stream(prepared: openai_api.Prepared, chat: bool) -> StreamingResponse:
+    loop, reports = asyncio.get_running_loop(), asyncio.Queue()
+    futures = submit(prepared, lambda i, t: loop.call_soon_threadsafe(reports.put_nowait, (i, t)))
+    for f in futures:  # a failed request ends the stream with an error event
+      f.add_done_callback(lambda f: f.exception() and loop.call_soon_threadsafe(reports.put_nowait, f.exception()))
+    n = prepared.n
+    choices = {(i, j): streaming.ChoiceStream(tokenizer, stops=prepared.stops, tools=prepared.tools)
+               for i in range(len(prepared.requests)) for j in range(n)}
+    offsets = {key: len(tokenizer.decode(prepared.requests[key[0]].prompt_ids)) for key in choices} if not chat else {}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    version = backend.version
+
+    def event(choices: list[dict], usage=None) -> str:
+      body = openai_api.envelope(kind, choices, model=model_name, version=version, request_id=request_id,
+                                 usage=usage)
+      if prepared.include_usage and usage is None:
+        body["usage"] = None
+      return f"data: {json.dumps(body)}\n\n"
+
+    async def events():
+      nonlocal version
+      if chat:
+        yield event([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for k in range(len(choices))])
+      open_choices, completion_tokens = len(choices), 0
+      while open_choices:
+        report = await reports.get()
+        if isinstance(report, BaseException):
+          yield f"data: {json.dumps(failed(report).body())}\n\n"
+          return
+        i, tokens = report
+        delta = choices[(i, tokens.answer)].push(tokens)
+        if delta is None:
+          continue
+        version = max([version, *delta.versions])
+        completion_tokens += len(delta.token_ids)
+        open_choices -= delta.finish_reason is not None
+        index = i * n + tokens.answer
+        if chat:
+          yield event([streaming.chat_choice(index, delta, tokenizer, logprobs=prepared.logprobs)])
+        else:
+          key = (i, tokens.answer)
+          yield event([streaming.completion_choice(index, delta, tokenizer, logprobs=prepared.logprobs,
+                                                   offset=offsets[key])])
+          offsets[key] += len(tokenizer.decode(delta.token_ids))
+      if prepared.include_usage:
+        prompt_tokens = sum(len(r.prompt_ids) for r in prepared.requests)
+        yield event([], usage=openai_api.usage(prompt_tokens, completion_tokens))
+      yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
   @app.post("/v1/completions")
   async def completions(body: openai_api.CompletionRequest):
-    return await generate(body, openai_api.completion_prompt, openai_api.completion_response)
+    return await generate(body, openai_api.completion_prompts, openai_api.completion_response)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: openai_api.ChatRequest):
-    return await generate(body, openai_api.chat_prompt, openai_api.chat_response)
+    return await generate(body, openai_api.chat_prompts, openai_api.chat_response)
 
   @app.get("/v1/models")
   async def models():
@@ -226,7 +300,7 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
   seq_len = max_seq_len or source.run_sampler.get("max_seq_len") or min(cfg.max_position_embeddings, 4096)
   sampler_cfg = SamplerConfig(num_slots=-(-num_slots // data) * data, page_size=page_size, num_pages=num_pages,
                               memory_fraction=memory_fraction, max_seq_len=seq_len, max_new_tokens=seq_len,
-                              decode_steps=decode_steps)
+                              decode_steps=decode_steps, vocab_limit=tok.vocab_size)
   engine = Engine(model=policy.abstract_model(cfg), config=sampler_cfg, mesh=mesh)
   params = policy.load_params(source, engine)
   eos_ids = sorted({tok.eos_id, *source.eos_ids})
