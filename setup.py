@@ -29,11 +29,14 @@ setup(
         # tools/serve.py: the OpenAI-compatible policy server.
         "fastapi==0.165.0",
         "uvicorn==0.54.0",
+        # areal_jax.agents: agents get an OpenAI client whose transport calls the server's routes in process.
+        "openai==3.54.0",
+        "httpx2==2.16.2",
     ],
     extras_require={
         # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "torch==2.13.0", "transformers==5.23.0",
-                 "gcp-storage-emulator==2026.7.19", "openai==3.54.0",
+                 "gcp-storage-emulator==2026.7.19",
                  # tools/serve.py is tested with lm-evaluation-harness's own `local-completions` client.
                  "lm-eval[api]==0.4.13"],
         "gcs": ["gcsfs==2026.10.1"],

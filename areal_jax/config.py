@@ -12,6 +12,7 @@ import os
 
 import ml_collections
 
+from areal_jax.agents.agent import AgentConfig
 from areal_jax.models.config import ModelConfig
 from areal_jax.tokenizer import CharTokenizer
 
@@ -130,6 +131,11 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("sampler.top_p", s.top_p, "must lie in (0, 1]")
   if not 0 < s.memory_fraction <= 1:
     _fail("sampler.memory_fraction", s.memory_fraction, "must lie in (0, 1]")
+
+  try:
+    AgentConfig.from_config(c.agent)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
 
   lr = c.learner
   if not 0 < lr.eps_clip < 1:

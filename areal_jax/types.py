@@ -22,6 +22,13 @@ class Trajectory:
   t_submit: float = 0.0  # time.monotonic() of the sampler receiving the prompt, its first token, this answer's end
   t_first_token: float = 0.0
   t_finish: float = 0.0
+  # float32 [R]: 1 where the response token is the policy's, 0 where it is context inside the response (a tool's
+  # output or a user turn between two turns of an agent's episode); None: every response token is the policy's.
+  loss_mask: np.ndarray | None = None
+
+  @property
+  def num_loss_tokens(self) -> int:
+    return len(self.response_ids) if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
 
   @property
   def version_start(self) -> int:

@@ -224,6 +224,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.reward.code_test_timeout_s = 2.0  # wall and CPU seconds per sandboxed code test
   c.reward.code_memory_mb = 1024  # address-space cap per sandboxed code test
 
+  # An agent written against the OpenAI API (areal_jax.agents): its episodes replace single-turn answers, and its
+  # returned reward replaces the reward service's. "module:attribute", importable from where the job runs.
+  c.agent = ml_collections.ConfigDict()
+  c.agent.path = ""  # "" = single-turn answers
+  c.agent.max_turns = 8  # completions per episode; one more fails the episode
+  c.agent.timeout_s = 600.0  # per episode; past it the episode fails (scored 0)
+  c.agent.turn_discount = 1.0  # an earlier completion's reward: the next one's times this
+
   c.mesh = ml_collections.ConfigDict()
   # Emulated devices per process when running on CPU. 4 (2 sampler, 2 learner) on 2 cores: the tiny RL step took
   # 3.7 s against 4.9 s with 8 (25 steps from one warm-start; with 2 the learner was busy 100% of the time).

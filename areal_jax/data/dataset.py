@@ -147,7 +147,7 @@ def to_records(problems: Sequence[Problem], tokenizer, *, template: str, instruc
       longest = max(longest, len(ids))
       continue
     records.append(PromptRecord(uid=p.uid, prompt=text, prompt_ids=ids, reference=p.reference, kind=p.kind,
-                                solution=p.solution))
+                                solution=p.solution, question=p.question))
   if too_long:
     _log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens (longest %d; e.g. %s)",
                  name or "data", len(too_long), len(problems), max_prompt_len, longest, ", ".join(too_long[:3]))

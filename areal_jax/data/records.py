@@ -32,6 +32,7 @@ class PromptRecord:
   reference: str
   kind: str = "math"
   solution: str = ""
+  question: str = ""  # the problem as the source gave it (what an agent is handed)
 
   @property
   def num_prompt_tokens(self) -> int:

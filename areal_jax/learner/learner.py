@@ -136,9 +136,9 @@ class Learner:
       for idx in balanced_split(lengths, min(cfg.ppo_n_minibatches, len(kept))):
         sub, sub_adv = [kept[i] for i in idx], [tok_adv[i] for i in idx]
         layouts = planner([lengths[i] for i in idx])
-        weights, denominator = cfg.loss_weighting([len(t.response_ids) for t in sub])
+        weights, denominator = cfg.loss_weighting([t.num_loss_tokens for t in sub])
         minibatches.append(tuple(assemble(layout, sub, sub_adv, weights) for layout in layouts))
-        loss_tokens.append(sum(len(t.response_ids) for t in sub))
+        loss_tokens.append(sum(t.num_loss_tokens for t in sub))
         denominators.append(denominator)
       host_stats["advantage_abs_mean"] = float(np.abs(adv).mean())
     return StepPlan(minibatches=tuple(minibatches), loss_tokens=tuple(loss_tokens), denominators=tuple(denominators),

@@ -112,7 +112,7 @@ class MicroBatch:
   tokens: np.ndarray  # int32
   positions: np.ndarray  # int32
   segment_ids: np.ndarray  # int32, 0 = padding
-  loss_mask: np.ndarray  # float32, 1 where the next token is a response token
+  loss_mask: np.ndarray  # float32, 1 where the next token is the policy's response token (`Trajectory.loss_mask`)
   behavior_logprobs: np.ndarray  # float32
   advantages: np.ndarray  # float32
   loss_weights: np.ndarray  # float32, each loss token's weight in its sequence (`loss_agg`); 0 elsewhere
@@ -153,10 +153,11 @@ def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Seq
       a["positions"][r, offset:offset + p + n] = np.arange(p + n)
       a["segment_ids"][r, offset:offset + p + n] = seg
       pred = slice(offset + p - 1, offset + p + n - 1)
-      a["loss_mask"][r, pred] = 1.0
+      mask = 1.0 if t.loss_mask is None else t.loss_mask
+      a["loss_mask"][r, pred] = mask
       a["behavior_logprobs"][r, pred] = t.logprobs
       a["advantages"][r, pred] = advantages[i]
-      a["loss_weights"][r, pred] = 1.0 if token_weights is None else token_weights[i]
+      a["loss_weights"][r, pred] = (1.0 if token_weights is None else token_weights[i]) * mask
       a["versions"][r, pred] = t.versions
       offset += p + n
   return MicroBatch(layout=layout, **a)

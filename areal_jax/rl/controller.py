@@ -9,6 +9,10 @@ the buffer, in the thread that completed the future (the sampler's, the reward d
 when its G answers are scored. Groups whose answers all score the same are dropped (they carry no learning signal)
 when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
 
+With an agent (`agent.path`), a group is G episodes of the agent on the prompt's problem (`agents.EpisodeRunner`),
+and each episode's reward comes from the agent; an episode may give several trajectories (its turns, where they do
+not merge), all with the group's id. Staleness counts from an episode's first token.
+
 Every group is admitted under the learner's current version and asks the sampler for weights of that version or
 newer, so a group admitted just after a learner step waits for that step's weights.
 
@@ -29,6 +33,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from areal_jax import cli
+from areal_jax.agents.runner import EpisodeResult, EpisodeRunner
 from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardService
 from areal_jax.rl.rollout_buffer import RolloutBuffer
@@ -44,6 +49,7 @@ class Group:
 
   record: PromptRecord
   trajectories: tuple[Trajectory, ...]
+  turns: tuple[int, ...] = ()  # completions per episode (agents only)
 
   @property
   def rewards(self) -> np.ndarray:
@@ -53,18 +59,27 @@ class Group:
 @dataclasses.dataclass
 class _Pending:
   record: PromptRecord
+  version: int  # the learner's when admitted
   answers: dict[int, Trajectory] = dataclasses.field(default_factory=dict)
   rewards: dict[int, float] = dataclasses.field(default_factory=dict)
+  episodes: dict[int, EpisodeResult] = dataclasses.field(default_factory=dict)
+
+
+def problem(record: PromptRecord) -> dict:
+  """What an agent is handed for a prompt record."""
+  return {"uid": record.uid, "question": record.question, "reference": record.reference, "kind": record.kind,
+          "solution": record.solution, "prompt": record.prompt}
 
 
 class RolloutController:
-  """See the module docstring. `loop` is a `SamplerLoop` or a `SamplerHub` (`submit` returns one future per answer);
-  `version()` is the learner's policy version."""
+  """See the module docstring. `loop` is a `Rollout` (`submit` returns one future per answer); `version()` is the
+  learner's policy version; `episodes`, with an agent, runs its episodes instead."""
 
   def __init__(self, *, dataset, loop, rewards: RewardService, buffer: RolloutBuffer, version: Callable[[], int],
                group_size: int, sampling: SamplingParams, filter_uniform: bool, next_group_id: int = 0,
-               replay: Sequence[PromptRecord] = ()):
+               replay: Sequence[PromptRecord] = (), episodes: EpisodeRunner | None = None):
     self.dataset, self.loop, self.rewards, self.buffer, self.version = dataset, loop, rewards, buffer, version
+    self.episodes = episodes
     self.group_size, self.sampling, self.filter_uniform = group_size, sampling, filter_uniform
     self._next_id = next_group_id
     self._replay = collections.deque(replay)
@@ -144,13 +159,19 @@ class RolloutController:
       with self._lock:  # drawn and recorded as undone at once: a snapshot never sees one without the other
         record = self._replay.popleft() if self._replay else next(self.dataset)
         gid, self._next_id = self._next_id, self._next_id + 1
-        self._inflight[gid] = _Pending(record=record)
+        self._inflight[gid] = _Pending(record=record, version=version)
         self._undone[gid] = record
       self.buffer.admit(gid, version)
-      futures = self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
-                                         sampling=self.sampling, min_version=version))
+      if self.episodes is not None:
+        futures = [self.episodes.submit(problem(record), group_id=gid, index=i, min_version=version)
+                   for i in range(self.group_size)]
+        done = self._episode_done
+      else:
+        futures = self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
+                                           sampling=self.sampling, min_version=version))
+        done = self._answered
       for index, future in enumerate(futures):
-        future.add_done_callback(self._guarded(functools.partial(self._answered, gid, index)))
+        future.add_done_callback(self._guarded(functools.partial(done, gid, index)))
 
   def _guarded(self, fn):
     """A future's callback whose failure stops the run (concurrent.futures would only log it)."""
@@ -192,18 +213,39 @@ class RolloutController:
       logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
                       "rollout/reward_failures)", index, pending.record.uid, r.reason, n)
     if done:
-      self._finish(gid, pending)
+      self._finish_answers(gid, pending)
       self.admit()
 
-  def _finish(self, gid: int, pending: _Pending) -> None:
-    trajs = tuple(pending.answers[i].replace(reward=float(pending.rewards[i])) for i in range(self.group_size))
-    group = Group(record=pending.record, trajectories=trajs)
-    rewards = group.rewards
-    keep = not (self.filter_uniform and np.all(rewards == rewards[0]))
+  def _episode_done(self, gid: int, index: int, future: Future) -> None:
+    result: EpisodeResult = future.result()
     with self._lock:
-      self.finished_rewards.extend(rewards.tolist())
+      pending = self._inflight[gid]
+      pending.episodes[index] = result
+      self.counters["episode_failures"] += result.failure is not None
+      done = len(pending.episodes) == self.group_size
+      if done:
+        del self._inflight[gid]
+    if done:
+      episodes = [pending.episodes[i] for i in range(self.group_size)]
+      self._finish(gid, pending, tuple(t for e in episodes for t in e.trajectories), [e.reward for e in episodes],
+                   turns=tuple(e.turns for e in episodes))
+      self.admit()
+
+  def _finish_answers(self, gid: int, pending: _Pending) -> None:
+    trajs = tuple(pending.answers[i].replace(reward=float(pending.rewards[i])) for i in range(self.group_size))
+    self._finish(gid, pending, trajs, [t.reward for t in trajs])
+
+  def _finish(self, gid: int, pending: _Pending, trajs: tuple[Trajectory, ...], rewards: list[float],
+              turns: tuple[int, ...] = ()) -> None:
+    """Hands the group to the buffer (None when it is filtered, or when none of its episodes drew a token)."""
+    group = Group(record=pending.record, trajectories=trajs, turns=turns)
+    scores = group.rewards
+    keep = bool(trajs) and not (self.filter_uniform and np.all(scores == scores[0]))
+    with self._lock:
+      self.finished_rewards.extend(rewards)
       if not keep:
         self._undone.pop(gid, None)
         self._filtered.append(group)
       self.counters["groups_kept" if keep else "groups_filtered"] += 1
-    self.buffer.finish(gid, group if keep else None, version=min(t.version_start for t in trajs))
+    self.buffer.finish(gid, group if keep else None,
+                       version=min((t.version_start for t in trajs), default=pending.version))

@@ -37,8 +37,9 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from areal_jax import faults
+from areal_jax import agents, faults
 from areal_jax import config as config_lib
+from areal_jax.agents import EpisodeRunner
 from areal_jax.data import build_dataset, warmstart_pairs
 from areal_jax.distributed import sampler_process
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
@@ -281,7 +282,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
              **timer.tick(rollout.stats(), busy_start=busy_start, sync_start=sync_start),
              "rollout/queue_groups": len(buffer),
              "rollout/groups_filtered": controller.counters["groups_filtered"],
-             "rollout/reward_failures": controller.counters["reward_failures"],
+             "rollout/reward_failures": controller.counters["reward_failures"], **_agent_metrics(controller, groups),
              "time/elapsed_s": time.time() - st.start_time, **rollout.sync_metrics()}
       if step % config.eval.every_steps == 0 or step == config.total_steps:
         row |= evaluator(local, version=learner.version).metrics()
@@ -300,6 +301,8 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
     followers_done.set()
     _send_all(followers, "stop")
     controller.stop()
+    if controller.episodes is not None:
+      controller.episodes.stop()
     rollout.stop()
     rewards.close()
     ckpt.close()
@@ -312,14 +315,19 @@ def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
   """The rollout controller, continuing from the checkpoint's state (undone prompts first, group ids on)."""
   s, state = config.sampler, st.controller_state
   by_uid = {rec.uid: rec for rec in st.train.records}
+  sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                            seed=config.seed)
+  episodes = None
+  if config.agent.path:
+    episodes = EpisodeRunner(agent=agents.load(config.agent.path), config=agents.AgentConfig.from_config(config.agent),
+                             rollout=rollout, tokenizer=st.tokenizer, sampling=sampling,
+                             limits={"max_seq_len": s.max_seq_len, "vocab_size": st.model_cfg.vocab_size},
+                             version=lambda: st.learner.version)
   return RolloutController(
       dataset=st.train, loop=rollout, rewards=rewards, buffer=buffer, version=lambda: st.learner.version,
-      group_size=config.rollout.group_size,
-      sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_new_tokens=s.max_new_tokens, seed=config.seed),
-      filter_uniform=config.learner.filter_uniform_groups,
+      group_size=config.rollout.group_size, sampling=sampling, filter_uniform=config.learner.filter_uniform_groups,
       next_group_id=state["next_group_id"] if state else 0,
-      replay=[by_uid[u] for u in state["undone"]] if state else ())
+      replay=[by_uid[u] for u in state["undone"]] if state else (), episodes=episodes)
 
 
 class Stalled(RuntimeError):
@@ -371,6 +379,14 @@ def _take_batch(buffer: RolloutBuffer, controller: RolloutController, rollout: R
                       "score the same are dropped (learner.filter_uniform_groups)", step + 1, n,
                       time.time() - waiting_since, len(buffer), dict(controller.counters))
       waiting_since = time.time()
+
+
+def _agent_metrics(controller: RolloutController, groups) -> dict[str, float]:
+  """With an agent: completions per episode in the step's groups, and episodes failed since the start."""
+  if controller.episodes is None:
+    return {}
+  return {"agent/turns_mean": float(np.mean([n for g in groups for n in g.turns])),
+          "agent/episode_failures": controller.counters["episode_failures"]}
 
 
 def _step_metrics(stats: dict, trajectories, finished_rewards: list[float]) -> dict[str, float]:
@@ -476,5 +492,5 @@ def _log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtere
                   "rewards": g.rewards.tolist(),
                   "version_start": [t.version_start for t in g.trajectories],
                   "version_end": [t.version_end for t in g.trajectories],
-                  "lengths": [len(t.response_ids) for t in g.trajectories]})
+                  "lengths": [len(t.response_ids) for t in g.trajectories], **({"turns": g.turns} if g.turns else {})})
       for g, was_filtered in [(g, False) for g in trained] + [(g, True) for g in filtered]])

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence as Seq
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, Sequence
 from areal_jax.sampler.scheduler import Scheduler
+from areal_jax.serve.scoring import Scorer, Scores
 
 
 _log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Backend:
     self._counts = collections.Counter(dict.fromkeys(("requests", "rejected", "finished", "max_batch_answers",
                                                       "max_batch_requests"), 0))
     self._stats = self._snapshot()
+    self._scorer: Scorer | None = None
 
   # --- any thread -----------------------------------------------------------------------------------------------
 
@@ -119,6 +121,19 @@ class Backend:
   @property
   def version(self) -> int:
     return self.scheduler.version
+
+  @property
+  def limits(self) -> dict[str, int]:
+    """What a request is checked against: `max_seq_len` (prompt + answer), `vocab_size` (the model's)."""
+    engine = self.scheduler.engine
+    return {"max_seq_len": engine.cfg.max_seq_len, "vocab_size": engine.model_cfg.vocab_size}
+
+  def score(self, token_ids, temperature: float) -> Scores:
+    """Logprobs and top alternatives of `token_ids` under the weights served now (see `scoring`)."""
+    if self._scorer is None:
+      self._scorer = Scorer(self.scheduler.engine)
+    return self._scorer(self.scheduler.params, token_ids, temperature=temperature,
+                        vocab_limit=self.scheduler.engine.cfg.vocab_limit)
 
   def stats(self) -> dict[str, int | float]:
     """The scheduler's counters and answers running (published after each step), policy version, requests waiting,

@@ -18,6 +18,7 @@ model's name, 429 when `max_queue` requests wait beyond the free decode slots, 5
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
@@ -27,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Protocol
 
 import fastapi
 import fastapi.exceptions
@@ -36,6 +38,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.requests import Request
 from areal_jax.serve import openai_api, policy, scoring, streaming
 from areal_jax.serve.backend import Backend, QueueFull
 from areal_jax.sharding import make_mesh
@@ -59,12 +62,43 @@ def _validation_error(exc: fastapi.exceptions.RequestValidationError) -> openai_
   return openai_api.ApiError(400, "; ".join(parts) or "invalid request body", param=param)
 
 
-def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fastapi.FastAPI:
-  """The routes over `backend` (which the caller starts and stops)."""
+class Sampling(Protocol):
+  """What the routes need from the sampler side: a `Backend` when serving, `agents.RolloutSampling` in training."""
+
+  error: BaseException | None
+
+  @property
+  def version(self) -> int: ...
+
+  @property
+  def limits(self) -> dict[str, int]: ...
+
+  def submit_many(self, requests: list[Request], on_tokens=None) -> list[concurrent.futures.Future]: ...
+
+  def score(self, token_ids: list[int], temperature: float) -> scoring.Scores: ...
+
+  def stats(self) -> dict[str, int | float]: ...
+
+
+class Episodes(Protocol):
+  """Hooks for requests tagged with an episode (header `EPISODE_HEADER`): agents' requests in training."""
+
+  def prepare(self, episode: str, prepared: openai_api.Prepared) -> openai_api.Prepared:
+    """The requests to run for this episode (may raise `ApiError`, e.g. past `agent.max_turns`)."""
+
+  def record(self, episode: str, prepared: openai_api.Prepared, answers: list[list], response_id: str) -> None:
+    """Every answer as the sampler drew it, after the response is built."""
+
+
+EPISODE_HEADER = "x-areal-episode"
+
+
+def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None = None,
+               any_model: bool = False) -> fastapi.FastAPI:
+  """The routes over `backend` (which the caller starts and stops); `episodes` records agents' completions;
+  `any_model` serves requests naming any model (in training, whatever name an agent was written with)."""
   app = fastapi.FastAPI(title="areal_jax policy server")
-  engine = backend.scheduler.engine
-  limits = {"max_seq_len": engine.cfg.max_seq_len, "vocab_size": engine.model_cfg.vocab_size}
-  scorer = scoring.Scorer(engine)
+  limits = backend.limits
   created = int(time.time())
 
   @app.exception_handler(openai_api.ApiError)
@@ -75,9 +109,6 @@ def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fa
   async def _invalid(_, exc: fastapi.exceptions.RequestValidationError):
     err = _validation_error(exc)
     return JSONResponse(err.body(), status_code=err.status)
-
-  def score(ids: list[int], temperature: float) -> scoring.Scores:
-    return scorer(backend.scheduler.params, ids, temperature=temperature, vocab_limit=engine.cfg.vocab_limit)
 
   def submit(prepared: openai_api.Prepared, on_tokens=None):
     try:
@@ -93,26 +124,32 @@ def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fa
     return openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {backend.error!r})",
                                kind="server_error")
 
-  async def generate(body, to_prompts: Callable, respond: Callable):
-    if body.model is not None and body.model != model_name:
+  async def generate(body, to_prompts: Callable, respond: Callable, episode: str | None):
+    if not any_model and body.model is not None and body.model != model_name:
       raise openai_api.ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`",
                                 param="model", code="model_not_found")
+    if episode is not None and episodes is None:
+      raise openai_api.ApiError(400, f"{EPISODE_HEADER}: this server records no episodes", param=EPISODE_HEADER)
 
     def prepare():
-      return openai_api.prepare(body, to_prompts(body, tokenizer), tokenizer=tokenizer, **limits)
+      prepared = openai_api.prepare(body, to_prompts(body, tokenizer), tokenizer=tokenizer, **limits)
+      return prepared if episode is None else episodes.prepare(episode, prepared)
 
     prepared = await asyncio.to_thread(prepare)
     if prepared.stream:
-      return await stream(prepared, chat=isinstance(body, openai_api.ChatRequest))
+      return await stream(prepared, chat=isinstance(body, openai_api.ChatRequest), episode=episode)
     futures = submit(prepared)
     try:
       seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except Exception as e:  # pylint: disable=broad-except  # the sampler thread stopped (on an error, or shutting down)
       raise failed(e) from None
-    scored = functools.partial(score, temperature=prepared.temperature)
-    return await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name, score=scored)
+    scored = functools.partial(backend.score, temperature=prepared.temperature)
+    response = await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name, score=scored)
+    if episode is not None:
+      episodes.record(episode, prepared, seqs, response["id"])
+    return response
 
-  async def stream(prepared: openai_api.Prepared, chat: bool) -> StreamingResponse:
+  async def stream(prepared: openai_api.Prepared, chat: bool, episode: str | None) -> StreamingResponse:
     loop, reports = asyncio.get_running_loop(), asyncio.Queue()
     futures = submit(prepared, lambda i, t: loop.call_soon_threadsafe(reports.put_nowait, (i, t)))
     for f in futures:  # a failed request ends the stream with an error event
@@ -162,16 +199,21 @@ def create_app(*, backend: Backend, tokenizer: Tokenizer, model_name: str) -> fa
         prompt_tokens = sum(len(r.prompt_ids) for r in prepared.requests)
         yield event([], usage=openai_api.usage(prompt_tokens, completion_tokens))
       yield "data: [DONE]\n\n"
+      if episode is not None:  # once every answer ends (a choice cut by a stop string ends before its answer)
+        episodes.record(episode, prepared, await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
+                        request_id)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
   @app.post("/v1/completions")
-  async def completions(body: openai_api.CompletionRequest):
-    return await generate(body, openai_api.completion_prompts, openai_api.completion_response)
+  async def completions(body: openai_api.CompletionRequest, request: fastapi.Request):
+    return await generate(body, openai_api.completion_prompts, openai_api.completion_response,
+                          request.headers.get(EPISODE_HEADER))
 
   @app.post("/v1/chat/completions")
-  async def chat_completions(body: openai_api.ChatRequest):
-    return await generate(body, openai_api.chat_prompts, openai_api.chat_response)
+  async def chat_completions(body: openai_api.ChatRequest, request: fastapi.Request):
+    return await generate(body, openai_api.chat_prompts, openai_api.chat_response,
+                          request.headers.get(EPISODE_HEADER))
 
   @app.get("/v1/models")
   async def models():

@@ -1,0 +1,67 @@
+"""Agents: plain async Python written against the OpenAI client, trained unchanged.
+
+    async def run(data: dict, client: openai.AsyncOpenAI) -> float: ...  # or a class with such an async `run`
+
+`data` is the problem (`uid`, `question`, `reference`, `kind`, `solution`, and `prompt`, the run's rendering of it).
+The agent calls `client.chat.completions.create(...)` (or `completions`) as often as it likes, with tools, and
+returns the episode's reward: a number, or a dict of numbers by response id (`episodes.assign_rewards`). The same
+function runs against `tools/serve.py` or any OpenAI endpoint for evaluation.
+
+Configured by import path (`--config.agent.path=my_agents:MathAgent`), with `agent.max_turns` (completions per
+episode), `agent.timeout_s` (per episode) and `agent.turn_discount`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+AgentFn = Callable[[dict[str, Any], Any], Awaitable[Any]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+  path: str = ""  # "module:attribute"; empty = single-turn answers scored by the reward service
+  max_turns: int = 8
+  timeout_s: float = 600.0
+  turn_discount: float = 1.0
+
+  def __post_init__(self):
+    def bad(field, why):
+      raise ValueError(f"agent.{field}={getattr(self, field)!r}: {why}")
+
+    if self.path and (self.path.count(":") != 1 or not all(self.path.split(":"))):
+      bad("path", "expected 'module:attribute', e.g. 'my_agents:MathAgent'")
+    if self.max_turns < 1:
+      bad("max_turns", "must be >= 1")
+    if not self.timeout_s > 0:
+      bad("timeout_s", "must be > 0")
+    if not 0 <= self.turn_discount <= 1:
+      bad("turn_discount", "must lie in [0, 1]")
+
+  @classmethod
+  def from_config(cls, c) -> AgentConfig:
+    return cls(path=c.path, max_turns=c.max_turns, timeout_s=float(c.timeout_s), turn_discount=float(c.turn_discount))
+
+
+def load(path: str) -> AgentFn:
+  """The agent at `path` ("module:attribute"): an async function, an object with an async `run`, or a class whose
+  instances have one (instantiated once, with no arguments). Raises ValueError naming what is wrong."""
+  module_name, _, attr = path.partition(":")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f"agent.path={path!r}: cannot import {module_name!r}: {e}") from None
+  if not hasattr(module, attr):
+    raise ValueError(f"agent.path={path!r}: module {module_name!r} has no {attr!r}")
+  obj = getattr(module, attr)
+  if inspect.isclass(obj):
+    obj = obj()
+  fn = obj if inspect.iscoroutinefunction(obj) else getattr(obj, "run", None)
+  if not inspect.iscoroutinefunction(fn):
+    raise ValueError(f"agent.path={path!r}: {obj!r} is neither an async function nor has an async `run(data, "
+                     f"client)` method")
+  return fn

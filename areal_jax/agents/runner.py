@@ -1,0 +1,235 @@
+"""Agents' episodes in training: each gets an OpenAI client whose requests reach the training sampler, recorded.
+
+    runner = EpisodeRunner(agent=load("my_agents:MathAgent"), config=AgentConfig(...), rollout=rollout,
+                           tokenizer=tok, sampling=SamplingParams(temperature=1.0, seed=0), limits=...,
+                           version=lambda: learner.version)
+    future = runner.submit(data, group_id=7, index=0, min_version=3)  # an `EpisodeResult` once the agent returns
+    runner.stop()
+
+The client is a real `openai.AsyncOpenAI` whose HTTP transport calls the server's own routes in process
+(`httpx2.ASGITransport` over `serve.create_app`), so an agent meets exactly what `tools/serve.py` serves: the chat
+template, tools and tool calls, streaming. Its requests carry the episode's id in a header; the routes hand them to
+this runner, which sends them to the `Rollout` (a `SamplerLoop` here, or sampler processes through the hub) and
+records every answer as drawn: prompt token ids, answer tokens, behaviour logprobs, policy versions.
+
+In training the run's sampling settings hold (`sampler.temperature`, `top_p`, `top_k`, the run's seed): the learner's
+importance ratios assume them. An agent's own `temperature` etc. are ignored; its `max_tokens`, `stop`, `n` and
+`ignore_eos` are kept, and any model name is served. Top alternatives and `echo` are not served here (400).
+
+An episode fails, losing only itself, when the agent raises (an HTTP error it did not catch included: past
+`agent.max_turns`, a prompt longer than the cache), runs past `agent.timeout_s`, or returns something other than a
+finite number or a dict of them: its completions are scored 0, and the reason is logged with the problem's uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx2
+import numpy as np
+import openai
+
+from areal_jax.agents.agent import AgentConfig, AgentFn
+from areal_jax.agents.episodes import Completion, assign_rewards, to_trajectories
+from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.serve import openai_api
+from areal_jax.serve.backend import Tokens
+from areal_jax.serve.server import EPISODE_HEADER, create_app
+from areal_jax.tokenizer import Tokenizer
+from areal_jax.types import Trajectory
+
+_log = logging.getLogger(__name__)
+_SHOWN_FAILURES = 5  # episode failures logged one by one; after that every 100th
+MODEL_NAME = "policy"
+_GROUP_IDS = itertools.count(1 << 40)  # sampler group ids of agents' requests, apart from the controller's
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+  """An answer as the routes shape it (the fields they read of a scheduler `Sequence`)."""
+
+  tokens: list[int]
+  logprobs: list[float]
+  versions: list[int]
+  finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeResult:
+  trajectories: tuple[Trajectory, ...]
+  reward: float  # the last completion's (0 when the episode failed)
+  turns: int  # completions the agent received
+  failure: str | None = None
+
+
+class RolloutSampling:
+  """The routes' sampler side in training (`serve.server.Sampling`): requests go to `rollout` under the run's
+  sampling settings, each as a sampler group of its own."""
+
+  error = None
+
+  def __init__(self, rollout, *, sampling: SamplingParams, limits: dict[str, int], version: Callable[[], int]):
+    self.rollout, self.sampling, self._version = rollout, sampling, version
+    self._limits = dict(limits)
+
+  @property
+  def version(self) -> int:
+    return self._version()
+
+  @property
+  def limits(self) -> dict[str, int]:
+    return self._limits
+
+  def submit_many(self, requests: list[Request], on_tokens=None) -> list[concurrent.futures.Future]:
+    return [self._submit(i, r, on_tokens) for i, r in enumerate(requests)]
+
+  def _submit(self, i: int, request: Request, on_tokens) -> concurrent.futures.Future:
+    sampling = dataclasses.replace(self.sampling, max_new_tokens=request.sampling.max_new_tokens,
+                                   stop=request.sampling.stop, ignore_eos=request.sampling.ignore_eos)
+    answers = self.rollout.submit(dataclasses.replace(request, group_id=next(_GROUP_IDS), sampling=sampling))
+    out = concurrent.futures.Future()
+    out.set_running_or_notify_cancel()
+    left = [len(answers)]
+    lock = threading.Lock()
+
+    def one_done(_):
+      with lock:
+        left[0] -= 1
+        if left[0]:
+          return
+      try:
+        trajs = [f.result() for f in answers]
+      except BaseException as e:  # pylint: disable=broad-except  # cancelled (the run stops) or the sampler failed
+        out.set_exception(e)
+        return
+      drawn = [Drawn(tokens=t.response_ids.tolist(), logprobs=t.logprobs.tolist(), versions=t.versions.tolist(),
+                     finish_reason=t.finish_reason) for t in trajs]
+      for j, d in enumerate(drawn):  # a stream gets each answer whole, once it is drawn
+        if on_tokens is not None:
+          on_tokens(i, Tokens(answer=j, tokens=d.tokens, logprobs=d.logprobs, versions=d.versions,
+                              finish_reason=d.finish_reason))
+      out.set_result(drawn)
+
+    for f in answers:
+      f.add_done_callback(one_done)
+    return out
+
+  def score(self, token_ids, temperature: float):
+    raise openai_api.ApiError(400, "top alternatives and echo are not served to agents in training")
+
+  def stats(self) -> dict[str, float]:
+    return self.rollout.stats()
+
+
+@dataclasses.dataclass(eq=False)
+class _Episode:
+  min_version: int
+  completions: list[Completion] = dataclasses.field(default_factory=list)
+  turns: int = 0
+
+
+class EpisodeRunner:
+  """Runs episodes on one asyncio loop in a thread of its own; `submit` is safe from any thread."""
+
+  def __init__(self, *, agent: AgentFn, config: AgentConfig, rollout, tokenizer: Tokenizer, sampling: SamplingParams,
+               limits: dict[str, int], version: Callable[[], int]):
+    self.agent, self.config, self.tokenizer = agent, config, tokenizer
+    self.sampling = RolloutSampling(rollout, sampling=sampling, limits=limits, version=version)
+    self.app = create_app(backend=self.sampling, tokenizer=tokenizer, model_name=MODEL_NAME, episodes=self,
+                          any_model=True)
+    self.failures = 0
+    self._episodes: dict[str, _Episode] = {}
+    self._lock = threading.Lock()
+    self._loop = asyncio.new_event_loop()
+    self._thread = threading.Thread(target=self._loop.run_forever, name="agent-episodes", daemon=True)
+    self._thread.start()
+
+  def submit(self, data: dict[str, Any], *, group_id: int, index: int,
+             min_version: int) -> concurrent.futures.Future:
+    """Starts answer `index` of group `group_id`: a future of its `EpisodeResult` (it never raises for the agent's
+    faults; see the module docstring)."""
+    return asyncio.run_coroutine_threadsafe(self._run(data, group_id, index, min_version), self._loop)
+
+  def stop(self) -> None:
+    """Cancels the episodes in flight and ends the loop's thread."""
+    def cancel_all():
+      for task in asyncio.all_tasks(self._loop):
+        task.cancel()
+      self._loop.call_soon(self._loop.stop)
+
+    if self._thread.is_alive():
+      self._loop.call_soon_threadsafe(cancel_all)
+      self._thread.join(30)
+
+  # --- one episode ----------------------------------------------------------------------------------------------
+
+  async def _run(self, data: dict[str, Any], group_id: int, index: int, min_version: int) -> EpisodeResult:
+    key = f"{group_id}-{index}"
+    episode = _Episode(min_version=min_version)
+    with self._lock:
+      self._episodes[key] = episode
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://policy", timeout=None)
+    client = openai.AsyncOpenAI(base_url="http://policy/v1", api_key="training", http_client=http, max_retries=0,
+                                default_headers={EPISODE_HEADER: key})
+    failure, reward = None, None
+    try:
+      reward = await asyncio.wait_for(self.agent(copy.deepcopy(data), client), self.config.timeout_s)
+      rewards = assign_rewards(episode.completions, reward, self.config.turn_discount)
+    except asyncio.TimeoutError:
+      failure = f"timed out after agent.timeout_s={self.config.timeout_s:g} s"
+    except Exception as e:  # pylint: disable=broad-except  # the agent's fault: this episode only
+      failure = f"{type(e).__name__}: {e}"
+    finally:
+      await http.aclose()
+      with self._lock:
+        del self._episodes[key]
+    completions = episode.completions
+    if failure is not None:
+      rewards = [0.0] * len(completions)
+      with self._lock:
+        self.failures += 1
+        n = self.failures
+      if n <= _SHOWN_FAILURES or n % 100 == 0:
+        _log.warning("episode %d of prompt %s failed after %d completions, scored 0 (%d failures so far: "
+                     "agent/episode_failures): %s", index, data.get("uid"), len(completions), n, failure)
+    trajs = to_trajectories(completions, rewards, group_id=group_id)
+    return EpisodeResult(trajectories=tuple(trajs), reward=rewards[-1] if rewards else 0.0, turns=len(completions),
+                         failure=failure)
+
+  # --- the routes' hooks (`serve.server.Episodes`) ----------------------------------------------------------------
+
+  def _episode(self, key: str) -> _Episode:
+    with self._lock:
+      episode = self._episodes.get(key)
+    if episode is None:
+      raise openai_api.ApiError(400, f"{EPISODE_HEADER}={key!r}: no such episode is running", param=EPISODE_HEADER)
+    return episode
+
+  def prepare(self, key: str, prepared: openai_api.Prepared) -> openai_api.Prepared:
+    episode = self._episode(key)
+    with self._lock:
+      if episode.turns >= self.config.max_turns:
+        raise openai_api.ApiError(400, f"agent.max_turns={self.config.max_turns} completions reached in this "
+                                       f"episode", param="messages")
+      episode.turns += 1
+    return dataclasses.replace(prepared, requests=[dataclasses.replace(r, min_version=episode.min_version)
+                                                   for r in prepared.requests])
+
+  def record(self, key: str, prepared: openai_api.Prepared, answers: list[list[Drawn]], response_id: str) -> None:
+    episode = self._episode(key)
+    for request, group in zip(prepared.requests, answers):
+      for drawn in group:
+        shaped = openai_api.shape_answer(drawn, prepared.stops, self.tokenizer)  # through a stop string's cut
+        n = len(shaped.token_ids)
+        episode.completions.append(Completion(
+            response_id=response_id, prompt_ids=request.prompt_ids, tokens=np.asarray(shaped.token_ids, np.int32),
+            logprobs=np.asarray(drawn.logprobs[:n], np.float32), versions=np.asarray(drawn.versions[:n], np.int32),
+            finish_reason=drawn.finish_reason, text=shaped.text))

@@ -1,0 +1,60 @@
+"""Agents the tests run and train: plain async functions against the OpenAI client, as a user writes them."""
+
+import asyncio
+
+from areal_jax.tokenizer import CharTokenizer
+
+
+async def two_turn(data, client):
+  """Answers, is asked to check, answers again: two chat completions per episode; reward 1 if the final answer holds
+  the reference."""
+  messages = [{"role": "user", "content": data["question"]}]
+  first = await client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=8,
+                                               extra_body={"ignore_eos": True})
+  messages += [{"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "check: " + data["question"]}]
+  second = await client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=8)
+  return float(data["reference"] in second.choices[0].message.content)
+
+
+async def token_turns(data, client):
+  """Token in, token out: the second prompt is the first prompt's ids, the answer's and a note's."""
+  tok = CharTokenizer()
+  prompt = tok.encode(data["prompt"])
+  first = await client.completions.create(model="any", prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+  again = prompt + first.choices[0].token_ids + tok.encode("\nok ")
+  second = await client.completions.create(model="any", prompt=again, max_tokens=4, extra_body={"ignore_eos": True})
+  return {first.id: 0.25, second.id: 1.0}
+
+
+async def raises(data, client):
+  await client.chat.completions.create(model="m", messages=[{"role": "user", "content": data["question"]}],
+                                       max_tokens=2)
+  raise ValueError("the tool crashed")
+
+
+async def sleeps(data, client):
+  await asyncio.sleep(60)
+  return 1.0
+
+
+async def says_yes(data, client):
+  await client.completions.create(model="m", prompt=data["prompt"], max_tokens=2)
+  return "yes"
+
+
+async def loops(data, client):
+  while True:
+    await client.completions.create(model="m", prompt=data["prompt"], max_tokens=2)
+
+
+async def too_long(data, client):
+  await client.completions.create(model="m", prompt=data["prompt"] * 100, max_tokens=2)
+  return 1.0
+
+
+class Counting:
+  """An agent as a class with an async `run` (instantiated once)."""
+
+  async def run(self, data, client):
+    return await two_turn(data, client)
