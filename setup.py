@@ -37,8 +37,10 @@ setup(
         # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "torch==2.13.0", "transformers==5.23.0",
                  "gcp-storage-emulator==2026.7.19",
-                 # tools/serve.py is tested with lm-evaluation-harness's own `local-completions` client.
-                 "lm-eval[api]==0.4.13"],
+                 # The server and the agent runner are tested with other projects' own clients:
+                 # lm-evaluation-harness's `local-completions`, the OpenAI Agents SDK, LangChain.
+                 "lm-eval[api]==0.4.13", "openai-agents==0.24.0", "langchain-openai==1.7.4",
+                 "langchain-core==1.8.3"],
         "gcs": ["gcsfs==2026.10.1"],
         "tpu": ["libtpu==0.0.42.1"],
     },

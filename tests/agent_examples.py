@@ -58,3 +58,43 @@ class Counting:
 
   async def run(self, data, client):
     return await two_turn(data, client)
+
+
+# --- agents built with agent frameworks, unchanged between training and serving ------------------------------------
+
+MODEL = "tiny-qwen"  # the served model's name (in training any name is served)
+
+
+def add(a: int, b: int) -> int:
+  """Adds two integers."""
+  return a + b
+
+
+async def agents_sdk_calculator(data, client):
+  """The OpenAI Agents SDK: an `Agent` with a function tool, run by `Runner` over chat completions."""
+  import agents as sdk  # pylint: disable=g-import-not-at-top
+
+  sdk.set_tracing_disabled(True)  # no traces leave the machine
+  agent = sdk.Agent(name="calculator", instructions="Use the add tool.", tools=[sdk.function_tool(add)],
+                    model=sdk.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                    model_settings=sdk.ModelSettings(temperature=0.0))  # (in training the run's settings hold)
+  result = await sdk.Runner.run(agent, data["question"], max_turns=3, run_config=sdk.RunConfig(tracing_disabled=True))
+  return float(data["reference"] in str(result.final_output))
+
+
+async def langchain_calculator(data, client):
+  """LangChain: `ChatOpenAI` with `bind_tools`, tool calls answered with `ToolMessage`s."""
+  from langchain_core.messages import HumanMessage, ToolMessage  # pylint: disable=g-import-not-at-top
+  from langchain_core.tools import tool  # pylint: disable=g-import-not-at-top
+  from langchain_openai import ChatOpenAI  # pylint: disable=g-import-not-at-top
+
+  add_tool = tool(add)
+  llm = ChatOpenAI(model=MODEL, api_key="unused", base_url=str(client.base_url), root_async_client=client,
+                   async_client=client.chat.completions, max_retries=0, temperature=0.0).bind_tools([add_tool])
+  messages = [HumanMessage(data["question"])]
+  reply = await llm.ainvoke(messages)
+  messages.append(reply)
+  for call in reply.tool_calls:
+    messages.append(ToolMessage(str(add_tool.invoke(call["args"])), tool_call_id=call["id"]))
+  final = await llm.ainvoke(messages)
+  return float(data["reference"] in final.content)

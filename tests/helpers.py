@@ -6,6 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import tokenizers
 from flax import nnx
 
@@ -43,7 +44,20 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
           "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def write_bpe_tokenizer(directory: str, texts, vocab_size: int = 300) -> str:
+# ChatML with tools in the Hermes format (what Qwen2.5's template renders), written for the tests.
+TOOLS_CHATML = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_bpe_tokenizer(directory: str, texts, vocab_size: int = 300, template: str = CHATML) -> str:
   """A tiny byte-level BPE tokenizer trained on `texts`, with a ChatML chat template, as a HF directory."""
   tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,5 +69,38 @@ def write_bpe_tokenizer(directory: str, texts, vocab_size: int = 300) -> str:
   os.makedirs(directory, exist_ok=True)
   tok.save(os.path.join(directory, "tokenizer.json"))
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}, f)
+    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": template}, f)
   return directory
+
+
+def memorize(model, pairs, steps: int = 600):
+  """A copy of `model` trained until its greedy answer to each prompt of `pairs` ((prompt ids, answer ids), ...) is
+  that answer: a scripted policy for tests."""
+  model = nnx.clone(model)
+  length = max(len(p) + len(a) for p, a in pairs)
+  seqs, mask = np.zeros((len(pairs), length), np.int32), np.zeros((len(pairs), length - 1), np.float32)
+  for i, (p, a) in enumerate(pairs):
+    seqs[i, :len(p) + len(a)] = list(p) + list(a)
+    mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
+  seqs, mask = jnp.asarray(seqs), jnp.asarray(mask)
+  opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  def predictions(m):
+    return jax.nn.log_softmax(m(seqs)[:, :-1], axis=-1)
+
+  @nnx.jit
+  def step(model, opt):
+    def loss_fn(m):
+      lp = jnp.take_along_axis(predictions(m), seqs[:, 1:, None], axis=-1)[..., 0]
+      return -jnp.sum(lp * mask) / jnp.sum(mask)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss
+
+  learned = nnx.jit(lambda m: jnp.all((jnp.argmax(predictions(m), -1) == seqs[:, 1:]) | (mask == 0)))
+  for i in range(steps):
+    step(model, opt)
+    if i % 50 == 49 and learned(model):
+      return model
+  raise AssertionError(f"the answers were not learned in {steps} steps")

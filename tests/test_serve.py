@@ -31,24 +31,13 @@ from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.sampler import Request, SamplingParams, generate
 from areal_jax.serve import QueueFull, build
 from areal_jax.tokenizer import load_tokenizer
-from helpers import TINY, tiny_model
+from helpers import TINY, TOOLS_CHATML, memorize, tiny_model
 
-# ChatML with tools in the Hermes format (what Qwen2.5's template renders), written for these tests.
-CHATML = (
-    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
-    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
 TEXT = ["What is 12 + 34? The answer is 46.", "Please reason step by step: 7 * 8 = 56, so x = 56.",
         "Question: how many apples are left? Answer: 3 apples.",
-        *[json.dumps(t) for t in TOOLS] * 4, CHATML, '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}']
+        *[json.dumps(t) for t in TOOLS] * 4, TOOLS_CHATML, '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}']
 MAX_SEQ_LEN = 256
 SIZING = dict(max_seq_len=MAX_SEQ_LEN, num_slots=4, page_size=8, warmup=False)
 MODEL = "tiny-qwen"
@@ -66,7 +55,7 @@ def hf_dir(tmp_path_factory):
   tok.train_from_iterator(TEXT, trainer)
   tok.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                                                          "chat_template": CHATML}))
+                                                          "chat_template": TOOLS_CHATML}))
   (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))  # <|endoftext|>, <|im_end|>
   save_hf(tiny_model(dataclasses.replace(TINY, vocab_size=tok.get_vocab_size(), max_position_embeddings=MAX_SEQ_LEN),
                      seed=3), str(path))
@@ -430,38 +419,11 @@ def test_tools_render_as_transformers_renders_them(client, hf_dir, tok):
   assert '"arguments": {"a": 12, "b": 34}' in want and "<tool_response>46</tool_response>" in want
 
 
-def memorize(model, prompt: list[int], answer: list[int], steps: int = 400):
-  """A copy of `model` trained until its greedy answer to `prompt` is `answer` (a scripted policy for tests)."""
-  import optax  # pylint: disable=g-import-not-at-top
-
-  model = nnx.clone(model)
-  seq = jnp.asarray([prompt + answer])
-  positions = jnp.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
-  target = jnp.asarray(answer)
-  opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-
-  @nnx.jit
-  def step(model, opt):
-    def loss_fn(m):
-      lp = jax.nn.log_softmax(m(seq)[0, positions], axis=-1)
-      return -jnp.mean(lp[jnp.arange(len(answer)), target])
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return loss
-
-  for i in range(steps):
-    step(model, opt)
-    if i % 50 == 49 and (jnp.argmax(model(seq)[0, positions], -1) == target).all():
-      return model
-  raise AssertionError(f"the answer was not learned in {steps} steps")
-
-
 def test_a_tool_call_comes_back_as_tool_calls(server, client, model, tok):
   messages = [{"role": "user", "content": "What is 12 + 34?"}]
   prompt = tok.encode(tok.apply_chat_template(messages, tools=TOOLS))
   call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>'
-  scripted = memorize(model, prompt, tok.encode(call) + [tok.eos_id])
+  scripted = memorize(model, [(prompt, tok.encode(call) + [tok.eos_id])])
   backend, old = server.backend, server.backend.version
   before = backend.scheduler.params
   backend.update_params(backend.scheduler.engine.load_params(nnx.state(scripted, nnx.Param)), version=old + 1)

@@ -68,6 +68,7 @@ class EpisodeResult:
   reward: float  # the last completion's (0 when the episode failed)
   turns: int  # completions the agent received
   failure: str | None = None
+  completions: tuple[Completion, ...] = ()  # as recorded, in order
 
 
 class RolloutSampling:
@@ -202,7 +203,7 @@ class EpisodeRunner:
                      "agent/episode_failures): %s", index, data.get("uid"), len(completions), n, failure)
     trajs = to_trajectories(completions, rewards, group_id=group_id)
     return EpisodeResult(trajectories=tuple(trajs), reward=rewards[-1] if rewards else 0.0, turns=len(completions),
-                         failure=failure)
+                         failure=failure, completions=tuple(completions))
 
   # --- the routes' hooks (`serve.server.Episodes`) ----------------------------------------------------------------
 
