@@ -1,4 +1,5 @@
-"""tools/bench_sampler.py and tools/bench_learner.py end to end on small workloads, peers included."""
+"""tools/bench_sampler.py, tools/bench_learner.py and tools/bench_agents.py end to end on small workloads, peers
+included."""
 
 import os
 import re
@@ -32,3 +33,11 @@ def test_bench_learner_with_torch_peer():
                "packed / padded: tokens/s", "loglinear proximal logprobs", "flash / dense attention: step time",
                "rows of 192 / rows of 96 tokens: step time", "packed / torch: tokens/s"):
     assert line in out, (line, out)
+
+
+def test_bench_agents_replays_the_recorded_completions():
+  out = _run("bench_agents.py", "--episodes=4", "--turns=2", "--max-tokens=4", "--repeats=1")
+  rows = re.findall(r"^  (episodes \(recorded\)|plain requests)\s+(\d+) completions, (\d+) tokens", out, re.M)
+  assert [r[0] for r in rows] == ["episodes (recorded)", "plain requests"], out
+  assert {r[1:] for r in rows} == {("8", "32")}, out  # the same work: 4 episodes x 2 turns x 4 tokens
+  assert re.search(r"^recording overhead: [+-]\d+\.\d% time", out, re.M), out

@@ -5,6 +5,7 @@ learner's, and the learner's `sampler/logprob_gap` is that difference."""
 
 import functools
 import threading
+import time
 from concurrent.futures import as_completed
 
 import jax
@@ -161,6 +162,24 @@ def test_loop_thread_end_to_end(models, engine):
       assert t.response_ids[-1] == 1
   check_against_learner({0: models[0], 1: models[1]}, out)
   assert len(decoded) == len(out)
+
+
+def test_an_idle_loop_gathers_a_burst_of_requests_into_one_step(models, engine):
+  """Requests arriving one by one a few ms apart (an agent's next turns) start together: one decode call."""
+  loop = SamplerLoop(engine=engine, params=engine.load_params(models[0]), version=0)
+  sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=ENGINE_CFG.decode_steps, ignore_eos=True)
+  with loop:
+    [warm] = loop.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=sampling))
+    warm.result(timeout=120)
+    loop._last_step_s = 1.0  # pylint: disable=protected-access  # a long step: a 0.25 s window
+    calls = loop.stats()["decode_calls"]
+    futures = []
+    for g in range(1, 7):
+      futures += loop.submit(Request(group_id=g, prompt_ids=[5, 6, 7 + g], sampling=sampling))
+      time.sleep(0.003)
+    out = [f.result(timeout=120) for f in futures]
+    # Every answer's tokens came out of one decode call: all were admitted in the step after the burst.
+    assert loop.stats()["decode_calls"] - calls == 1 and len(out) == 6, loop.stats()
 
 
 def test_update_rejects_mismatched_weights(models, engine):

@@ -37,7 +37,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
 TEXT = ["What is 12 + 34? The answer is 46.", "Please reason step by step: 7 * 8 = 56, so x = 56.",
         "Question: how many apples are left? Answer: 3 apples.",
-        *[json.dumps(t) for t in TOOLS] * 4, TOOLS_CHATML, '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}']
+        *[json.dumps(t) for t in TOOLS] * 4, TOOLS_CHATML,
+        '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}']
 MAX_SEQ_LEN = 256
 SIZING = dict(max_seq_len=MAX_SEQ_LEN, num_slots=4, page_size=8, warmup=False)
 MODEL = "tiny-qwen"

@@ -8,6 +8,11 @@ any thread.
     loop.update_params(new_params, version=1)  # e.g. from the learner thread; applied between two decode calls
     loop.stop()
 
+An idle loop that gets a request gathers the ones arriving right behind it (each within `GATHER_GAP_S` of the last,
+for at most a quarter of the last step's time) before it steps: requests that come in a burst (an agent's next turns,
+a batch of groups) then share one prefill and one decode call instead of waiting out a call of `decode_steps` steps
+that started with the first of them.
+
 One thread runs the scheduler (admission, decode steps, weight swaps); a second one detokenises finished answers and
 completes their futures (callbacks run there: they must not block), so tokenizer work never delays a decode step. A
 group waits until the loop generates from policy `request.min_version` or newer. An exception in either thread stops
@@ -27,6 +32,10 @@ from areal_jax import faults
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
 from areal_jax.sampler.scheduler import Scheduler
+
+
+GATHER_GAP_S = 0.01  # an idle loop gathers requests arriving within this of each other...
+GATHER_SHARE = 0.25  # ... for at most this share of the last step's time
 
 
 def end_futures(futures: Iterable[Future], error: BaseException | None) -> None:
@@ -54,6 +63,7 @@ class SamplerLoop:
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
     self._busy_s = 0.0  # wall time spent in scheduler steps (prefill, decode, weight swaps)
+    self._last_step_s = 0.0
     self._publish_stats()
 
   # --- controller-facing API --------------------------------------------------------------------------------------
@@ -124,9 +134,11 @@ class SamplerLoop:
     """New requests to the scheduler, each once the next step generates from its `min_version` or newer."""
     try:
       request = self.input_queue.get(timeout=self.idle_wait_s) if block else self.input_queue.get_nowait()
+      deadline = time.perf_counter() + (GATHER_SHARE * self._last_step_s if block else 0.0)
       while True:
         self._held.append(request)
-        request = self.input_queue.get_nowait()
+        wait = min(deadline - time.perf_counter(), GATHER_GAP_S)
+        request = self.input_queue.get(timeout=wait) if wait > 0 else self.input_queue.get_nowait()
     except queue.Empty:
       pass
     if self._held:
@@ -151,7 +163,8 @@ class SamplerLoop:
           for seq in sched.step():
             self._finished.put(seq)
           faults.reach("generation")
-          self._busy_s += time.perf_counter() - start
+          self._last_step_s = time.perf_counter() - start
+          self._busy_s += self._last_step_s
         self._publish_stats()
     except BaseException as e:  # surfaced by check()/stop() and the open futures
       self.error = e
