@@ -32,7 +32,8 @@ def _command(workdir, num_processes, overrides):
 
 
 def _run(workdir, num_processes, overrides, timeout=400):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",  # tests/ importable: agent_examples
+             PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")])))
   return subprocess.run(_command(workdir, num_processes, overrides), env=env, capture_output=True, text=True,
                          timeout=timeout)
 
@@ -58,6 +59,20 @@ def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_pat
   for r in trained:
     assert all((r["step"] - 1) - v <= eta for v in r["version_start"]), r
     assert all(a <= b for a, b in zip(r["version_start"], r["version_end"]))
+
+
+def test_an_agent_trains_through_the_sampler_hub(tmp_path):
+  """An agent's episodes on the leader reach a sampler process through the hub, and are recorded and trained."""
+  overrides = dict(PROCESS_OVERRIDES, total_steps=2, **{"agent.path": "agent_examples:two_turn",
+                                                         "sampler.max_seq_len": 128})
+  proc = _run(tmp_path, 2, overrides)
+  assert proc.returncode == 0, proc.stdout[-4000:]
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [0, 1, 2]
+  for m in metrics[1:]:
+    assert m["agent/turns_mean"] == 2.0 and m["agent/episode_failures"] == 0 and m["sampler/busy_s"] > 0, m
+  trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
+  assert all(r["turns"] == [2] * overrides["rollout.group_size"] for r in trained)
 
 
 def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
