@@ -492,3 +492,21 @@ def test_lm_evaluation_harness_scores_and_generates_through_the_server(server, m
   ids = lm.tok_encode("Question: how many")
   want = generate(model, [ids], max_new_tokens=12, temperature=0.0, eos_ids=sorted(server.backend.scheduler.eos_ids))
   assert text == load_tokenizer(hf_dir).decode(want[0][0].tokens).split("\n\n")[0]
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', None, [("add", {"a": 1})]),
+    ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>{"name": "mul", '
+     '"arguments": "{\\"b\\": 2}"}</tool_call>', "Let me add.\n", [("add", {"a": 1}), ("mul", {"b": 2})]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}', None, [("add", {"a": 1})]),  # cut at the cache's end
+    ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', "same", None),  # not JSON: plain content
+    ('<tool_call>["add"]</tool_call>', "same", None),  # no name: plain content
+    ("no call here", "same", None),
+])
+def test_malformed_tool_calls_stay_content(text, content, calls):
+  from areal_jax.serve import tool_calls  # pylint: disable=g-import-not-at-top
+
+  got_content, got_calls = tool_calls.parse(text)
+  assert got_content == (text if content == "same" else content)
+  assert got_calls is None if calls is None else [
+      (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls

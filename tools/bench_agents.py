@@ -48,12 +48,11 @@ def make_agent(turns: int, max_tokens: int):
 
 def main():
   args = parse_args()
+  from areal_jax import agents  # pylint: disable=g-import-not-at-top  # first: it picks the backend before JAX loads
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from bench_sampler import model_config  # pylint: disable=g-import-not-at-top
-
-  from areal_jax import agents  # pylint: disable=g-import-not-at-top
   from areal_jax.models import create  # pylint: disable=g-import-not-at-top
   from areal_jax.rl.rollout import LocalRollout  # pylint: disable=g-import-not-at-top
   from areal_jax.sampler.config import SamplerConfig  # pylint: disable=g-import-not-at-top

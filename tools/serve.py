@@ -34,10 +34,17 @@ _MEM = flags.DEFINE_float("memory_fraction", 0.8, "Share of free device memory f
 _STEPS = flags.DEFINE_integer("decode_steps", 8, "Decode steps per device call.")
 _TP = flags.DEFINE_integer("tensor_parallel", 1, "Tensor-parallel degree of the sampling mesh.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every sampler program before serving.")
+_CACHE = flags.DEFINE_string("compilation_cache_dir", "", "A persistent XLA compilation cache (local or gs://): a "
+                             "restart with the same model and sizing loads the programs instead of compiling them.")
 
 
 def main(argv):
   del argv
+  if _CACHE.value:
+    import jax  # pylint: disable=g-import-not-at-top  # after areal_jax: it picks the backend before JAX loads
+
+    jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
   build(_DIR.value, step=_STEP.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, model_name=_NAME.value,
         host=_HOST.value, port=_PORT.value, max_queue=_QUEUE.value, max_seq_len=_SEQ.value, num_slots=_SLOTS.value,
         page_size=_PAGE.value, num_pages=_PAGES.value, memory_fraction=_MEM.value, decode_steps=_STEPS.value,
