@@ -250,6 +250,7 @@ class PolicyServer:
     self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       self._sock.bind((host, port))
+      self._sock.listen(2048)  # from now on connections wait in the backlog until uvicorn accepts them
     except OSError as e:
       self._sock.close()
       raise OSError(f"cannot listen on {host}:{port}: {e}") from None
