@@ -230,7 +230,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.agent.path = ""  # "" = single-turn answers
   c.agent.max_turns = 8  # completions per episode; one more fails the episode
   c.agent.timeout_s = 600.0  # per episode; past it the episode fails (scored 0)
-  c.agent.turn_discount = 1.0  # an earlier completion's reward: the next one's times this
+  c.agent.turn_discount = 1.0  # each earlier completion adds the next one's reward times this (AReaL's rule)
 
   c.mesh = ml_collections.ConfigDict()
   # Emulated devices per process when running on CPU. 4 (2 sampler, 2 learner) on 2 cores: the tiny RL step took

@@ -40,8 +40,8 @@ def completion(rid, prompt, tokens, version=0):
 def test_rewards_go_back_with_the_turn_discount():
   c = [completion(f"r{i}", [1], [2]) for i in range(3)]
   assert agents.assign_rewards(c, 1.0, 0.5) == [0.25, 0.5, 1.0]
-  assert agents.assign_rewards(c, {"r1": 0.8}, 0.5) == [0.4, 0.8, 0.0]  # nothing after the last reward set
-  assert agents.assign_rewards(c, {"r0": 0.3, "r2": 1.0}, 1.0) == [0.3, 1.0, 1.0]
+  assert agents.assign_rewards(c, {"r1": 0.8}, 0.5) == [0.4, 0.8, 0.0]  # unset: 0
+  assert agents.assign_rewards(c, {"r0": 0.3, "r2": 1.0}, 0.5) == [0.55, 0.5, 1.0]  # a set reward adds the later ones
   assert agents.assign_rewards([], 1.0, 0.9) == []
   for bad, error in ((float("nan"), TypeError), ("1", TypeError), (True, TypeError), ({"r9": 1.0}, ValueError)):
     with pytest.raises(error):

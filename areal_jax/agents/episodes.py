@@ -3,8 +3,9 @@
     rewards = assign_rewards(completions, reward, discount=0.9)  # one per completion
     trajs = to_trajectories(completions, rewards, group_id=7)
 
-Rewards follow AReaL's rule: an episode's reward (a number) belongs to its last completion, a dict gives rewards by
-response id, and every completion without one gets the next completion's reward times `agent.turn_discount`.
+Rewards follow AReaL's rule (its `apply_reward_discount`): an episode's reward (a number) belongs to its last
+completion, a dict gives rewards by response id (unset ones are 0), and then, from the last completion back, each
+earlier one adds the next one's reward times `agent.turn_discount`.
 
 Merging: when a completion's prompt extends the previous completion's prompt and answer token for token (the chat
 template rendered the history back as it was drawn), the two become one sequence whose loss mask covers only the
@@ -47,12 +48,10 @@ def assign_rewards(completions: list[Completion], reward, discount: float) -> li
       rewards[ids[key]] = _number(value, f"reward[{key!r}]")
   elif completions:
     rewards[-1] = _number(reward, "reward")
-  later = 0.0
-  for i in reversed(range(len(rewards))):
-    if rewards[i] is None:
-      rewards[i] = later * discount
-    later = rewards[i]
-  return rewards
+  out = [0.0 if r is None else r for r in rewards]
+  for i in reversed(range(len(out) - 1)):
+    out[i] += out[i + 1] * discount
+  return out
 
 
 def _number(value, what: str) -> float:
