@@ -180,7 +180,7 @@ class EpisodeRunner:
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://policy", timeout=None)
     client = openai.AsyncOpenAI(base_url="http://policy/v1", api_key="training", http_client=http, max_retries=0,
                                 default_headers={EPISODE_HEADER: key})
-    failure, reward = None, None
+    failure = None
     try:
       reward = await asyncio.wait_for(self.agent(copy.deepcopy(data), client), self.config.timeout_s)
       rewards = assign_rewards(episode.completions, reward, self.config.turn_discount)

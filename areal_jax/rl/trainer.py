@@ -39,7 +39,6 @@ from flax import nnx
 
 from areal_jax import agents, faults
 from areal_jax import config as config_lib
-from areal_jax.agents import EpisodeRunner
 from areal_jax.data import build_dataset, warmstart_pairs
 from areal_jax.distributed import sampler_process
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
@@ -319,10 +318,11 @@ def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
                             seed=config.seed)
   episodes = None
   if config.agent.path:
-    episodes = EpisodeRunner(agent=agents.load(config.agent.path), config=agents.AgentConfig.from_config(config.agent),
-                             rollout=rollout, tokenizer=st.tokenizer, sampling=sampling,
-                             limits={"max_seq_len": s.max_seq_len, "vocab_size": st.model_cfg.vocab_size},
-                             version=lambda: st.learner.version)
+    episodes = agents.EpisodeRunner(
+        agent=agents.load(config.agent.path), config=agents.AgentConfig.from_config(config.agent), rollout=rollout,
+        tokenizer=st.tokenizer, sampling=sampling,
+        limits={"max_seq_len": s.max_seq_len, "vocab_size": st.model_cfg.vocab_size},
+        version=lambda: st.learner.version)
   return RolloutController(
       dataset=st.train, loop=rollout, rewards=rewards, buffer=buffer, version=lambda: st.learner.version,
       group_size=config.rollout.group_size, sampling=sampling, filter_uniform=config.learner.filter_uniform_groups,
