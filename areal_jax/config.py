@@ -33,6 +33,7 @@ FAST_OVERRIDES = {
 _CHOICES = {
     "data.source": ("synthetic", "jsonl", "tfds"),
     "data.prompt_template": ("plain", "chat"),
+    "data.synthetic_task": ("arithmetic", "products"),
     "sampler.attention": ("auto", "jax", "pallas_tpu"),
     "sampler.param_dtype": ("float32", "bfloat16"),
     "learner.kl_estimator": ("k1", "k2", "k3"),

@@ -8,6 +8,7 @@ directory (`tokenizer.json`, `tokenizer_config.json`, the chat template from `ch
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from typing import Protocol, Sequence
@@ -34,25 +35,49 @@ def _render_chat(template: str | None, messages, *, add_generation_prompt: bool,
   tool definitions) reach the template as `tools`, as there."""
   if not template:
     raise ValueError(f"tokenizer {source} has no chat template; use data.prompt_template='plain'")
+  if tools is not None:
+    special["tools"] = tools
+  return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> jinja2.Template:
   def raise_exception(msg):
     raise jinja2.exceptions.TemplateError(msg)
 
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                       extensions=["jinja2.ext.loopcontrols"])
-  env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+  env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, **kw: json.dumps(
+      x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)  # transformers' signature
   env.globals.update(raise_exception=raise_exception,
                      strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-  if tools is not None:
-    special["tools"] = tools
-  return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+  return env.from_string(template)
+
+
+# The char vocabulary's chat format: "Q: " user turns, "A: " assistant turns ending in "<eos>" (the eos token, as
+# Qwen's templates end turns in <|im_end|>), "result: " tool outputs; `tools` as one "tools: name(params)" line;
+# tool calls in the Hermes format (`serve/tool_calls.py`), compact and arguments first: what a tiny model copies from
+# the question then sits closer to where it writes it (a character model learns to copy over short distances sooner). A single user turn renders the plain "Q: ...\nA: " prompt.
+CHAR_CHAT_TEMPLATE = (
+    "{%- if tools %}tools: {% for t in tools %}"
+    "{{ t.function.name }}({{ t.function.parameters.properties | join(',') }}){{ ' ' if not loop.last }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{%- for m in messages %}{{ '\\n' if not loop.first }}"
+    "{%- if m.role == 'user' %}Q: {{ m.content }}"
+    "{%- elif m.role == 'assistant' %}A: {{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ {'arguments': c.function.arguments, 'name': c.function.name}"
+    " | tojson(separators=(',', ':')) }}</tool_call>{% endfor %}{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}result: {{ m.content }}"
+    "{%- else %}{{ m.content }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '\\nA: ' }}{% endif %}")
 
 
 class CharTokenizer:
-  """A fixed character vocabulary for the tiny default model: ids 0 <pad>, 1 <eos>, then one id per character."""
+  """A fixed character vocabulary for the tiny default model: ids 0 <pad>, 1 <eos>, then one id per character. As in
+  HF tokenizers, the text "<eos>" encodes to the eos id (the chat template ends assistant turns with it)."""
 
-  CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=().,:?\\{}\n^#$QA"
+  CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=().,:?\\{}\n^#$QA<>\"_"
   SPECIALS = ("<pad>", "<eos>")
+  chat_template = CHAR_CHAT_TEMPLATE
 
   def __init__(self):
     self.vocab_size = len(self.SPECIALS) + len(self.CHARS)
@@ -60,25 +85,26 @@ class CharTokenizer:
     self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(self.CHARS)}
 
   def encode(self, text: str) -> list[int]:
-    try:
-      return [self._ids[c] for c in text]
-    except KeyError as e:
-      symbols = "".join(c for c in self.CHARS if not c.isalnum() and c not in " \n")
-      raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary (text {text[:60]!r}); it has digits, "
-                       f"lowercase letters, Q, A, space, newline and {symbols}") from None
+    ids = []
+    for i, piece in enumerate(text.split(self.SPECIALS[1])):
+      if i:
+        ids.append(self.eos_id)
+      try:
+        ids += [self._ids[c] for c in piece]
+      except KeyError as e:
+        symbols = "".join(c for c in self.CHARS if not c.isalnum() and c not in " \n")
+        raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary (text {text[:60]!r}); it has digits, "
+                         f"lowercase letters, Q, A, space, newline and {symbols}") from None
+    return ids
 
   def decode(self, ids: Sequence[int]) -> str:
     n = len(self.SPECIALS)
     return "".join(self.CHARS[i - n] for i in ids if n <= i < self.vocab_size)
 
   def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
-    """The plain prompt format "Q: ...\\nA: " the tiny policy is trained on (the char vocabulary has no chat markup)."""
-    if tools:
-      raise ValueError("the char vocabulary's prompt format has no tool markup")
-    parts = []
-    for m in messages:
-      parts.append(("Q: " if m["role"] == "user" else "A: ") + m["content"])
-    return "\n".join(parts) + ("\nA: " if add_generation_prompt else "")
+    """`CHAR_CHAT_TEMPLATE`: one user message gives the plain "Q: ...\\nA: " prompt the tiny policy is trained on."""
+    return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, source="char",
+                        tools=tools, eos_token=self.SPECIALS[1])
 
 
 class HFTokenizer:

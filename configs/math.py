@@ -148,6 +148,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.data.max_prompt_len = 48 if tiny else 1024
   c.data.skip_bad_rows = False  # False: a bad row raises, naming file, line and field; True: skipped and counted
   c.data.shuffle_seed = 0
+  c.data.synthetic_task = "arithmetic"  # arithmetic | products (two-digit products, for configs/agent.py)
   c.data.synthetic_difficulty = 1  # 1..4: number of operations in the synthetic problems
   c.data.synthetic_mix = ""  # "1:9,4:1" = difficulty:weight pairs (long-tail answer lengths); "" = synthetic_difficulty
   c.data.synthetic_size = 20000

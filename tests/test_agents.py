@@ -4,6 +4,8 @@ training sampler, recorded token for token (checked against a dense forward pass
 episode; a run trains on an agent's episodes."""
 
 import dataclasses
+import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import CharTokenizer
-from helpers import FAST, TINY, tiny_model
+from helpers import FAST, TINY, memorize, tiny_model
 from test_system_e2e import CONFIG
 
 TOK = CharTokenizer()
@@ -163,11 +165,67 @@ def test_agent_config_and_loading_name_what_is_wrong():
     agents.AgentConfig(turn_discount=1.5)
 
 
-def test_a_run_trains_on_an_agents_episodes(tmp_path):
-  config = load_config(CONFIG, total_steps=2, **{**FAST, "agent.path": "agent_examples:two_turn",
-                                                 "sampler.max_seq_len": 128})
-  rows = trainer.run(config, str(tmp_path))
+def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evaluates_episodes(tmp_path, caplog):
+  """configs/agent.py end to end (small shapes): the warm-start on the calculator's demonstrations, training on its
+  episodes, evaluation by episodes at each evaluated version."""
+  config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py"), total_steps=2,
+                       **{**FAST, "sampler.max_seq_len": 224, "sampler.max_new_tokens": 80})
+  with caplog.at_level(logging.INFO):
+    rows = trainer.run(config, str(tmp_path))
+  assert "demonstrated turns" in caplog.text and "HTTP Request" not in caplog.text
   assert [r["step"] for r in rows] == [0, 1, 2]
-  for m in read_metrics(str(tmp_path))[1:]:
-    assert m["agent/turns_mean"] == 2.0 and m["agent/episode_failures"] == 0, m
+  metrics = read_metrics(str(tmp_path))
+  for m in metrics[1:]:
+    assert 1 <= m["agent/turns_mean"] <= 2 and m["agent/episode_failures"] == 0, m
     assert m["staleness/max"] <= config.rollout.max_head_offpolicyness
+  for m in (metrics[0], metrics[2]):
+    assert 0 <= m["eval/accuracy"] <= 1 and 1 <= m["eval/turns_mean"] <= 2, m
+
+
+def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
+  """The bundled agent against a policy scripted (memorized) on its demonstrations: a tool call, the tool's result,
+  the boxed product, one merged sequence whose loss covers only the policy's tokens; a policy that answers in its
+  head, wrongly, scores 0 in one turn. `EpisodeEvaluator` reports the same episodes as success and turns."""
+  from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl.evaluation import EpisodeEvaluator  # pylint: disable=g-import-not-at-top
+
+  problems = [{"uid": f"c{i}", "question": f"what is {a}*{b}?", "reference": str(a * b), "kind": "math",
+               "solution": "", "prompt": ""} for i, (a, b) in enumerate([(37, 48), (25, 16), (91, 13)])]
+  with_tool, in_head = Calculator(demo_tool_share=1.0), Calculator(demo_tool_share=0.0)
+  demos = [with_tool.demonstration(p) for p in problems[:2]]
+  demos.append(in_head.demonstration({**problems[2], "reference": "7"}))  # a wrong answer, without the tool
+  pairs = agents.demonstration_pairs(demos, TOK)
+  assert [len(a) for _, a in pairs] == [68, 13, 68, 12, 10]  # tool call + eos, "\boxed{1776}" + eos, ...
+  model = memorize(tiny_model(dataclasses.replace(TINY, hidden_size=64, intermediate_size=128), seed=2), pairs)
+  cfg = SamplerConfig(num_slots=8, page_size=16, num_pages=128, max_seq_len=224, max_new_tokens=80,
+                      vocab_limit=TOK.vocab_size)
+  rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, mesh=make_mesh(
+      jax.devices()[:1], {"data": 1, "tensor": 1}), params=nnx.state(model, nnx.Param), version=0,
+                         eos_ids=[TOK.eos_id], detokenize=TOK.decode)
+  run = agents.EpisodeRunner(agent=Calculator().run, config=agents.AgentConfig(max_turns=4, timeout_s=120),
+                             rollout=rollout, tokenizer=TOK, sampling=SamplingParams(temperature=0.0, seed=0),
+                             limits={"max_seq_len": 224, "vocab_size": 64}, version=lambda: 0)
+  try:
+    solved, wrong = [run.submit(p, group_id=1, index=i, min_version=0).result(timeout=300)
+                     for i, p in zip((0, 2), (problems[0], problems[2]))]
+    evaluation = EpisodeEvaluator(runner=run, problems=problems, num_samples=2)(version=0)
+  finally:
+    run.stop()
+    rollout.stop()
+  assert (solved.failure, solved.turns, solved.reward) == (None, 2, 1.0)
+  [t] = solved.trajectories
+  np.testing.assert_array_equal(t.prompt_ids, pairs[0][0])
+  np.testing.assert_array_equal(t.response_ids[t.loss_mask == 1], np.concatenate([pairs[0][1], pairs[1][1]]))
+  assert TOK.decode(t.response_ids[t.loss_mask == 0]) == "\nresult: 1776\nA: " and t.reward == 1.0
+  assert (wrong.failure, wrong.turns, wrong.reward) == (None, 1, 0.0)
+  np.testing.assert_array_equal(evaluation.correct, [[1, 1], [1, 1], [0, 0]])
+  assert evaluation.accuracy == pytest.approx(2 / 3) and evaluation.turns == pytest.approx(5 / 3)
+  assert evaluation.metrics()["eval/turns_mean"] == pytest.approx(5 / 3)
+
+
+def test_the_calculator_tool_evaluates_integer_expressions_only():
+  from areal_jax.agents.calculator import calc  # pylint: disable=g-import-not-at-top
+
+  assert [calc("37*48"), calc("2*(3-10)"), calc("-4")] == ["1776", "-14", "-4"]
+  for bad in ("2**100", "__import__('os')", "1/2", "1.5*2", "9" * 70, None, 12, ""):
+    assert calc(bad) == "error"

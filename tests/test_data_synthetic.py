@@ -95,3 +95,18 @@ def test_mix_long_tail_and_bad_mix():
   for bad in ("1:9,4", "5:1", "1:0", "1:1,1:2", "a:1", ""):
     with pytest.raises(DataError, match="data.synthetic_mix"):
       synthetic.parse_mix(bad)
+
+
+def test_products_are_two_digit_factors_held_out_and_short():
+  tok = CharTokenizer()
+  held = synthetic.generate(64, difficulty=1, seed=0, split="eval", distinct=True, task="products")
+  train = synthetic.generate(3000, difficulty=1, seed=0, task="products", exclude=frozenset(p.question for p in held))
+  assert train[:10] == synthetic.generate(10, difficulty=4, seed=0, task="products",
+                                          exclude=frozenset(p.question for p in held))  # difficulty plays no part
+  assert not {p.question for p in held} & {p.question for p in train}
+  for p in held + train:
+    a, b = map(int, re.fullmatch(r"what is (\d+)\*(\d+)\?", p.question).groups())
+    assert 10 <= a < 100 and 10 <= b < 100 and int(p.reference) == a * b
+    assert p.solution == f"\\boxed{{{a * b}}}" and len(tok.encode(f"Q: {p.question}\nA: ")) <= 48
+  with pytest.raises(DataError, match="synthetic_task='sums'"):
+    synthetic.generate(1, difficulty=1, seed=0, task="sums")

@@ -109,3 +109,28 @@ def test_bad_tokenizer_spec(tmp_path):
     load_tokenizer(str(tmp_path))
   with pytest.raises(ValueError, match="model.tokenizer"):
     load_tokenizer("gpt2")
+
+
+def test_char_chat_template_renders_tools_and_reads_its_tool_calls_back():
+  """The char vocabulary's chat format: turns end in <eos> (encoded as the eos id, as HF encodes special tokens in
+  text); a Hermes tool call the model writes is parsed by the server and rendered back token for token."""
+  from areal_jax.agents.calculator import TOOLS  # pylint: disable=g-import-not-at-top
+  from areal_jax.serve import tool_calls  # pylint: disable=g-import-not-at-top
+
+  tok = CharTokenizer()
+  assert tok.vocab_size <= 64 and tool_calls.tool_format(tok) == "hermes"  # the tiny model's 64 embedding rows
+  question = [{"role": "user", "content": "what is 37*48?"}]
+  prompt = tok.apply_chat_template(question, tools=TOOLS)
+  assert prompt == "tools: calc(expr)\nQ: what is 37*48?\nA: "
+  drawn = '<tool_call>{"arguments":{"expr":"37*48"},"name":"calc"}</tool_call>'
+  content, calls = tool_calls.parse(drawn)
+  assert content is None and calls[0]["function"] == {"name": "calc", "arguments": '{"expr": "37*48"}'}
+  history = question + [tool_calls.for_template({"role": "assistant", "content": None, "tool_calls": calls}),
+                        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "1776"}]
+  again = tok.apply_chat_template(history, tools=TOOLS)
+  assert again == prompt + drawn + "<eos>\nresult: 1776\nA: "
+  ids = tok.encode(again)
+  assert ids[:len(tok.encode(prompt + drawn)) + 1] == tok.encode(prompt + drawn) + [tok.eos_id]
+  assert tok.decode(ids) == again.replace("<eos>", "")
+  turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+  assert tok.apply_chat_template(turns) == "Q: a\nA: b<eos>\nQ: c\nA: "

@@ -5,7 +5,9 @@
 `data` is the problem (`uid`, `question`, `reference`, `kind`, `solution`, and `prompt`, the run's rendering of it).
 The agent calls `client.chat.completions.create(...)` (or `completions`) as often as it likes, with tools, and
 returns the episode's reward: a number, or a dict of numbers by response id (`episodes.assign_rewards`). The same
-function runs against `tools/serve.py` or any OpenAI endpoint for evaluation.
+function runs against `tools/serve.py` or any OpenAI endpoint for evaluation. An agent object may also offer
+`demonstration(data)`: a chat transcript (`{"messages": [...], "tools": [...]}`) the supervised warm-start trains on
+(`demonstrations.py`; `calculator.py` is the bundled example).
 
 Configured by import path (`--config.agent.path=my_agents:MathAgent`), with `agent.max_turns` (completions per
 episode), `agent.timeout_s` (per episode) and `agent.turn_discount`.
@@ -65,3 +67,8 @@ def load(path: str) -> AgentFn:
     raise ValueError(f"agent.path={path!r}: {obj!r} is neither an async function nor has an async `run(data, "
                      f"client)` method")
   return fn
+
+
+def demonstrator(agent: AgentFn) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+  """The `demonstration(data)` method of the object whose `run` `agent` is, if it has one."""
+  return getattr(getattr(agent, "__self__", None), "demonstration", None)

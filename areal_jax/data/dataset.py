@@ -102,12 +102,13 @@ def load_problems(data, *, split: str) -> tuple[list[Problem], dict[str, int]]:
   stats = {"bad_rows": 0}
   if data.source == "synthetic":
     difficulty = synthetic.parse_mix(data.synthetic_mix) if data.synthetic_mix else data.synthetic_difficulty
+    task = data.get("synthetic_task", "arithmetic")  # (absent from configs saved before it existed)
     held = synthetic.generate(data.eval_size, difficulty=difficulty, seed=data.shuffle_seed, split="eval",
-                              distinct=True)
+                              distinct=True, task=task)
     if split == "eval":
       return held, stats
-    return synthetic.generate(data.synthetic_size, difficulty=difficulty, seed=data.shuffle_seed,
-                              split="train", exclude=frozenset(p.question for p in held)), stats
+    return synthetic.generate(data.synthetic_size, difficulty=difficulty, seed=data.shuffle_seed, split="train",
+                              exclude=frozenset(p.question for p in held), task=task), stats
   if data.source == "jsonl":
     if split == "eval" and data.eval_path:
       problems, stats["bad_rows"] = sources.read_jsonl(data.eval_path, skip_bad_rows=data.skip_bad_rows,

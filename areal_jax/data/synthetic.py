@@ -20,6 +20,9 @@ The answer is `\boxed{}`ed like real math data, and the reference is checked by 
 
 A mix of difficulties (`data.synthetic_mix="1:9,4:1"`: difficulty:weight pairs) gives the long-tail answer lengths
 of chain-of-thought workloads (most answers short, a few ~3x the mean), e.g. for `tools/bench_async.py`.
+
+`task="products"` draws products of two two-digit numbers instead (`what is 37*48?` -> `\\boxed{1776}`): too hard
+for the tiny model to work out in its head, what the bundled calculator agent (`agents/calculator.py`) learns on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from areal_jax.data.records import DataError, Problem
 # difficulty -> (operators, +/- operand bound); factors of `*` are drawn from [2, 10)
 LEVELS = {1: ("+", 50), 2: ("+-", 50), 3: ("+-*", 30), 4: ("+-*", 30)}
 _SPLITS = {"train": 0, "eval": 1}
+TASKS = ("arithmetic", "products")
+_PRODUCTS_STREAM = 100  # the products' rng stream (arithmetic uses its difficulty, the mixes 0)
 
 
 def column_sum(a: int, b: int) -> str:
@@ -72,6 +77,12 @@ def make_problem(rng: np.random.Generator, difficulty: int) -> tuple[str, str, i
   return expr, "\n".join(steps), acc
 
 
+def make_product(rng: np.random.Generator) -> tuple[str, str, int]:
+  """(expression, one-line solution, answer) for a product of two numbers in [10, 100)."""
+  a, b = (int(x) for x in rng.integers(10, 100, size=2))
+  return f"{a}*{b}", f"\\boxed{{{a * b}}}", a * b
+
+
 def parse_mix(text: str) -> dict[int, float]:
   """"1:9,4:1" -> {1: 0.9, 4: 0.1} (weights normalised); raises DataError naming `data.synthetic_mix`."""
   mix = {}
@@ -90,15 +101,21 @@ def parse_mix(text: str) -> dict[int, float]:
 
 
 def generate(n: int, *, difficulty: int | Mapping[int, float], seed: int, split: str = "train",
-             distinct: bool = False, exclude: frozenset[str] = frozenset()) -> list[Problem]:
+             distinct: bool = False, exclude: frozenset[str] = frozenset(), task: str = "arithmetic") -> list[Problem]:
   """`n` problems from the (seed, difficulty, split) stream; `exclude` questions are never produced (held-out sets),
-  and with `distinct` no question repeats. `difficulty` may be a {difficulty: probability} mix (see `parse_mix`)."""
+  and with `distinct` no question repeats. `difficulty` may be a {difficulty: probability} mix (see `parse_mix`);
+  `task="products"` ignores it."""
+  if task not in TASKS:
+    raise DataError(f"data.synthetic_task={task!r}: choose one of {TASKS}")
+  if split not in _SPLITS:
+    raise DataError(f"synthetic split {split!r}: choose one of {sorted(_SPLITS)}")
+  if task == "products":
+    rng = np.random.default_rng([seed, _PRODUCTS_STREAM, _SPLITS[split]])
+    return _draw(n, lambda: make_product(rng), "products", split, distinct, exclude)
   mixed = isinstance(difficulty, Mapping)
   levels = sorted(difficulty) if mixed else [difficulty]
   if any(d not in LEVELS for d in levels):
     raise DataError(f"data.synthetic_difficulty={difficulty}: choose one of {sorted(LEVELS)}")
-  if split not in _SPLITS:
-    raise DataError(f"synthetic split {split!r}: choose one of {sorted(_SPLITS)}")
   if mixed:
     rng = np.random.default_rng([seed, 0, _SPLITS[split]])  # difficulty 0: the mixes' stream
     weights = np.array([difficulty[d] for d in levels])
@@ -108,9 +125,13 @@ def generate(n: int, *, difficulty: int | Mapping[int, float], seed: int, split:
     rng = np.random.default_rng([seed, difficulty, _SPLITS[split]])
     draw = lambda: difficulty
     name = str(difficulty)
+  return _draw(n, lambda: make_problem(rng, draw()), name, split, distinct, exclude)
+
+
+def _draw(n: int, make, name: str, split: str, distinct: bool, exclude: frozenset[str]) -> list[Problem]:
   problems, seen, misses = [], set(exclude), 0
   while len(problems) < n:
-    expr, solution, answer = make_problem(rng, draw())
+    expr, solution, answer = make()
     question = f"what is {expr}?"
     if question in seen:
       misses += 1

@@ -39,10 +39,12 @@ class EvalResult:
   mean_length: float  # generated tokens per answer
   seconds: float
   lengths: np.ndarray | None = None  # [questions, samples] generated tokens per answer (EOS included)
+  turns: float | None = None  # an agent's completions per episode
 
   def metrics(self, prefix: str = "eval") -> dict[str, float]:
-    return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_length": self.mean_length,
-            f"{prefix}/seconds": self.seconds}
+    out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_length": self.mean_length,
+           f"{prefix}/seconds": self.seconds}
+    return out if self.turns is None else out | {f"{prefix}/turns_mean": self.turns}
 
 
 class Evaluator:
@@ -89,3 +91,25 @@ class Evaluator:
       lengths[i, j] = len(answers[(i, j)])
     return EvalResult(accuracy=float(correct.mean()), correct=correct, mean_length=float(lengths.mean()),
                       seconds=time.perf_counter() - start, lengths=lengths)
+
+
+class EpisodeEvaluator:
+  """An agent's held-out success rate: its episodes on `problems` (what the agent is handed), run through the
+  training sampler (the run's sampling settings) at the learner's current version, and not trained on. Called
+  between learner steps, as `Evaluator` is: the version cannot move while it runs. `accuracy` is the mean episode
+  reward over `num_samples` episodes per problem; `mean_length` counts generated tokens per episode."""
+
+  def __init__(self, *, runner, problems: Sequence[dict], num_samples: int = 1):
+    self.runner, self.problems, self.num_samples = runner, list(problems), num_samples
+
+  def __call__(self, params=None, *, version: int = 0) -> EvalResult:
+    start = time.perf_counter()
+    futures = [[self.runner.submit(p, group_id=-1 - i, index=j, min_version=version)
+                for j in range(self.num_samples)] for i, p in enumerate(self.problems)]
+    faults.reach("evaluation")
+    results = [[f.result() for f in row] for row in futures]
+    correct = np.array([[e.reward for e in row] for row in results], np.float64)
+    lengths = np.array([[sum(len(c.tokens) for c in e.completions) for e in row] for row in results], np.int32)
+    return EvalResult(accuracy=float(correct.mean()), correct=correct, mean_length=float(lengths.mean()),
+                      seconds=time.perf_counter() - start, lengths=lengths,
+                      turns=float(np.mean([[e.turns for e in row] for row in results])))

@@ -54,8 +54,8 @@ from areal_jax.reward.service import RewardService, score_all
 from areal_jax.rl import warmstart
 from areal_jax.rl.batches import save_batch
 from areal_jax.rl.checkpoint import Checkpointer
-from areal_jax.rl.controller import RolloutController
-from areal_jax.rl.evaluation import Evaluator
+from areal_jax.rl.controller import RolloutController, problem
+from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator
 from areal_jax.rl.metrics import MetricsWriter, append_lines, cut_logs
 from areal_jax.rl.rollout import LocalRollout, Rollout
 from areal_jax.rl.rollout_buffer import RolloutBuffer
@@ -89,9 +89,15 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
   if (cache / "model_config.json").exists():
     logging.info("warm-start: loading cached %s", cache)
     return _place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
-  pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
+  demonstration = agents.demonstrator(agents.load(config.agent.path)) if config.agent.path else None
+  if demonstration is not None:  # the agent's transcripts, one example per assistant turn
+    pairs = agents.demonstration_pairs([demonstration(problem(r)) for r in train.records], tokenizer,
+                                       max_response_len=config.sampler.max_new_tokens)
+  else:
+    pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
   w = config.warmstart
-  logging.info("warm-start: up to %d steps on %d worked solutions", w.steps, len(pairs))
+  logging.info("warm-start: up to %d steps on %d %s", w.steps, len(pairs),
+               "demonstrated turns" if demonstration else "worked solutions")
   params, loss, taken = warmstart.sft(learner.fns, learner.params, pairs, steps=w.steps, batch_size=w.batch_size,
                                       lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
                                       target_loss=w.target_loss)
@@ -101,10 +107,11 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
 
 
 class _QuietLibraries(logging.Filter):
-  """Keeps Orbax's per-save INFO chatter out of the run's log (warnings and errors still show)."""
+  """Keeps Orbax's per-save and the HTTP client's per-request (agents' episodes) INFO chatter out of the run's log
+  (warnings and errors still show)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+    return record.levelno >= logging.WARNING or not any(f"/{lib}/" in record.pathname for lib in ("orbax", "httpx2"))
 
 
 
@@ -235,7 +242,9 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
                          max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
   controller = _controller(config, st, rollout, rewards, buffer)
-  evaluator = _evaluator(config, st, sampler_cfg, learner_local, rewards)
+  evaluator = (EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
+                                num_samples=config.eval.num_samples) if controller.episodes is not None
+               else _evaluator(config, st, sampler_cfg, learner_local, rewards))
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
 

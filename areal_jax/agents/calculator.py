@@ -1,0 +1,100 @@
+r"""The bundled agent task: products of two-digit numbers, which the tiny model cannot work out in its head, with a
+calculator tool it can call (`configs/agent.py`).
+
+    python launch/tpu_run.py --config=configs/agent.py --workdir=/tmp/areal_agent
+
+An episode is a chat with the `calc` tool offered. While the model calls the tool (Hermes `<tool_call>` blocks, at
+most `max_calls` rounds), each result goes back as a `tool` message and the model is asked again; the reward is 1
+when its last answer is `\boxed{N}` with N the product. A solved episode is two completions:
+
+    tools: calc(expr)
+    Q: what is 37*48?
+    A: <tool_call>{"arguments":{"expr":"37*48"},"name":"calc"}</tool_call><eos>
+    result: 1776
+    A: \boxed{1776}<eos>
+
+`demonstration(data)` is the supervised warm-start's example for a problem, in OpenAI's chat fine-tuning format
+(`{"messages": [...], "tools": [...]}`). With `demo_tool_share` < 1, that share of them use the tool and the rest
+answer in one turn without it (a habit RL would have to unlearn). Measured on the tiny model (configs/agent.py): with
+half of them answering in one turn, 1000 warm-start steps did not teach it to copy the operands into the call or the
+result into the answer (both answers share the `\boxed{` context); all with the tool, 800 steps did not either.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+import zlib
+from typing import Any
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calc", "description": "Evaluates an integer expression with + - * and parentheses.",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}]
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_MAX_EXPR = 64  # characters the tool evaluates
+_BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
+
+
+def calc(expr: Any) -> str:
+  """The tool: `expr` evaluated over integers with + - * and parentheses; "error" for anything else."""
+
+  def ev(node):
+    if isinstance(node, ast.Constant) and type(node.value) is int:  # pylint: disable=unidiomatic-typecheck
+      return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+      return _OPS[type(node.op)](ev(node.left), ev(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+      return -ev(node.operand)
+    raise ValueError(node)
+
+  if not isinstance(expr, str) or len(expr) > _MAX_EXPR:
+    return "error"
+  try:
+    return str(ev(ast.parse(expr, mode="eval").body))
+  except (SyntaxError, ValueError):
+    return "error"
+
+
+def _expression(question: str) -> str:
+  return question.removeprefix("what is ").removesuffix("?")
+
+
+class Calculator:
+  """The agent (see the module docstring); `run(data, client)` returns 1.0 for a right final answer, else 0.0."""
+
+  def __init__(self, *, max_calls: int = 1, max_tokens: int = 80, demo_tool_share: float = 1.0):
+    self.max_calls, self.max_tokens, self.demo_tool_share = max_calls, max_tokens, demo_tool_share
+
+  async def run(self, data: dict[str, Any], client) -> float:
+    messages = [{"role": "user", "content": data["question"]}]
+    for call_round in range(self.max_calls + 1):
+      reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                   max_tokens=self.max_tokens)
+      message = reply.choices[0].message
+      if not message.tool_calls or call_round == self.max_calls:
+        break
+      messages.append(message.model_dump(exclude_none=True))
+      for call in message.tool_calls:
+        try:
+          expr = json.loads(call.function.arguments).get("expr")
+        except (json.JSONDecodeError, AttributeError):
+          expr = None
+        result = calc(expr) if call.function.name == "calc" else "error"
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    found = None if message.tool_calls else _BOXED.search(message.content or "")
+    return float(found is not None and found.group(1) == data["reference"])
+
+  def demonstration(self, data: dict[str, Any]) -> dict[str, Any]:
+    """The warm-start example for `data`: with the tool for a `demo_tool_share` of problems (by a hash of the uid),
+    else a one-turn answer."""
+    expr = _expression(data["question"])
+    answer = {"role": "assistant", "content": f"\\boxed{{{data['reference']}}}"}
+    messages = [{"role": "user", "content": data["question"]}]
+    if zlib.crc32(data["uid"].encode()) % 1000 < self.demo_tool_share * 1000:
+      call = {"id": "call_0", "type": "function",
+              "function": {"name": "calc", "arguments": json.dumps({"expr": expr})}}
+      messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_0", "content": calc(expr)}]
+    return {"messages": messages + [answer], "tools": TOOLS}

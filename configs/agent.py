@@ -1,0 +1,51 @@
+r"""The bundled agent task: a calculator agent (`areal_jax/agents/calculator.py`) calls its tool for two-digit
+products that the tiny model cannot work out in its head. The tiny preset of `configs/math.py`, with:
+
+* episodes of the agent (`agent.path`) in place of single-turn answers: the question with the `calc` tool offered,
+  the model's tool call, the tool's result, the model's final `\boxed{}` answer; reward 1 when it is the product;
+* a warm-start on the agent's demonstrations (one example per assistant turn), stopping at `warmstart.target_loss`;
+* held-out success (eval/accuracy, and eval/turns_mean) measured by running the agent's episodes at each evaluated
+  version.
+
+    python launch/tpu_run.py --config=configs/agent.py --workdir=/tmp/areal_agent
+
+Status: the pieces run end to end (tests/test_agents.py), but the tiny character model does not learn this task yet.
+In 800-1200 warm-start steps (10-15 minutes on a 2-core CPU) it learned the format and never learned to copy the
+operands into the call, so every episode scores 0 and the run stops with `Stalled` after `rollout.stall_timeout_s`.
+A model that copies (any pretrained one; `model.init_from`) does not have this problem.
+
+Any field can be overridden, as in configs/math.py: `--config.agent.turn_discount=0.9`.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _math_config() -> ml_collections.ConfigDict:
+  spec = importlib.util.spec_from_file_location("_math_config", os.path.join(os.path.dirname(__file__), "math.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("tiny")
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  if preset:
+    raise ValueError(f"configs/agent.py has no presets (got {preset!r})")
+  c = _math_config()
+  c.preset = "agent"
+  c.total_steps = 60
+  c.agent.path = "areal_jax.agents.calculator:Calculator"
+  c.agent.max_turns = 4
+  c.agent.timeout_s = 300.0
+  c.data.synthetic_task = "products"
+  # A solved episode: a 39-token prompt, a 68-token tool call, the result, a 13-token answer (137 tokens in all).
+  c.sampler.max_seq_len = 224
+  c.sampler.max_new_tokens = 80
+  c.warmstart.steps = 1200
+  c.warmstart.target_loss = 0.015  # ~0.1 nats per copied digit
+  c.eval.every_steps = 10
+  c.eval.num_samples = 2
+  c.checkpoint.every_steps = 10
+  return c
