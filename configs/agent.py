@@ -10,9 +10,10 @@ products that the tiny model cannot work out in its head. The tiny preset of `co
     python launch/tpu_run.py --config=configs/agent.py --workdir=/tmp/areal_agent
 
 Status: the pieces run end to end (tests/test_agents.py), but the tiny character model does not learn this task yet.
-In 800-1200 warm-start steps (10-15 minutes on a 2-core CPU) it learned the format and never learned to copy the
-operands into the call, so every episode scores 0 and the run stops with `Stalled` after `rollout.stall_timeout_s`.
-A model that copies (any pretrained one; `model.init_from`) does not have this problem.
+In 700-1200 warm-start steps (10-15 minutes on a 2-core CPU) it learned the format and never learned to copy the
+operands into the call, so every episode scores 0 and the run stops with `Stalled` after `rollout.stall_timeout_s`
+(README "Agents" has what was measured). A model that copies (any pretrained one; `model.init_from`) does not have
+this problem.
 
 Any field can be overridden, as in configs/math.py: `--config.agent.turn_discount=0.9`.
 """
