@@ -252,6 +252,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.warmstart.lr = 2e-3  # peak of a cosine schedule over `steps`
   c.warmstart.batch_size = 16
   c.warmstart.target_loss = 0.05  # stop once the mean loss of 10 steps is <= this (0 = run every step)
+  # True: one update per batch (gradients of its packed pieces added); False: one per piece, the cosine counting
+  # pieces (how the tiny figures above were measured). configs/agent.py needs True.
+  c.warmstart.accumulate = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 15 if tiny else 50

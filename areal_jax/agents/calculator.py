@@ -15,9 +15,9 @@ when its last answer is `\boxed{N}` with N the product. A solved episode is two 
 
 `demonstration(data)` is the supervised warm-start's example for a problem, in OpenAI's chat fine-tuning format
 (`{"messages": [...], "tools": [...]}`). With `demo_tool_share` < 1, that share of them use the tool and the rest
-answer in one turn without it (a habit RL would have to unlearn). Measured on the tiny model (configs/agent.py): with
-half of them answering in one turn, 1000 warm-start steps did not teach it to copy the operands into the call or the
-result into the answer (both answers share the `\boxed{` context); all with the tool, 800 steps did not either.
+answer in one turn without it (a habit RL would have to unlearn). On the tiny model (configs/agent.py) half of them
+answering in one turn kept the warm-start from learning to copy the operands into the call in 1000 steps (both kinds
+of answer share the `\boxed{` context); all with the tool, it learned in 700 (README "Agents").
 """
 
 from __future__ import annotations

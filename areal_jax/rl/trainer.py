@@ -100,7 +100,7 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
                "demonstrated turns" if demonstration else "worked solutions")
   params, loss, taken = warmstart.sft(learner.fns, learner.params, pairs, steps=w.steps, batch_size=w.batch_size,
                                       lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
-                                      target_loss=w.target_loss)
+                                      target_loss=w.target_loss, accumulate=w.get("accumulate", False))
   orbax_io.save_orbax(nnx.merge(learner.fns.graphdef, params), str(cache))
   logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
   return params
