@@ -14,10 +14,10 @@ products that the tiny model cannot work out in its head. The tiny preset of `co
 Measured once (seed 0, empty workdir, no compile cache, 2-core CPU; minutes since the process started, the 700-step
 warm-start taking 8.2 of them):
 
-    step              0      10     20     30
-    eval success    0.051  0.133  0.188  0.332
-    turns           1.93   1.91   1.88   1.91
-    min              8.7   12.1   14.6   17.0
+    step              0      10     20     30     40
+    eval success    0.051  0.133  0.188  0.332  0.379
+    turns           1.93   1.91   1.88   1.91   1.96
+    min              8.7   12.1   14.6   17.0   19.5
 
 The warm-start ends just as the model learns to copy the operands into the call (loss 0.041 at step 700): nearly
 every episode calls the tool, and RL makes the copies reliable at the sampling temperature. Not yet measured: more
