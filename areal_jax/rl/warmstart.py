@@ -51,11 +51,13 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
   opt_state = jax.jit(optimizer.init)(params)
   graphdef = fns.graphdef
 
-  def loss_fn(p, batch):
+  def loss_sum(p, batch):
     model = nnx.merge(graphdef, p)
     (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature=1.0)
-    mask = batch["loss_mask"]
-    return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return -(lp * batch["loss_mask"]).sum()
+
+  def loss_fn(p, batch):
+    return loss_sum(p, batch) / jnp.maximum(batch["loss_mask"].sum(), 1.0)
 
   def step(p, o, batch):
     loss, grads = jax.value_and_grad(loss_fn)(p, batch)
@@ -63,11 +65,6 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
     return optax.apply_updates(p, updates), o, loss
 
   step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None, None))
-
-  def loss_sum(p, batch):
-    model = nnx.merge(graphdef, p)
-    (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature=1.0)
-    return -(lp * batch["loss_mask"]).sum()
 
   def apply(p, o, grads, tokens):
     updates, o = optimizer.update(jax.tree.map(lambda g: g / tokens, grads), o, p)
