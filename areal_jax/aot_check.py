@@ -8,7 +8,7 @@ compiled for. Parameters, optimizer state, KV pool and batches are abstract shap
     print(format_table(reports)); assert all(r.fits for r in reports)
 
 Programs (per device, from XLA's memory analysis of the partitioned program; FLOPs are the model's, as MFU counts
-them, since XLA's cost analysis counts the body of the scan over layers once):
+them, for the packing stated in the note):
 
 * learner `logprobs` (the proximal pass), `accumulate` (forward + backward of one packed micro-batch of
   `max_tokens_per_mb` tokens per row), `apply` (the optimizer update); mesh fsdp × tensor.
@@ -21,10 +21,16 @@ HBM during the program without being its arguments: the optimizer state (and ref
 while the learner runs `logprobs` / `accumulate`, the KV pool during `prefill`, the parameters during `insert`. Not
 counted: the step's packed batch arrays (about 28 bytes per token of a micro-batch row, all micro-batches of a step on
 device at once) and a second parameter copy while the sampler receives new weights.
+
+Waste: for the learner's `logprobs` and `accumulate`, `flop_ratio` is the FLOPs the program executes over the model's,
+for rows packed with sequences of `flop_seq_len` tokens (`learner_flops`). A ratio well above 1 means masked-out or
+repeated work: attention over pairs no segment holds, or rematerialisation (full remat recomputes the forward pass
+in the backward: 4/3 of the matmuls).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -33,10 +39,12 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.step import build_step
+from areal_jax.learner.step import batch_rows, build_step
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.packed_attention import splash_block, splash_blocks_computed
 from areal_jax.sampler.aot import abstract_decode_state, abstract_params, lower_sampler
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sharding import make_mesh
@@ -62,6 +70,7 @@ class ProgramReport:
   resident_bytes: int = 0
   hbm_bytes: int
   flops: float = 0.0  # model FLOPs per device (0: not a model pass); see `_model_flops`
+  flop_ratio: float = 0.0  # executed FLOPs over `flops` (0: not measured); see `learner_flops`
   compile_s: float = 0.0
   kernels: tuple[str, ...] = ()  # Pallas (Mosaic) kernels in the compiled program, by name
   note: str = ""
@@ -110,9 +119,8 @@ def device_bytes(tree) -> int:
 
 
 def _model_flops(model_cfg: ModelConfig, tokens: int, seq_len: int, devices: int) -> float:
-  """Per-device FLOPs of a forward pass over `tokens` tokens (sequences up to `seq_len` long) split over `devices`
-  (`ModelConfig.flops_per_token`, the MFU count; training is 3 passes). XLA's cost analysis is no substitute: it
-  counts a loop body once, and the layers run under `lax.scan`."""
+  """Per-device FLOPs of a forward pass over `tokens` tokens (sequences of `seq_len`) split over `devices`
+  (`ModelConfig.flops_per_token`, the MFU count; training is 3 passes)."""
   return tokens * model_cfg.flops_per_token(seq_len) / devices
 
 
@@ -121,6 +129,76 @@ def pallas_kernels(compiled) -> tuple[str, ...]:
   names = re.findall(r"^\s*(?:ROOT )?%([\w.-]+?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
                      compiled.as_text(), re.M)
   return tuple(dict.fromkeys(names))
+
+
+def kernel_calls(compiled) -> dict[str, int]:
+  """How many Pallas TPU kernel calls of each name a compiled program's text holds (a call inside a loop once)."""
+  names = re.findall(r"^\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)* = .*custom_call_target=\"tpu_custom_call\"",
+                     compiled.as_text(), re.M)
+  return collections.Counter(names)
+
+
+# Matmuls per (query block, key block) pair in each of JAX's splash kernels: forward q.k and p.v; dq recomputes q.k,
+# then do.v and ds.k; dkv recomputes q.k, then do.v, p.do and ds.q.
+_SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def _splash_flops(calls: dict[str, float], model_cfg: ModelConfig, mesh, rows: int, length: int,
+                  seq_len: int) -> float:
+  """Per-device FLOPs of the splash kernel calls `calls` (by name) for `rows` rows of `length` tokens packed with
+  sequences of `seq_len` tokens: the block pairs the kernel's own tables visit, times the matmuls per pair."""
+  tp = -(-length // 128) * 128
+  block = splash_block(tp)
+  row = np.zeros(tp, np.int32)
+  row[:length] = 1 + np.arange(length) // seq_len
+  pairs = splash_blocks_computed(row[None], block)
+  tensor = mesh.shape["tensor"]
+  heads = model_cfg.num_heads // tensor if model_cfg.num_kv_heads % tensor == 0 else model_cfg.num_heads
+  local_rows = rows // (math.prod(mesh.shape.values()) // tensor)
+  per_matmul = 2 * block * block * model_cfg.head_dim * heads * local_rows * pairs
+  total = 0.0
+  for name, n in calls.items():
+    kind = next((k for k in ("dkv", "dq", "fwd") if f"_{k}_" in name), None)
+    if name.startswith("splash") and kind:
+      total += n * _SPLASH_MATMULS[kind] * per_matmul
+  return total
+
+
+def learner_flops(model_cfg: ModelConfig, cfg: LearnerConfig, mesh, *, temperature: float,
+                  seq_len: int) -> dict[str, float]:
+  """Per-device FLOPs that `logprobs` and `accumulate` execute on rows of `cfg.max_tokens_per_mb` tokens packed with
+  sequences of `seq_len` tokens: XLA's cost analysis plus the Pallas kernels' work, which XLA does not see.
+
+  XLA counts a loop body once, so the programs are compiled again with the layers unrolled (1 and 2 of them) and with
+  the vocabulary chunk halved: executed = A + layers * B + (the chunks' total width) * C, fitted from those three
+  compiles, plus the splash kernels' calls (per layer, from the same fit) times the block pairs their tables visit.
+  """
+  length = cfg.max_tokens_per_mb
+  chunk = min(cfg.vocab_chunk or model_cfg.vocab_size, model_cfg.vocab_size)
+  half = max(chunk // 2, 1)
+
+  def measure(layers: int, vocab_chunk: int) -> dict[str, tuple[float, dict[str, int]]]:
+    small = dataclasses.replace(model_cfg, num_layers=layers, scan_layers=False)
+    fns = build_step(small, dataclasses.replace(cfg, vocab_chunk=vocab_chunk), mesh, temperature=temperature)
+    lowered = fns.lower(length)
+    out = {}
+    for name in ("logprobs", "accumulate"):
+      compiled = lowered[name].compile()
+      out[name] = (compiled.cost_analysis()["flops"], kernel_calls(compiled))
+    return out
+
+  one, two, halved = measure(1, chunk), measure(2, chunk), measure(1, half)
+  layers = model_cfg.num_layers
+  width = -(-model_cfg.vocab_size // chunk) * chunk  # all chunks, padding included
+  rows = batch_rows(mesh)
+  result = {}
+  for name in ("logprobs", "accumulate"):
+    (f1, k1), (f2, k2), (fh, _) = one[name], two[name], halved[name]
+    per_layer, per_entry = f2 - f1, (f1 - fh) / (chunk - half) if chunk > half else 0.0
+    xla = f1 + (layers - 1) * per_layer + (width - chunk) * per_entry
+    calls = {k: k1.get(k, 0) + (layers - 1) * (k2.get(k, 0) - k1.get(k, 0)) for k in set(k1) | set(k2)}
+    result[name] = xla + _splash_flops(calls, model_cfg, mesh, rows, length, seq_len)
+  return result
 
 
 def _compile(lowered, **fields) -> ProgramReport:
@@ -140,8 +218,11 @@ def _compile(lowered, **fields) -> ProgramReport:
                        kernels=pallas_kernels(compiled), **fields)
 
 
-def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
-  """`logprobs`, `accumulate`, `apply` of the config's learner on `topology` (mesh fsdp × mesh.learner_tensor)."""
+def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0,
+                  flop_seq_len: int | None = 4096) -> list[ProgramReport]:
+  """`logprobs`, `accumulate`, `apply` of the config's learner on `topology` (mesh fsdp × mesh.learner_tensor).
+  Model FLOPs are for rows packed with sequences of `flop_seq_len` tokens (at most the row and `max_seq_len`), and
+  the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
   cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
@@ -150,14 +231,17 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0
   resident = {"logprobs": device_bytes(opt) + ref, "accumulate": device_bytes(opt) + ref, "apply": ref}
-  note = f"{fns.rows} rows x {cfg.max_tokens_per_mb} tokens"
+  seq_len = min(flop_seq_len or config.sampler.max_seq_len, cfg.max_tokens_per_mb, config.sampler.max_seq_len)
+  note = f"{fns.rows} rows x {cfg.max_tokens_per_mb} tokens (FLOPs: sequences of {seq_len})"
   hbm = hbm_bytes(devices, hbm_gib)
-  forward = _model_flops(model_cfg, fns.rows * cfg.max_tokens_per_mb,
-                         min(cfg.max_tokens_per_mb, config.sampler.max_seq_len), len(devices))
+  forward = _model_flops(model_cfg, fns.rows * cfg.max_tokens_per_mb, seq_len, len(devices))
   flops = {"logprobs": forward, "accumulate": 3 * forward, "apply": 0.0}
+  executed = learner_flops(model_cfg, cfg, mesh, temperature=config.sampler.temperature,
+                           seq_len=seq_len) if flop_seq_len else {}
   lowered = fns.lower(cfg.max_tokens_per_mb)
   return [_compile(lowered[name], role="learner", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
+                   flop_ratio=executed[name] / flops[name] if name in executed else 0.0,
                    note=note if name != "apply" else "")
           for name in ("logprobs", "accumulate", "apply")]
 
@@ -185,12 +269,12 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
 
 
 def check(config: ml_collections.ConfigDict, *, sampler_topology: str | None, learner_topology: str | None,
-          hbm_gib: float = 0.0) -> list[ProgramReport]:
+          hbm_gib: float = 0.0, flop_seq_len: int | None = 4096) -> list[ProgramReport]:
   """Compiles the learner's programs for `learner_topology` and the sampler's for `sampler_topology` (either may be
-  None to skip that role); each role gets its own slice, as in a run."""
+  None to skip that role); each role gets its own slice, as in a run. `flop_seq_len`: see `check_learner`."""
   reports = []
   if learner_topology:
-    reports += check_learner(config, learner_topology, hbm_gib=hbm_gib)
+    reports += check_learner(config, learner_topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len)
   if sampler_topology:
     reports += check_sampler(config, sampler_topology, hbm_gib=hbm_gib)
   return reports
@@ -200,17 +284,18 @@ def format_table(reports: list[ProgramReport]) -> str:
   """A Markdown table: per-device GiB of each program against the HBM, model TFLOP per device, compile seconds."""
   gib = lambda b: f"{b / GIB:.2f}"
   head = ("role", "program", "topology", "mesh", "args", "out", "temp", "alias", "resident", "total", "HBM", "fits",
-          "TFLOP", "compile s", "Pallas kernels", "note")
+          "TFLOP", "FLOP ratio", "compile s", "Pallas kernels", "note")
   rows = [head, ("---",) * len(head)]
   for r in reports:
     mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items())
     if r.error:
-      rows.append((r.role, r.program, r.topology, mesh, *("-",) * 6, gib(r.hbm_bytes), "no", "-",
+      rows.append((r.role, r.program, r.topology, mesh, *("-",) * 6, gib(r.hbm_bytes), "no", "-", "-",
                    f"{r.compile_s:.1f}", "-", r.error))
       continue
     rows.append((r.role, r.program, r.topology, mesh, gib(r.argument_bytes), gib(r.output_bytes), gib(r.temp_bytes),
                  gib(r.alias_bytes), gib(r.resident_bytes), gib(r.total_bytes), gib(r.hbm_bytes),
-                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}" if r.flops else "-", f"{r.compile_s:.1f}",
+                 "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}" if r.flops else "-",
+                 f"{r.flop_ratio:.2f}" if r.flop_ratio else "-", f"{r.compile_s:.1f}",
                  ", ".join(r.kernels) or "-", r.note))
   return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 

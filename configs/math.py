@@ -74,10 +74,11 @@ def _model(preset: str) -> ml_collections.ConfigDict:
   # Decoder layers under lax.scan: one layer compiled, one layer's activations live under remat. The tiny preset runs
   # its 4 layers unrolled: on CPU its learner step measured ~9% faster so (the parameters are stacked either way).
   m.scan_layers = preset != "tiny"
-  # Packed training attention (models/packed_attention.py): auto = the Pallas splash kernel on TPU, else `flash`
-  # (pure JAX, skips the key blocks no segment reaches; `dense`, the quadratic reference, for rows of <= 2 blocks).
+  # Packed training attention (models/packed_attention.py), both kernels skipping the key blocks no segment reaches:
+  # auto = the Pallas splash kernel on TPU, else `flash` (pure JAX; `dense`, the quadratic reference, for rows of <= 2
+  # blocks).
   m.attention = "auto"  # auto | flash | splash | dense
-  m.attention_block = 0  # tokens per block of `flash`; 0 = 128 on CPU, 512 elsewhere (measured best on each)
+  m.attention_block = 0  # tokens per block; 0 = flash: 128 on CPU, 512 elsewhere (measured best); splash: 512
   if preset == "tiny":
     m.vocab_size = 64
     m.hidden_size = 256

@@ -44,8 +44,36 @@ def test_tiny_compiles_and_fits(reports):
   names = " ".join(by_name["accumulate"].kernels)
   assert all(k in names for k in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")), names
   assert "128 pages of 16" in by_name["decode"].note
+  # Executed over model FLOPs, measured for the learner's model passes only.
+  assert by_name["logprobs"].flop_ratio > 1 and by_name["accumulate"].flop_ratio > 1
+  assert by_name["apply"].flop_ratio == by_name["decode"].flop_ratio == 0
   table = aot_check.format_table(reports)
   assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table and "splash_mha_dkv" in table
+
+
+def _learner(attention: str):
+  config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **{
+      "model.num_layers": 2, "model.vocab_size": 1000, "learner.vocab_chunk": 96, "learner.max_tokens_per_mb": 384,
+      "model.attention": attention})
+  mesh = aot_check.make_mesh(aot_check.topology_devices("v5e:2x2"), {"fsdp": -1, "tensor": 1})
+  cfg = aot_check.LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
+  return aot_check.ModelConfig.from_config(config.model), cfg, mesh
+
+
+def test_executed_flops_count_every_layer_and_chunk_and_the_skipped_blocks():
+  """`learner_flops` equals XLA's count of the same program without loops (layers unrolled, one vocabulary chunk: the
+  chunks' padding aside), and rows of short sequences cost dense attention far more than the splash kernel."""
+  model_cfg, cfg, mesh = _learner("dense")
+  executed = aot_check.learner_flops(model_cfg, cfg, mesh, temperature=1.0, seq_len=32)
+  plain = aot_check.build_step(dataclasses.replace(model_cfg, scan_layers=False),
+                               dataclasses.replace(cfg, vocab_chunk=0), mesh).lower(384)
+  for name in ("logprobs", "accumulate"):
+    want = plain[name].compile().cost_analysis()["flops"]
+    assert want <= executed[name] <= 1.06 * want, (name, executed[name], want)  # 11 chunks of 96 hold 1056 ids
+  model_cfg, cfg, mesh = _learner("splash")
+  splash = aot_check.learner_flops(model_cfg, cfg, mesh, temperature=1.0, seq_len=32)
+  for name in ("logprobs", "accumulate"):  # splash visits one block of 128 keys per query block, dense all 384
+    assert splash[name] < 0.95 * executed[name], (splash, executed)
 
 
 def test_over_hbm_is_reported(reports):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from areal_jax.models.modules import gqa_attention, packed_mask
-from areal_jax.models.packed_attention import block_ranges, flash_attention, packed_attention, resolve
+from areal_jax.models.packed_attention import (block_ranges, flash_attention, packed_attention, resolve,
+                                              splash_block_tables, splash_blocks_computed)
 from areal_jax.sharding import LEARNER_RULES, make_mesh, use_rules
 
 
@@ -99,18 +100,41 @@ def test_flash_under_learner_sharding(tensor):
   _check(jax.jit(sharded), seg, q, k, v)
 
 
-def test_splash_kernel_in_interpret_mode_under_learner_sharding():
-  """The TPU path (Pallas splash kernel with segment ids, under shard_map on fsdp x tensor, GQA heads) run on CPU."""
+@pytest.mark.parametrize("case", ["random", "long"])
+def test_splash_kernel_in_interpret_mode_under_learner_sharding(case):
+  """The TPU path (Pallas splash kernel with segment ids and block tables from the segments, under shard_map on fsdp x
+  tensor, GQA heads) run on CPU: rows of 3 blocks of 128, a padded tail (whole blocks of padding in one row), segments
+  across block edges; `random` has a row of padding only beside a real row on the same device."""
   rng = np.random.default_rng(7)
-  seg = _packing(rng, 2, 100, max_len=40)  # padded to 128 inside
-  q, k, v = _qkv(rng, 2, 100)
-  attend = packed_attention(jnp.asarray(seg), impl="splash", interpret=True)
+  if case == "random":
+    seg = np.stack([_packing(rng, 1, 330, max_len=90)[0], np.zeros(330, np.int32)])  # padded to 384 inside
+  else:
+    seg = _packing(rng, 2, 384, max_len=300)
+  q, k, v = _qkv(rng, 2, seg.shape[1])
+  attend = packed_attention(jnp.asarray(seg), impl="splash", block=128, interpret=True)
 
   def sharded(q, k, v):
     with use_rules(_learner_mesh(2), LEARNER_RULES):
       return attend(q, k, v)[0]
 
   _check(sharded, seg, q, k, v, atol=1e-4)
+
+
+def test_splash_block_tables_follow_the_segments():
+  """The kernel's forward tables list, per query block, the key blocks its segments reach, then repeat the last one
+  (no new copy) unmasked-off; the dkv tables the query blocks per key block, padded at the front."""
+  seg = jnp.asarray([1] * 3 + [2] * 10 + [3] * 3 + [0] * 8, jnp.int32)  # 24 tokens, blocks of 4 (block_ranges' test)
+  fwd, dq, dkv = splash_block_tables(seg, 4)
+  assert fwd is dq
+  np.testing.assert_array_equal(fwd.block_mask[0], [[1, 0, 0, 0, 0, 0], [2, 1, 0, 0, 0, 0], [2, 2, 1, 0, 0, 0],
+                                                    [2, 2, 2, 1, 0, 0], [0] * 6, [0] * 6])
+  np.testing.assert_array_equal(fwd.data_next[0, 3], [0, 1, 2, 3, 3, 3])
+  np.testing.assert_array_equal(dkv.block_mask[0].T[0], [0, 0, 1, 2, 2, 2])  # key block 0: query blocks 0..3
+  np.testing.assert_array_equal(dkv.data_next[0].T[0], [0, 0, 0, 1, 2, 3])
+  np.testing.assert_array_equal(dkv.block_mask[0].T[4], [0] * 6)  # a key block of padding: nothing
+  short = np.repeat(np.arange(1, 17), 64)[None].astype(np.int32)  # 16 sequences of one block each
+  assert splash_blocks_computed(short, 64) == 16
+  assert splash_blocks_computed(np.ones((1, 1024), np.int32), 64) == 16 * 17 // 2
 
 
 def test_auto_picks_dense_only_for_rows_of_two_blocks_off_tpu():

@@ -1,5 +1,6 @@
 r"""Checks, without a TPU, that a preset's learner and sampler fit their slices: compiles every device program for a
-named TPU topology (libtpu only) and prints per-device memory against the chip's HBM, FLOPs and compile times.
+named TPU topology (libtpu only) and prints per-device memory against the chip's HBM, FLOPs (the model's, and for the
+learner what the programs execute over that) and compile times.
 
   python tools/aot_check.py --config=configs/math.py:qwen2.5-1.5b --sampler_topology=v5e:2x4 --learner_topology=v5e:2x4
   python tools/aot_check.py --config=configs/math.py:r1-distill-qwen-7b --learner_topology=v5p:2x2x2 \
@@ -20,12 +21,15 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config f
 _SAMPLER = flags.DEFINE_string("sampler_topology", "v5e:2x2", "The sampler slice's TPU topology ('' = skip).")
 _LEARNER = flags.DEFINE_string("learner_topology", "v5e:2x2", "The learner slice's TPU topology ('' = skip).")
 _HBM = flags.DEFINE_float("hbm_gib", 0.0, "HBM per device in GiB (0 = from the device kind).")
+_FLOP_SEQ_LEN = flags.DEFINE_integer(
+    "flop_seq_len", 4096, "The learner's FLOPs (model and executed) are for rows packed with sequences of this many "
+    "tokens; 0 = do not measure executed FLOPs (three fewer compiles per program).")
 
 
 def main(argv):
   del argv
   reports = check(_CONFIG.value, sampler_topology=_SAMPLER.value, learner_topology=_LEARNER.value,
-                  hbm_gib=_HBM.value)
+                  hbm_gib=_HBM.value, flop_seq_len=_FLOP_SEQ_LEN.value or None)
   print(format_table(reports))
   unfit = [r for r in reports if not r.fits]
   for r in unfit:

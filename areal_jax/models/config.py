@@ -41,7 +41,7 @@ class ModelConfig:
   remat: str = "none"  # none | full | dots
   scan_layers: bool = True  # run the decoder layers under lax.scan (False: unrolled; the parameters are stacked alike)
   attention: str = "auto"  # packed training attention: auto | flash | splash | dense (models/packed_attention.py)
-  attention_block: int = 0  # tokens per block of the `flash` attention; 0 = 128 on CPU, 512 elsewhere
+  attention_block: int = 0  # tokens per attention block; 0 = flash: 128 on CPU, 512 elsewhere; splash: <= 512 by row
 
   def __post_init__(self):
     def bad(field, why):
@@ -67,6 +67,8 @@ class ModelConfig:
       bad("attention", f"choose one of {', '.join(ATTENTION_IMPLS)}")
     if self.attention_block < 0:
       bad("attention_block", "must be positive (or 0: chosen by platform)")
+    if self.attention == "splash" and self.attention_block % 128:
+      bad("attention_block", "the splash kernel's blocks are multiples of 128 tokens (or 0: chosen by row length)")
     if self.rope_type not in ROPE_TYPES:
       bad("rope_scaling", f"rope_type {self.rope_type!r} not supported; supported: {ROPE_TYPES}")
 

@@ -10,8 +10,9 @@ pairs however short its sequences are. Two exact implementations avoid that:
   passes (dq; dk and dv), under one `jax.custom_vjp`. A segment of L tokens costs about (L / block + 1)² / 2 block
   pairs, so a row costs Σ L² / 2 + T · block pairs instead of T² / 2. Segments must be contiguous, as the learner
   packs them.
-* `splash` (TPU): JAX's Pallas splash-attention kernel with segment ids. Its block skipping follows the static causal
-  mask only: segments are masked inside the blocks it computes.
+* `splash` (TPU): JAX's Pallas splash-attention kernel with segment ids, given block tables made from each row's
+  segments (`splash_block_tables`), so it visits the same blocks as `flash` (per row) instead of every block below the
+  causal diagonal.
 
 Inside a sharding context (`sharding.use_rules`) `packed_attention` runs either one per device under `shard_map` (rows
 over the batch axes, heads over `tensor`), so the block bounds of one device's rows never need another device.
@@ -24,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from areal_jax import sharding
@@ -182,29 +184,91 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   return out.transpose(0, 3, 1, 2, 4).reshape(b, tp, h, d)[:, :t]
 
 
-@functools.cache
-def _splash_kernel(length: int, heads: int, interpret: bool):
-  """The splash kernel for rows of `length` (a multiple of 128) tokens: causal block mask, the largest tiles that divide
-  the row. Cached: building the block mask of a long row takes a while (about 20 s of host time at 32k tokens)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # TPU kernels
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+def _causal(q_ids, kv_ids):
+  return q_ids >= kv_ids
 
-  blk = max(x for x in (128, 256, SPLASH_BLOCK) if length % x == 0)
+
+def _smem_int(n: int):
+  """The smallest integer type for block indices below `n` (the block tables live in the TPU's scarce scalar memory)."""
+  return jnp.int8 if n <= 127 else jnp.int16 if n <= 32767 else jnp.int32
+
+
+def splash_block_tables(segment_ids: jax.Array, block: int):
+  """The splash kernel's block tables (`MaskInfo`s: forward, dq, dkv) for one packed row `segment_ids` [T]: which
+  block pairs it computes, from the segments, not from the causal mask alone.
+
+  The kernel walks a grid of (query block, step) and loads at each step the key block `data_next` names, computing it
+  only where `block_mask` > 0. Query block i computes key blocks first[i]..i (`block_ranges`), in order, then repeats
+  the last index (no new copy) with `block_mask` 0; the dkv grid walks key block j's query blocks j..last[j], padded
+  at the front with its first one. The causal mask inside a block comes from the kernel's mask function, segments
+  from the segment ids.
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info  # pylint: disable=g-import-not-at-top
+  t = segment_ids.shape[0]
+  n = t // block
+  first, last = block_ranges(segment_ids[None], block)
+  idx, step = jnp.arange(n), jnp.arange(n)
+  itype = _smem_int(n)
+
+  # Forward and dq: row i, step s -> key block first[i] + s while that is <= i.
+  kv = first[:, None] + step[None, :]
+  real = kv <= idx[:, None]
+  data_next = jnp.where(real, kv, idx[:, None])
+  block_mask = jnp.where(real, jnp.where(kv == idx[:, None], 1, 2), 0)
+  forward = info.MaskInfo(data_next=data_next[None].astype(itype), mask_next=None,
+                          block_mask=block_mask[None].astype(jnp.int8), partial_mask_blocks=None,
+                          q_sequence=jnp.arange(t, dtype=jnp.int32))
+
+  # dkv: key block j, step s -> query block j + s - (n - count_j) for the last count_j steps; [step, key block].
+  count = jnp.maximum(last - idx + 1, 0)
+  offset = step[:, None] - (n - count[None, :])
+  real = offset >= 0
+  data_next = jnp.where(real, idx[None, :] + offset, idx[None, :])
+  block_mask = jnp.where(real, jnp.where(offset == 0, 1, 2), 0)
+  dkv = info.MaskInfo(data_next=data_next[None].astype(itype), mask_next=None,
+                      block_mask=block_mask[None].astype(jnp.int8), partial_mask_blocks=None,
+                      q_sequence=jnp.arange(t, dtype=jnp.int32))
+  return forward, forward, dkv
+
+
+def splash_blocks_computed(segment_ids, block: int) -> int:
+  """How many (query block, key block) pairs the splash kernel computes for rows `segment_ids` [B, T] (numpy), per
+  head, forward pass; the backward computes the same pairs twice (dq, dkv)."""
+  seg = np.asarray(segment_ids)
+  return int(sum(int((np.asarray(splash_block_tables(jnp.asarray(row), block)[0].block_mask) > 0).sum())
+                 for row in seg))
+
+
+def splash_block(length: int) -> int:
+  """The splash kernel's block for rows of `length` tokens (a multiple of 128): the largest tile that divides it."""
+  return max(x for x in (128, 256, SPLASH_BLOCK) if length % x == 0)
+
+
+def _splash_row(q, k, v, seg, *, block: int, interpret: bool):
+  """One row through JAX's splash kernel with block tables made from its segments: q [H, T, D], k, v [K, T, D]."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # pylint: disable=g-import-not-at-top
+  blk = block
   sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
                             block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-  mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
-  kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
-  return lambda q, k, v, seg: kernel(q, k, v, segment_ids=splash.SegmentIds(seg, seg))
+  kernel = splash.SplashAttentionKernel(*splash_block_tables(seg, blk), block_sizes=sizes, is_mqa=False,
+                                        save_residuals=False, mask_value=splash.DEFAULT_MASK_VALUE,
+                                        attn_logits_soft_cap=None, residual_checkpoint_name=None,
+                                        mask_function=_causal, interpret=interpret)
+  return kernel(q, k, v, segment_ids=splash.SegmentIds(seg, seg))
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, block: int = 0,
                      interpret: bool = False) -> jax.Array:
-  """The same contract on JAX's Pallas TPU splash-attention kernel (`interpret`: run it on CPU, for tests)."""
+  """The same contract on JAX's Pallas TPU splash-attention kernel (`interpret`: run it on CPU, for tests), each row
+  with block tables made from its own segments (`splash_block_tables`). `block`: a multiple of 128 (0: by length)."""
   b, t, h, d = q.shape
-  tp = -(-t // 128) * 128
+  if block % 128:
+    raise ValueError(f"splash attention blocks are multiples of 128 tokens, not {block}")
+  tp = -(-t // (block or 128)) * (block or 128)
+  block = block or splash_block(tp)
   qs = (_pad_rows(q, tp).astype(jnp.float32) / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, D]
   ks, vs = (_pad_rows(x, tp).transpose(0, 2, 1, 3) for x in (k, v))
-  out = jax.vmap(_splash_kernel(tp, h, interpret))(qs, ks, vs, _pad_rows(segment_ids, tp))
+  out = jax.vmap(functools.partial(_splash_row, block=block, interpret=interpret))(qs, ks, vs, _pad_rows(segment_ids, tp))
   out = out.transpose(0, 2, 1, 3)[:, :t]
   return jnp.where((segment_ids != 0)[..., None, None], out, 0).astype(q.dtype)
 
@@ -229,14 +293,14 @@ def resolve(impl: str, length: int, block: int) -> str:
 
 def packed_attention(segment_ids: jax.Array, *, impl: str = "auto", block: int = 0, interpret: bool = False):
   """The training `attend(q, k, v) -> (out, None)` over packed rows (see the module docstring); `dense` is
-  `modules.dense_attention`, the quadratic reference. `block`: the flash kernel's (0: by platform)."""
-  block = block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT)
-  impl = resolve(impl, segment_ids.shape[1], block)
+  `modules.dense_attention`, the quadratic reference. `block`: tokens per block (0: by platform for `flash`, by row
+  length for `splash`)."""
+  impl = resolve(impl, segment_ids.shape[1], block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT))
   if impl == "dense":
     from areal_jax.models.modules import dense_attention  # pylint: disable=g-import-not-at-top
     return dense_attention(segment_ids)
-  local = (functools.partial(splash_attention, interpret=interpret) if impl == "splash"
-           else functools.partial(flash_attention, block=block))
+  local = (functools.partial(splash_attention, block=block, interpret=interpret) if impl == "splash"
+           else functools.partial(flash_attention, block=block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT)))
 
   def attend(q, k, v):
     ctx = sharding.current()
