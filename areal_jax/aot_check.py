@@ -22,10 +22,10 @@ while the learner runs `logprobs` / `accumulate`, the KV pool during `prefill`, 
 counted: the step's packed batch arrays (about 28 bytes per token of a micro-batch row, all micro-batches of a step on
 device at once) and a second parameter copy while the sampler receives new weights.
 
-Waste: for the learner's `logprobs` and `accumulate`, `flop_ratio` is the FLOPs the program executes over the model's,
-for rows packed with sequences of `flop_seq_len` tokens (`learner_flops`). A ratio well above 1 means masked-out or
-repeated work: attention over pairs no segment holds, or rematerialisation (full remat recomputes the forward pass
-in the backward: 4/3 of the matmuls).
+Waste: for the learner's `logprobs` and `accumulate`, `flop_ratio` is the matmul FLOPs the program executes over the
+model's, for rows packed with sequences of `flop_seq_len` tokens (`learner_flops`). A ratio well above 1 means
+masked-out or repeated work: attention over pairs no segment holds, or rematerialisation (full remat recomputes the
+forward pass in the backward: 4/3 of the matmuls).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ import time
 
 import jax
 import ml_collections
+from jax.extend import core as jax_core
 import numpy as np
 
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.step import batch_rows, build_step
+from areal_jax.learner.step import build_step
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.packed_attention import splash_block, splash_blocks_computed
 from areal_jax.sampler.aot import abstract_decode_state, abstract_params, lower_sampler
@@ -131,22 +132,46 @@ def pallas_kernels(compiled) -> tuple[str, ...]:
   return tuple(dict.fromkeys(names))
 
 
-def kernel_calls(compiled) -> dict[str, int]:
-  """How many Pallas TPU kernel calls of each name a compiled program's text holds (a call inside a loop once)."""
-  names = re.findall(r"^\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)* = .*custom_call_target=\"tpu_custom_call\"",
-                     compiled.as_text(), re.M)
-  return collections.Counter(names)
-
-
 # Matmuls per (query block, key block) pair in each of JAX's splash kernels: forward q.k and p.v; dq recomputes q.k,
 # then do.v and ds.k; dkv recomputes q.k, then do.v, p.do and ds.q.
 _SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 
 
-def _splash_flops(calls: dict[str, float], model_cfg: ModelConfig, mesh, rows: int, length: int,
-                  seq_len: int) -> float:
-  """Per-device FLOPs of the splash kernel calls `calls` (by name) for `rows` rows of `length` tokens packed with
-  sequences of `seq_len` tokens: the block pairs the kernel's own tables visit, times the matmuls per pair."""
+def matmul_flops(jaxpr, *, devices: int) -> tuple[float, dict[str, float]]:
+  """(Matmul FLOPs of a traced program over all devices, Pallas kernel calls by name) from its jaxpr: every scan's
+  body counted `length` times, rematerialised passes as often as they run, `shard_map` bodies once per device, the
+  first branch of a `cond`; a `while` body once (none on the learner's path). Kernel work is not in it (see
+  `learner_flops`). XLA's own count is no substitute: it counts a loop body once, and its TPU compiler turns some
+  sharded matmuls into loops of its own (on 8 devices a plain sharded matmul reports half its FLOPs)."""
+  total, kernels = 0.0, collections.Counter()
+
+  def walk(jx, mult):
+    nonlocal total
+    for eqn in jx.eqns:
+      name = eqn.primitive.name
+      if name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        total += mult * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
+        continue
+      if name == "pallas_call":
+        kernels[str(eqn.params.get("name"))] += mult
+        continue
+      inner = mult * (eqn.params["length"] if name == "scan" else
+                      eqn.params["mesh"].size if name == "shard_map" else 1)
+      subs = ([eqn.params["branches"][0]] if name == "cond" else
+              [v for v in eqn.params.values() if isinstance(v, (jax_core.ClosedJaxpr, jax_core.Jaxpr))])
+      for sub in subs:
+        walk(getattr(sub, "jaxpr", sub), inner)
+
+  walk(jaxpr.jaxpr, 1.0)
+  return total, dict(kernels)
+
+
+def _splash_flops(kernels: dict[str, float], model_cfg: ModelConfig, mesh, length: int, seq_len: int) -> float:
+  """FLOPs over all devices of splash kernel calls (`kernels`, by name; each call one row of `length` tokens and the
+  heads of one device) for rows packed with sequences of `seq_len`: the block pairs the kernel's own tables visit,
+  times the matmuls per pair."""
   tp = -(-length // 128) * 128
   block = splash_block(tp)
   row = np.zeros(tp, np.int32)
@@ -154,51 +179,26 @@ def _splash_flops(calls: dict[str, float], model_cfg: ModelConfig, mesh, rows: i
   pairs = splash_blocks_computed(row[None], block)
   tensor = mesh.shape["tensor"]
   heads = model_cfg.num_heads // tensor if model_cfg.num_kv_heads % tensor == 0 else model_cfg.num_heads
-  local_rows = rows // (math.prod(mesh.shape.values()) // tensor)
-  per_matmul = 2 * block * block * model_cfg.head_dim * heads * local_rows * pairs
+  per_matmul = 2 * block * block * model_cfg.head_dim * heads * pairs
   total = 0.0
-  for name, n in calls.items():
+  for name, n in kernels.items():
     kind = next((k for k in ("dkv", "dq", "fwd") if f"_{k}_" in name), None)
     if name.startswith("splash") and kind:
       total += n * _SPLASH_MATMULS[kind] * per_matmul
   return total
 
 
-def learner_flops(model_cfg: ModelConfig, cfg: LearnerConfig, mesh, *, temperature: float,
-                  seq_len: int) -> dict[str, float]:
-  """Per-device FLOPs that `logprobs` and `accumulate` execute on rows of `cfg.max_tokens_per_mb` tokens packed with
-  sequences of `seq_len` tokens: XLA's cost analysis plus the Pallas kernels' work, which XLA does not see.
-
-  XLA counts a loop body once, so the programs are compiled again with the layers unrolled (1 and 2 of them) and with
-  the vocabulary chunk halved: executed = A + layers * B + (the chunks' total width) * C, fitted from those three
-  compiles, plus the splash kernels' calls (per layer, from the same fit) times the block pairs their tables visit.
-  """
-  length = cfg.max_tokens_per_mb
-  chunk = min(cfg.vocab_chunk or model_cfg.vocab_size, model_cfg.vocab_size)
-  half = max(chunk // 2, 1)
-
-  def measure(layers: int, vocab_chunk: int) -> dict[str, tuple[float, dict[str, int]]]:
-    small = dataclasses.replace(model_cfg, num_layers=layers, scan_layers=False)
-    fns = build_step(small, dataclasses.replace(cfg, vocab_chunk=vocab_chunk), mesh, temperature=temperature)
-    lowered = fns.lower(length)
-    out = {}
-    for name in ("logprobs", "accumulate"):
-      compiled = lowered[name].compile()
-      out[name] = (compiled.cost_analysis()["flops"], kernel_calls(compiled))
-    return out
-
-  one, two, halved = measure(1, chunk), measure(2, chunk), measure(1, half)
-  layers = model_cfg.num_layers
-  width = -(-model_cfg.vocab_size // chunk) * chunk  # all chunks, padding included
-  rows = batch_rows(mesh)
-  result = {}
+def learner_flops(fns, model_cfg: ModelConfig, length: int, seq_len: int) -> dict[str, float]:
+  """Per-device matmul FLOPs that the learner's `logprobs` and `accumulate` (`fns`: `build_step`'s) execute on rows
+  of `length` tokens packed with sequences of `seq_len` tokens: the traced programs' matmuls (`matmul_flops`) plus
+  the splash kernels' block pairs (`_splash_flops`), over the devices."""
+  args = fns.abstract_args(length)
+  devices = fns.mesh.size
+  out = {}
   for name in ("logprobs", "accumulate"):
-    (f1, k1), (f2, k2), (fh, _) = one[name], two[name], halved[name]
-    per_layer, per_entry = f2 - f1, (f1 - fh) / (chunk - half) if chunk > half else 0.0
-    xla = f1 + (layers - 1) * per_layer + (width - chunk) * per_entry
-    calls = {k: k1.get(k, 0) + (layers - 1) * (k2.get(k, 0) - k1.get(k, 0)) for k in set(k1) | set(k2)}
-    result[name] = xla + _splash_flops(calls, model_cfg, mesh, rows, length, seq_len)
-  return result
+    flops, kernels = matmul_flops(jax.make_jaxpr(getattr(fns, name))(*args[name]), devices=devices)
+    out[name] = (flops + _splash_flops(kernels, model_cfg, fns.mesh, length, seq_len)) / devices
+  return out
 
 
 def _compile(lowered, **fields) -> ProgramReport:
@@ -236,8 +236,7 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   hbm = hbm_bytes(devices, hbm_gib)
   forward = _model_flops(model_cfg, fns.rows * cfg.max_tokens_per_mb, seq_len, len(devices))
   flops = {"logprobs": forward, "accumulate": 3 * forward, "apply": 0.0}
-  executed = learner_flops(model_cfg, cfg, mesh, temperature=config.sampler.temperature,
-                           seq_len=seq_len) if flop_seq_len else {}
+  executed = learner_flops(fns, model_cfg, cfg.max_tokens_per_mb, seq_len) if flop_seq_len else {}
   lowered = fns.lower(cfg.max_tokens_per_mb)
   return [_compile(lowered[name], role="learner", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],

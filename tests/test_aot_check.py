@@ -7,7 +7,10 @@ import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("libtpu")
 
@@ -51,29 +54,46 @@ def test_tiny_compiles_and_fits(reports):
   assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table and "splash_mha_dkv" in table
 
 
-def _learner(attention: str):
+def test_matmul_flops_count_every_pass_of_every_loop():
+  """Scans count `length` times, a rematerialised forward pass again in the backward, shard_map bodies per device."""
+  mesh = aot_check.make_mesh(aot_check.topology_devices("v5e:2x2"), {"fsdp": 4, "tensor": 1})
+  x, ws = jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((5, 32, 32), jnp.float32)
+  layer = lambda x, w: (jnp.tanh(x @ w), None)
+  forward = lambda x, ws: jax.lax.scan(jax.checkpoint(layer), x, ws)[0].sum()
+  one = 2 * 64 * 32 * 32
+  count = lambda f, *a: aot_check.matmul_flops(jax.make_jaxpr(f)(*a), devices=4)[0]
+  assert count(forward, x, ws) == 5 * one
+  assert count(jax.grad(forward, 1), x, ws) == 5 * 4 * one  # forward, its recomputation, two backward matmuls
+  sharded = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("fsdp"), P()), out_specs=P("fsdp"))
+  w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+  assert count(jax.jit(sharded), x, w) == one  # 4 devices x a quarter of the rows
+
+
+def _learner(attention: str, length: int = 384):
   config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **{
-      "model.num_layers": 2, "model.vocab_size": 1000, "learner.vocab_chunk": 96, "learner.max_tokens_per_mb": 384,
-      "model.attention": attention})
+      "model.num_layers": 2, "learner.max_tokens_per_mb": length, "model.attention": attention})
   mesh = aot_check.make_mesh(aot_check.topology_devices("v5e:2x2"), {"fsdp": -1, "tensor": 1})
   cfg = aot_check.LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
-  return aot_check.ModelConfig.from_config(config.model), cfg, mesh
+  model_cfg = aot_check.ModelConfig.from_config(config.model)
+  return aot_check.build_step(model_cfg, cfg, mesh), model_cfg
 
 
-def test_executed_flops_count_every_layer_and_chunk_and_the_skipped_blocks():
-  """`learner_flops` equals XLA's count of the same program without loops (layers unrolled, one vocabulary chunk: the
-  chunks' padding aside), and rows of short sequences cost dense attention far more than the splash kernel."""
-  model_cfg, cfg, mesh = _learner("dense")
-  executed = aot_check.learner_flops(model_cfg, cfg, mesh, temperature=1.0, seq_len=32)
-  plain = aot_check.build_step(dataclasses.replace(model_cfg, scan_layers=False),
-                               dataclasses.replace(cfg, vocab_chunk=0), mesh).lower(384)
-  for name in ("logprobs", "accumulate"):
-    want = plain[name].compile().cost_analysis()["flops"]
-    assert want <= executed[name] <= 1.06 * want, (name, executed[name], want)  # 11 chunks of 96 hold 1056 ids
-  model_cfg, cfg, mesh = _learner("splash")
-  splash = aot_check.learner_flops(model_cfg, cfg, mesh, temperature=1.0, seq_len=32)
-  for name in ("logprobs", "accumulate"):  # splash visits one block of 128 keys per query block, dense all 384
-    assert splash[name] < 0.95 * executed[name], (splash, executed)
+def test_executed_flops_show_the_attention_no_segment_needs():
+  """With one sequence filling each row the learner executes the model's FLOPs (the splash kernel's block pairs
+  included, at 128-token blocks); with short sequences dense attention does far more work than splash."""
+  fns, model_cfg = _learner("splash")
+  model = aot_check._model_flops(model_cfg, fns.rows * 384, 384, fns.mesh.size)
+  full = aot_check.learner_flops(fns, model_cfg, 384, 384)
+  assert 1.0 <= full["logprobs"] / model < 1.05, full["logprobs"] / model
+  assert 1.0 <= full["accumulate"] / (3 * model) < 1.2  # the flash backward recomputes q.k: 9 matmuls for 6
+  short = aot_check.learner_flops(fns, model_cfg, 384, 32)
+  dense = aot_check.learner_flops(*_learner("dense"), 384, 32)
+  # Splash visits the 3 diagonal blocks of 128 keys, dense all 384 x 384 pairs: 2 matmuls of 2 x hd FLOPs per pair
+  # forward; backward dense 4, splash 7 (dq and dkv recompute q.k).
+  per_pair = 2 * model_cfg.head_dim * model_cfg.num_heads * model_cfg.num_layers
+  assert dense["logprobs"] - short["logprobs"] == per_pair * 2 * (384 ** 2 - 3 * 128 ** 2)
+  assert dense["accumulate"] - short["accumulate"] == pytest.approx(per_pair * (6 * 384 ** 2 - 9 * 3 * 128 ** 2),
+                                                                    rel=1e-3)
 
 
 def test_over_hbm_is_reported(reports):

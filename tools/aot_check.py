@@ -23,7 +23,7 @@ _LEARNER = flags.DEFINE_string("learner_topology", "v5e:2x2", "The learner slice
 _HBM = flags.DEFINE_float("hbm_gib", 0.0, "HBM per device in GiB (0 = from the device kind).")
 _FLOP_SEQ_LEN = flags.DEFINE_integer(
     "flop_seq_len", 4096, "The learner's FLOPs (model and executed) are for rows packed with sequences of this many "
-    "tokens; 0 = do not measure executed FLOPs (three fewer compiles per program).")
+    "tokens; 0 = leave the executed FLOPs out.")
 
 
 def main(argv):

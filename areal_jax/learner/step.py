@@ -142,17 +142,21 @@ class StepFns:
     opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
     return params, jax.tree.map(sds, opt, self.opt_shardings)
 
-  def lower(self, length: int) -> dict[str, jax.stages.Lowered]:
-    """AOT-lowers the three per-step programs for rows of `length` tokens, from abstract shapes only."""
+  def abstract_args(self, length: int) -> dict[str, tuple]:
+    """The arguments of the three per-step programs for rows of `length` tokens, as sharded abstract shapes."""
     params, opt = self.abstract_state()
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
     stats = {k: scalar for k in self.stat_keys}
     return {
-        "logprobs": self.logprobs.lower(params, self.abstract_batch(length, BATCH_INT_KEYS)),
-        "accumulate": self.accumulate.lower(params, grads, stats, self.abstract_batch(length), scalar),
-        "apply": self.apply.lower(params, opt, grads),
+        "logprobs": (params, self.abstract_batch(length, BATCH_INT_KEYS)),
+        "accumulate": (params, grads, stats, self.abstract_batch(length), scalar),
+        "apply": (params, opt, grads),
     }
+
+  def lower(self, length: int) -> dict[str, jax.stages.Lowered]:
+    """AOT-lowers the three per-step programs for rows of `length` tokens, from abstract shapes only."""
+    return {name: getattr(self, name).lower(*args) for name, args in self.abstract_args(length).items()}
 
 
 def _opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicated: NamedSharding):
