@@ -40,7 +40,10 @@ setup(
                  # The server and the agent runner are tested with other projects' own clients:
                  # lm-evaluation-harness's `local-completions`, the OpenAI Agents SDK, LangChain.
                  "lm-eval[api]==0.4.13", "openai-agents==0.24.0", "langchain-openai==1.7.4",
-                 "langchain-core==1.8.3"],
+                 "langchain-core==1.8.3",
+                 # JetStream's own server and orchestrator serve the engine in the tests: what google-jetstream
+                 # 0.2.2 imports (it is installed with --no-deps: its declared dependencies pull in TensorFlow).
+                 "grpcio==1.85.3", "prometheus-client==0.26.0", "shortuuid==1.0.13", "tiktoken==0.14.0"],
         "gcs": ["gcsfs==2026.10.1"],
         "tpu": ["libtpu==0.0.42.1"],
     },

@@ -20,6 +20,7 @@ class Tokenizer(Protocol):
   vocab_size: int
   eos_id: int
   pad_id: int
+  bos_id: int | None  # None: the vocabulary has no BOS token; `encode` never adds one
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -81,7 +82,7 @@ class CharTokenizer:
 
   def __init__(self):
     self.vocab_size = len(self.SPECIALS) + len(self.CHARS)
-    self.pad_id, self.eos_id = 0, 1
+    self.pad_id, self.eos_id, self.bos_id = 0, 1, None
     self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(self.CHARS)}
 
   def encode(self, text: str) -> list[int]:
@@ -143,6 +144,7 @@ class HFTokenizer:
     pad_id = self._tok.token_to_id(pad) if pad else None
     self.pad_id = self.eos_id if pad_id is None else pad_id
     self.bos_token = self._token_str(cfg.get("bos_token"))
+    self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None  # encode never adds it
 
   @staticmethod
   def _token_str(t):
@@ -172,6 +174,7 @@ class SentencePieceTokenizer:
     if self.eos_id < 0:
       raise ValueError(f"{path}: sentencepiece model has no eos piece")
     self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+    self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None  # encode never adds it
     self.chat_template = chat_template
 
   def encode(self, text: str) -> list[int]:

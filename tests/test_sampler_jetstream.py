@@ -1,16 +1,28 @@
-"""The engine against JetStream's engine contract (`areal_jax.sampler.engine_api`): members and argument names, the
-packed result layout, a pytree prefix, full slots, late frees, and an orchestrator with JetStream's three threads."""
+"""The engine under JetStream's own code: PyPI's google-jetstream 0.2.2 (installed with --no-deps by the README's test
+command) serves it with its gRPC server (`server_lib.run`, which builds its `orchestrator.Driver`) to its
+`jetstream_pb2_grpc` stub, interleaved and disaggregated, through `tools/serve.py --api=jetstream`'s builder; and
+the contract points 0.2.2 never calls (prefill's first token, frees, multi-sampling: JetStream's GitHub head, which
+CI cannot fetch) tested on the engine directly, as the head calls them.
 
+On this JAX, 0.2.2 needs `jax.tree_map` (removed in JAX 0.6) and a stand-in for seqio (it imports it for its own
+SentencePiece vocabularies, unused here; seqio pulls in TensorFlow): `areal_jax.serve.jetstream.import_jetstream`
+provides both, and the server tests run through it.
+"""
+
+import dataclasses
 import inspect
-import queue
-import random
+import socket
 import threading
 
+import grpc
 import jax
 import numpy as np
 import pytest
 
+from areal_jax.models import orbax_io
 from areal_jax.sampler import Engine, SamplerConfig, engine_api, generate
+from areal_jax.serve import jetstream as jetstream_server
+from areal_jax.tokenizer import CharTokenizer
 from helpers import TINY, tiny_model
 
 MAX_SEQ = 32
@@ -44,7 +56,7 @@ def test_every_member_with_the_contract_s_arguments(engine):
       continue  # load_params(*args, **kwargs), init_decode_state(*args, **kwargs): the engine's own arguments
     assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], name
   assert engine.max_concurrent_decodes == 8 and engine.samples_per_slot == 1
-  assert engine.max_prefill_length == MAX_SEQ - 1 and engine.mesh.shape["data"] == 1
+  assert engine.max_prefill_length == 16 and engine.mesh.shape["data"] == 1  # JetStream's bucket below MAX_SEQ - 1
   with pytest.raises(NotImplementedError, match="existing_prefix"):
     engine.prefill(params=None, existing_prefix=object(), padded_tokens=np.ones(4), true_length=2)
 
@@ -68,6 +80,7 @@ def test_prefix_is_a_pytree_that_moves_and_full_slots_report_done(model, engine)
     if valid[-1]:
       tokens.append(int(row.tokens[0, 0]))
   assert valid == [True, True, False, False] and lengths == [2, 3, 3, 3]  # then the cache is full: done
+  assert int(row.tokens[0, 0]) == CharTokenizer().pad_id  # a done row holds the pad id (a stop token), never -1
   ref = generate(model, [prompt], max_new_tokens=3, temperature=0.0)[0][0]
   assert tokens == list(ref.tokens)
   engine.free_resource(5)
@@ -90,113 +103,148 @@ def test_a_free_that_arrives_after_the_next_insert_is_ignored(model, engine):
   assert not engine.slots.active.any() and engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
-def _orchestrate(engine, params, requests):
-  """JetStream's orchestration, reduced: a prefill thread, a generate thread (inserts into free slots, then one
-  generate per loop) and a detokenize thread that completes answers at their length, puts the slot back on the free
-  list and only then frees it. For half the answers the free waits until the generate thread has inserted a new
-  answer into the slot (its first token arrives), so the stale free is exercised on every run, not by chance."""
-  transfer, detok, free_slots = queue.Queue(maxsize=4), queue.Queue(maxsize=8), queue.Queue()
-  for s in range(engine.max_concurrent_decodes):
-    free_slots.put(s)
-  out = [[] for _ in requests]
-  complete = [False] * len(requests)
-  remaining = [len(requests)]
-  finished, errors = threading.Event(), []
-
-  def guard(fn):
-    def run():
-      try:
-        fn()
-      except Exception as e:  # pylint: disable=broad-except  # reported by the test
-        errors.append(e)
-        finished.set()
-    return run
-
-  @guard
-  def prefill():
-    for i, (prompt, _) in enumerate(requests):
-      padded = np.pad(prompt, (0, 16 - len(prompt)))
-      prefix, first = engine.prefill(params=params, padded_tokens=padded, true_length=len(prompt))
-      while not finished.is_set():
-        try:
-          transfer.put((i, prefix, first), timeout=0.1)
-          break
-        except queue.Full:
-          pass
-
-  @guard
-  def generate_loop():
-    state = engine.init_decode_state()
-    live = {}
-    while not finished.is_set():
-      while True:
-        try:
-          slot = free_slots.get_nowait()
-        except queue.Empty:
-          break
-        try:
-          i, prefix, first = transfer.get(timeout=0.001)
-        except queue.Empty:
-          free_slots.put(slot)
-          break
-        state = engine.insert(prefix, state, slot)
-        live[slot] = i
-        detok.put(("first", {slot: i}, first))
-      state, result = engine.generate(params, state)
-      result.copy_to_host_async()
-      detok.put(("step", dict(live), result))
-
-  @guard
-  def detokenize():
-    rng = random.Random(0)
-    deferred = set()  # slots back on the free list whose free waits for the next insert into them
-    while remaining[0]:
-      kind, mapping, result = detok.get()
-      result = result.convert_to_numpy()
-      for slot, i in mapping.items():
-        if kind == "first" and slot in deferred:  # a new answer is in the slot: the late free must not touch it
-          deferred.discard(slot)
-          engine.free_resource(slot)
-        if complete[i]:
-          continue
-        row = result.get_result_at_slot(0 if kind == "first" else slot)
-        if row.valid[0, 0]:
-          out[i].append(int(row.tokens[0, 0]))
-        if int(row.lengths[0]) >= requests[i][1] or not row.valid[0, 0]:
-          complete[i] = True
-          remaining[0] -= 1
-          free_slots.put(slot)
-          if rng.random() < 0.5:
-            deferred.add(slot)
-          else:
-            engine.free_resource(slot)
-    finished.set()
-    for slot in deferred:  # never filled again
-      engine.free_resource(slot)
-
-  threads = [threading.Thread(target=f, daemon=True) for f in (prefill, generate_loop, detokenize)]
-  for t in threads:
-    t.start()
-  finished.wait(300)
-  for t in threads:
-    t.join(30)
-  if errors:
-    raise errors[0]
-  assert all(complete), f"{sum(complete)} of {len(requests)} complete"
-  return out
-
-
-def test_an_orchestrator_with_three_threads_matches_generate(model, engine):
-  rng = np.random.default_rng(0)
-  requests = [(rng.integers(2, TINY.vocab_size, size=int(rng.integers(2, 13))).astype(np.int32),
-               int(rng.integers(1, 7))) for _ in range(1500)]
+def test_multisampling_reports_a_slot_s_samples_and_frees_them(model, engine):
+  """As JetStream's head reads them: the first tokens as one slot of `num_samples` rows, then one row per slot."""
   params = engine.load_params(model)
-  replaced = engine.slots.replaced
-  out = _orchestrate(engine, params, requests)
-  assert engine.slots.replaced - replaced >= 100  # inserts that landed before the free (about a third of 1500)
-  for n in sorted({m for _, m in requests}):
-    idx = [i for i, (_, m) in enumerate(requests) if m == n]
-    ref = generate(model, [requests[i][0] for i in idx], max_new_tokens=n, temperature=0.0)
-    assert [out[i] for i in idx] == [list(r[0].tokens) for r in ref], n
+  state = engine.init_decode_state()
+  prompt = np.arange(2, 12, dtype=np.int32)
+  prefix, first = engine.prefill_multisampling(params=params, padded_tokens=np.pad(prompt, (0, 6)), true_length=10,
+                                               num_samples=3, rng=jax.random.key(0))
+  assert first.samples_per_slot == 3 and first.get_result_at_slot(0).tokens.shape == (3, 1)
+  state = engine.bulk_insert(prefix, state, [1, 4, 6])
+  state, result = engine.generate(params, state)
+  rows = result.convert_to_numpy().get_result_at_slots([1, 4, 6])
+  assert rows.valid.all() and list(rows.lengths) == [2, 2, 2]
+  for slot in (1, 4, 6):
+    engine.free_resource(slot)
   engine.slots.check()
-  assert not engine.slots.active.any() and engine.slots.pool.num_free(0) == engine.slots.pool.capacity
+  assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
+
+
+def test_api_0_2_prefill_returns_the_prefix_and_generate_reports_the_first_token(model):
+  cfg = SamplerConfig(num_slots=4, page_size=4, num_pages=4 * (MAX_SEQ // 4) + 1, max_seq_len=MAX_SEQ,
+                      max_new_tokens=MAX_SEQ, decode_steps=4)
+  engine = Engine(model=model, config=cfg, jetstream_api="0.2")
+  params = engine.load_params()  # as JetStream's server calls it: the model the engine was built with
+  state = engine.init_decode_state()
+  prompt = np.arange(2, 9, dtype=np.int32)
+  # JetStream prepends its BOS to a token request; the char vocabulary has none, so it is the pad id and is dropped.
+  bos = engine.build_tokenizer(engine.get_tokenizer()).bos_id
+  prefix = engine.prefill(params=params, padded_tokens=np.concatenate([[bos], prompt, [0] * 8]), true_length=8)
+  state = engine.insert(prefix, state, 2)
+  tokens = []
+  for step in range(3):
+    state, result = engine.generate(params, state)
+    row = result.convert_to_numpy().get_result_at_slot(2)
+    assert row.valid[0, 0] and row.lengths[0] == step + 1
+    tokens.append(int(row.tokens[0, 0]))
+  assert tokens == list(generate(model, [prompt], max_new_tokens=3, temperature=0.0)[0][0].tokens)
+  with pytest.raises(ValueError, match="jetstream_api='0.4'"):
+    Engine(model=model, config=cfg, jetstream_api="0.4")
+
+
+# --- JetStream's own server ---------------------------------------------------------------------------------------
+
+SERVED = dataclasses.replace(TINY, vocab_size=CharTokenizer().vocab_size)  # every id the char vocabulary decodes
+STOP = {CharTokenizer().pad_id, CharTokenizer().eos_id}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  model = tiny_model(SERVED, seed=7)
+  path = str(tmp_path_factory.mktemp("jetstream") / "policy")
+  orbax_io.save_orbax(model, path)
+  return model, path
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _reference(model, prompt, max_tokens):
+  """Greedy `generate()`, cut before the first stop token (JetStream 0.2.2 ends an answer there, without it)."""
+  ids = [int(t) for t in generate(model, [prompt], max_new_tokens=max_tokens, temperature=0.0)[0][0].tokens]
+  return ids[:next((i for i, t in enumerate(ids) if t in STOP), len(ids))]
+
+
+def _decode(port, request, *, cancel_after=None):
+  """(token ids, text) of one streamed Decode through JetStream's stub; `cancel_after` responses, then hang up."""
+  from jetstream.core.proto import jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top
+  ids, text = [], []
+  with grpc.insecure_channel(f"localhost:{port}") as channel:
+    call = jetstream_pb2_grpc.OrchestratorStub(channel).Decode(request)
+    for i, response in enumerate(call):
+      sample = response.stream_content.samples[0]
+      ids += list(sample.token_ids)
+      text.append(sample.text)
+      if cancel_after is not None and i + 1 >= cancel_after:
+        call.cancel()
+        break
+  return ids, "".join(text)
+
+
+def _serve(path, *, disaggregated: bool):
+  port = _free_port()
+  server = jetstream_server.build(path, tokenizer="char", port=port, max_seq_len=MAX_SEQ, num_slots=8, page_size=4,
+                                  decode_steps=4, devices=jax.devices()[:2 if disaggregated else 1],
+                                  disaggregated=disaggregated, threads=32)
+  return server, port
+
+
+def _check_pools(server):
+  """Every engine's page accounting is consistent and, its last answers freed, the pool is whole (0.2.2 never
+  frees: an insert replaces the answer in a slot)."""
+  driver = server._driver  # pylint: disable=protected-access  # JetStream's own tests read its driver too
+  for engine in {id(e): e for e in driver._prefill_engines + driver._generate_engines}.values():  # pylint: disable=protected-access
+    engine.slots.check()
+    for slot in range(engine.max_concurrent_decodes):
+      engine.free_resource(slot)
+    assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
+
+
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["interleaved", "disaggregated"])
+def test_jetstream_s_own_server_serves_the_engine(served, disaggregated):
+  """Concurrent token and text requests through JetStream 0.2.2's gRPC server and stub: every answer is greedy
+  `generate()`'s (to its first stop token), a request that fills the cache ends there, a client that hangs up
+  mid-answer costs nothing, and the page pool is whole afterwards."""
+  from jetstream.core.proto import jetstream_pb2  # pylint: disable=g-import-not-at-top
+  model, path = served
+  server, port = _serve(path, disaggregated=disaggregated)
+  tok = CharTokenizer()
+  rng = np.random.default_rng(int(disaggregated))
+  requests = [(rng.integers(2, SERVED.vocab_size, size=int(rng.integers(2, 16))).astype(np.int32),
+               int(rng.integers(1, 10))) for _ in range(24)]
+  requests.append((rng.integers(2, SERVED.vocab_size, size=15).astype(np.int32), 100))  # fills the 32-token cache
+  texts = ["q: 12+7=", "a: 3*4", "what is 2+2?"]
+  out, text_out = [None] * len(requests), [None] * len(texts)
+
+  def ask(i):
+    prompt, n = requests[i]
+    content = jetstream_pb2.DecodeRequest.TokenContent(token_ids=[int(t) for t in prompt])
+    out[i] = _decode(port, jetstream_pb2.DecodeRequest(token_content=content, max_tokens=n))[0]
+
+  def ask_text(i):
+    content = jetstream_pb2.DecodeRequest.TextContent(text=texts[i])
+    text_out[i] = _decode(port, jetstream_pb2.DecodeRequest(text_content=content, max_tokens=8))[1]
+
+  try:
+    hang_up = jetstream_pb2.DecodeRequest(text_content=jetstream_pb2.DecodeRequest.TextContent(text="1+1="),
+                                          max_tokens=20)
+    assert len(_decode(port, hang_up, cancel_after=1)[0]) == 0  # text answers come back as text
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
+    threads += [threading.Thread(target=ask_text, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(300)
+  finally:
+    server.stop()
+  for (prompt, n), got in zip(requests, out):
+    assert got == _reference(model, prompt, min(n, MAX_SEQ - len(prompt))), (prompt, n)
+  assert len(out[-1]) == MAX_SEQ - 15 or STOP & set(generate(model, [requests[-1][0]], max_new_tokens=17,
+                                                              temperature=0.0)[0][0].tokens.tolist())
+  for text, got in zip(texts, text_out):
+    assert got == tok.decode(_reference(model, np.asarray(tok.encode(text), np.int32), 8)), text
+  _check_pools(server)

@@ -9,6 +9,9 @@ logprobs and the policy version in every response); all requests share the sampl
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
       -d '{"prompt": "1+1=", "max_tokens": 8, "temperature": 0, "logprobs": 0}'
 
+  # JetStream's own gRPC server over the same engine (JetStream installed: see `areal_jax.serve.jetstream`)
+  python tools/serve.py --checkpoint_dir=gs://bucket/run --api=jetstream --port=9000
+
 See `areal_jax.serve` for the fields served and the errors returned.
 """
 
@@ -34,6 +37,10 @@ _MEM = flags.DEFINE_float("memory_fraction", 0.8, "Share of free device memory f
 _STEPS = flags.DEFINE_integer("decode_steps", 8, "Decode steps per device call.")
 _TP = flags.DEFINE_integer("tensor_parallel", 1, "Tensor-parallel degree of the sampling mesh.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every sampler program before serving.")
+_API = flags.DEFINE_enum("api", "openai", ["openai", "jetstream"], "openai: this project's OpenAI-compatible HTTP "
+                         "server; jetstream: JetStream's gRPC server (its Driver) over the same engine.")
+_DISAGG = flags.DEFINE_bool("jetstream_disaggregated", False, "--api=jetstream: prefill on the first half of the "
+                            "devices, generate on the second (default: both on all devices, interleaved).")
 _CACHE = flags.DEFINE_string("compilation_cache_dir", "", "A persistent XLA compilation cache (local or gs://): a "
                              "restart with the same model and sizing loads the programs instead of compiling them.")
 
@@ -45,6 +52,12 @@ def main(argv):
 
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+  if _API.value == "jetstream":
+    from areal_jax.serve import jetstream  # pylint: disable=g-import-not-at-top  # JetStream is optional
+    jetstream.build(_DIR.value, step=_STEP.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, port=_PORT.value,
+                    max_seq_len=_SEQ.value, num_slots=_SLOTS.value, page_size=_PAGE.value,
+                    decode_steps=_STEPS.value, disaggregated=_DISAGG.value).wait_for_termination()
+    return
   build(_DIR.value, step=_STEP.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, model_name=_NAME.value,
         host=_HOST.value, port=_PORT.value, max_queue=_QUEUE.value, max_seq_len=_SEQ.value, num_slots=_SLOTS.value,
         page_size=_PAGE.value, num_pages=_PAGES.value, memory_fraction=_MEM.value, decode_steps=_STEPS.value,

@@ -24,9 +24,10 @@ cannot preempt, so size the pool for every slot at full length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.weights import cast, check_compatible, with_dtype
-from areal_jax.sampler import engine_api
+from areal_jax.sampler import engine_api, jetstream
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine_api import ResultTokens, TokenizerParameters, pack_result
 from areal_jax.sampler.paging import SCRATCH_PAGE
@@ -47,6 +48,7 @@ from areal_jax.sampler.slots import Placement, SlotTable
 from areal_jax.sampler.state import (DecodeState, DecodeSteps, FirstTokens, Prefix, PrefixArrays, decode_state_shapes,
                                      decode_state_shardings, page_bytes, prefix_shardings)
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
+from areal_jax.tokenizer import load_tokenizer
 
 
 MAX_EOS_IDS = 8  # `generate_steps` takes up to this many EOS ids (padded: one compiled decode program)
@@ -115,11 +117,21 @@ def _unsupported(**kw) -> None:
 class Engine(engine_api.Engine):
 
   def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None,
-               sampling: SamplingParams | None = None, tokenizer: str = ""):
-    """`model` gives the graph and parameter shapes only (an abstract `nnx.eval_shape` model works); parameters are
+               sampling: SamplingParams | None = None, tokenizer: str = "", jetstream_api: str = "0.3",
+               params_loader: Callable[[Engine], nnx.State] | None = None):
+    """`model` gives the graph and parameter shapes (an abstract `nnx.eval_shape` model works); parameters are
     passed to `prefill`/`generate`, their floating leaves in `config.param_dtype` whatever the model's own dtype. The
-    default mesh is the first device (data 1 x tensor 1). `sampling` (default greedy) and `tokenizer` (a path for
-    `load_tokenizer`) serve JetStream-style callers, whose prefills carry no sampling settings."""
+    default mesh is the first device (data 1 x tensor 1).
+
+    For JetStream's own orchestrator and server (`sampler/jetstream.py`): `sampling` (default greedy), since its
+    prefills carry no sampling settings; `tokenizer` (a spec for `load_tokenizer`, default the char vocabulary);
+    `jetstream_api`, the engine API of the JetStream that drives it ("0.3", the GitHub head; "0.2", PyPI's 0.2.2);
+    `params_loader(engine)`, what `load_params()` without arguments returns (default: `model`'s own parameters)."""
+    if jetstream_api not in jetstream.API_VERSIONS:
+      raise ValueError(f"jetstream_api={jetstream_api!r}; choose one of {jetstream.API_VERSIONS}")
+    self.jetstream_api = jetstream_api
+    self._model, self._params_loader = model, params_loader
+    self._unreported: dict[int, int] = {}  # API 0.2: slot -> its first token, which the next `generate` reports
     self.cfg = config
     self.model_cfg: ModelConfig = model.cfg
     self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
@@ -153,9 +165,17 @@ class Engine(engine_api.Engine):
 
   # --- JetStream's engine contract ------------------------------------------------------------------------------
 
-  def load_params(self, params) -> nnx.State:
+  def load_params(self, params=None) -> nnx.State:
     """Parameters (an NNX model or its state) cast to the engine's `param_dtype`, checked against the engine's and
-    placed on the sampler's shardings."""
+    placed on the sampler's shardings. Without an argument, as JetStream's server calls it: `params_loader(self)`,
+    else the parameters of the model the engine was built with."""
+    if params is None:
+      if self._params_loader is not None:
+        return self._params_loader(self)
+      if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(self._model))):
+        raise ValueError("Engine.load_params() without parameters: the engine was built with an abstract model; "
+                         "pass the parameters, or build the engine with a params_loader")
+      params = self._model
     if isinstance(params, nnx.Module):
       params = nnx.state(params)
     params = cast(params, self.param_dtype)
@@ -172,16 +192,20 @@ class Engine(engine_api.Engine):
     return self._zeros()
 
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
-              request_id=None) -> tuple[Prefix, ResultTokens]:
-    """The prompt `padded_tokens[:true_length]` and one first token, drawn with the engine's `sampling`."""
+              request_id=None) -> tuple[Prefix, ResultTokens] | Prefix:
+    """The prompt `padded_tokens[:true_length]` and one first token, drawn with the engine's `sampling`: (prefix,
+    first token); with `jetstream_api="0.2"` the prefix alone, and the next `generate` reports the first token. A
+    vocabulary without BOS drops a leading pad id (JetStream's BOS for it, see `sampler/jetstream.py`)."""
     del request_id  # accepted for the contract; nothing here depends on it
-    return self.prefill_multisampling(params=params, existing_prefix=existing_prefix, padded_tokens=padded_tokens,
-                                      true_length=true_length, sampler=sampler)
+    prefix, first = self.prefill_multisampling(params=params, existing_prefix=existing_prefix,
+                                               padded_tokens=padded_tokens, true_length=true_length, sampler=sampler)
+    return prefix if self.jetstream_api == "0.2" else (prefix, first)
 
   def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
                             rng=None, num_samples: int = 1) -> tuple[Prefix, ResultTokens]:
     """As `prefill`, with `num_samples` first tokens (sample i's key: `rng` folded with i, or a fresh one per call
-    under `sampling.seed`). The result has one row per sample, of one token, length 1."""
+    under `sampling.seed`). The result holds the slot's samples, as JetStream reads it: `samples_per_slot` =
+    `num_samples`, one token each, length 1."""
     _unsupported(existing_prefix=existing_prefix, sampler=sampler)
     if rng is None:
       n = next(self._prefills)
@@ -189,33 +213,53 @@ class Engine(engine_api.Engine):
     else:
       keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, i)), np.uint32).reshape(2)
                        for i in range(num_samples)])
-    tokens = np.asarray(padded_tokens).reshape(-1)[:true_length]
+    tokens = np.asarray(padded_tokens).reshape(-1)[:true_length]  # JetStream cuts a long prompt, keeps its length
+    tok = self.jetstream_tokenizer
+    if not tok.has_bos and len(tokens) > 1 and tokens[0] == tok.pad_id:
+      tokens = tokens[1:]
     prefix, first = self.prefill_batch(params, [tokens], [Draws.of(keys, self.sampling)])
     ones = np.ones((num_samples, 1), np.int32)
     return prefix, pack_result(first.tokens[:num_samples, None], ones, ones[:, 0],
-                               first.log_prob[:num_samples, None], samples_per_slot=1)
+                               first.log_prob[:num_samples, None], samples_per_slot=num_samples)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None) -> DecodeState:
     """Answer 0 of the prefix into `slot`; an answer still there is done and is replaced."""
     del request_id
-    return self.insert_many(prefix, decode_state, [Placement.new(0, [slot])], replace=True)
+    return self.bulk_insert(prefix, decode_state, [slot])
 
   def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Sample i of the prefix into slots[i]; the samples share the prompt's full pages."""
-    return self.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True)
+    decode_state = self.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True)
+    for slot in slots:
+      self._unreported.pop(slot, None)
+    if self.jetstream_api == "0.2":
+      first = np.asarray(prefix.first)[np.asarray(prefix.draw_index)[0]]
+      self._unreported.update({slot: int(first[i]) for i, slot in enumerate(slots)})
+    return decode_state
 
   def generate(self, params, decode_state: DecodeState, sampler=None) -> tuple[DecodeState, ResultTokens]:
     """One token for every occupied slot with room: prompt and answer together hold at most `sampler.max_seq_len`
-    tokens, as in the scheduler. A full slot draws nothing: its row is not valid (the answer is done) and keeps its
-    length. Lengths count generated tokens."""
+    tokens, as in the scheduler. A full slot draws nothing: its row is not valid (the answer is done), holds the
+    tokenizer's pad id (JetStream takes it as a stop token; at its head it also lists its id) and keeps its length.
+    Lengths count generated tokens. With `jetstream_api="0.2"` a slot inserted since the last call reports its
+    first token instead of drawing (its log_prob is NaN: the prefill kept it on the device)."""
     _unsupported(sampler=sampler)
     with self.slots.lock:
       # cached = prompt + generated - 1 (the last drawn token is pending): room while prompt + generated < max.
       budget = (self.slots.active & (self.slots.cached + 1 < self.cfg.max_seq_len)).astype(np.int32)
+      held = np.array(sorted(self._unreported), np.int32)
+      budget[held] = 0
       decode_state, steps = self.generate_steps(params, decode_state, budget)
       self.slots.advance(budget)  # no EOS stop and no early exit: the device draws exactly the budget
       lengths = self.slots.generated.copy()
-    return decode_state, pack_result(steps.tokens[:, :1], budget[:, None], lengths, steps.log_prob[:, :1])
+    valid = budget > 0
+    tokens = jnp.where(valid, steps.tokens[:, 0], self.jetstream_tokenizer.pad_id)
+    log_prob = steps.log_prob[:, 0]
+    if len(held):
+      tokens = tokens.at[held].set(np.array([self._unreported.pop(int(s)) for s in held], np.int32))
+      log_prob = log_prob.at[held].set(np.nan)
+      valid[held] = True
+    return decode_state, pack_result(tokens[:, None], valid[:, None].astype(np.int32), lengths, log_prob[:, None])
 
   def free_resource(self, slot: int) -> None:
     """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
@@ -231,6 +275,16 @@ class Engine(engine_api.Engine):
   def get_tokenizer(self) -> TokenizerParameters:
     return TokenizerParameters(path=self._tokenizer or "char")
 
+  def build_tokenizer(self, metadata: TokenizerParameters) -> jetstream.JetStreamTokenizer:
+    """The tokenizer behind JetStream's `tokenizer_api.Tokenizer`. JetStream's threads call this first, so it also
+    registers the engine's `ResultTokens` with JetStream's class."""
+    jetstream.register_result_tokens()
+    return jetstream.JetStreamTokenizer(load_tokenizer(metadata.path))
+
+  @functools.cached_property
+  def jetstream_tokenizer(self) -> jetstream.JetStreamTokenizer:
+    return jetstream.JetStreamTokenizer(load_tokenizer(self._tokenizer or "char"))
+
   @property
   def max_concurrent_decodes(self) -> int:
     return self.cfg.num_slots
@@ -241,7 +295,12 @@ class Engine(engine_api.Engine):
 
   @property
   def max_prefill_length(self) -> int:
-    return self.cfg.max_seq_len - 1
+    """The longest of JetStream's prefill buckets that leaves room for an answer token (JetStream pads prompts to its
+    buckets and needs this to be one); `max_seq_len - 1` for a cache shorter than its smallest bucket."""
+    try:
+      return jetstream.prefill_bucket(self.cfg.max_seq_len)
+    except ValueError:
+      return self.cfg.max_seq_len - 1
 
   @property
   def mesh(self) -> Mesh:
@@ -370,7 +429,8 @@ class Engine(engine_api.Engine):
                   replace: bool = False) -> DecodeState:
     """One device call for several placements of one prefix's rows (see `Placement`). Full pages of a row are
     written once per data shard and shared by reference count; a partial last page is copied per slot. With
-    `replace`, answers still in the slots are done and are replaced (JetStream's insert)."""
+    `replace`, answers still in the slots are done and are replaced (JetStream's insert; with API 0.3 their
+    `free_resource` may still come, and is ignored)."""
     true_length = np.asarray(prefix.true_length)
     draw_index = np.asarray(prefix.draw_index)
     for pl in placements:
@@ -380,7 +440,7 @@ class Engine(engine_api.Engine):
       if drawn and any(not 0 <= a < drawn for a in pl.answers):
         raise ValueError(f"answers {list(pl.answers)} asked of prefix row {pl.row}, which drew {drawn} (one PRNG "
                          f"key each at prefill)")
-    occupied = self.slots.occupy(placements, true_length, replace=replace)
+    occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=self.jetstream_api == "0.3")
     keys, settings = np.asarray(prefix.keys), (np.asarray(prefix.temperature), np.asarray(prefix.top_p),
                                                np.asarray(prefix.top_k))
     p, chunks, inits = self.cfg.page_size, [], []

@@ -5,8 +5,9 @@ JetStream's orchestrator drives any engine through this interface: a prefill thr
 `ResultTokens`, decides which answers are complete (a stop token, an invalid token, or more generated tokens than its
 limit) and calls `free_resource` on their slots, possibly after it has handed the slot to the generate thread again.
 JetStream itself is not a dependency (its released package needs TensorFlow and an old JAX); this module states the
-same members, argument names and result layout so that `areal_jax.sampler.Engine` can be checked against them, and
-an orchestrator written for JetStream can drive it.
+same members, argument names and result layout so that `areal_jax.sampler.Engine` can be checked against them.
+JetStream's own server and orchestrator drive the engine too: `sampler/jetstream.py` has what their code needs
+beyond this (its tokenizer interface, its `ResultTokens` class, the 0.2 release's API).
 
 Result layout: one array `data` [slots * samples_per_slot, width] holding, in column ranges, the tokens of each step
 (`tokens_idx`), whether each token is real output (`valid_idx`) and the number of tokens generated so far, the new
@@ -92,13 +93,13 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int,
               sampler: Callable | None = None, request_id=None) -> tuple[Any, ResultTokens]:
-    """The prompt's cache and its first generated token (one sample)."""
+    """The prompt's cache and its first generated token (one sample); JetStream 0.2's API: the cache alone."""
 
   @abc.abstractmethod
   def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens, true_length: int,
                             sampler: Callable | None = None, rng=None,
                             num_samples: int = 1) -> tuple[Any, ResultTokens]:
-    """As `prefill`, drawing `num_samples` first tokens (the result has one row per sample)."""
+    """As `prefill`, drawing `num_samples` first tokens (one slot of `num_samples` rows)."""
 
   @abc.abstractmethod
   def generate(self, params, decode_state, sampler: Callable | None = None) -> tuple[Any, ResultTokens]:

@@ -115,11 +115,12 @@ class SlotTable:
 
   # --- changes -----------------------------------------------------------------------------------------------------
 
-  def occupy(self, placements: Sequence[Placement], lengths: Sequence[int], *,
-             replace: bool = False) -> list[list[Occupancy]]:
+  def occupy(self, placements: Sequence[Placement], lengths: Sequence[int], *, replace: bool = False,
+             release_owed: bool = True) -> list[list[Occupancy]]:
     """Takes the placements' slots for prefix rows of `lengths[row]` tokens; returns each placement's pages, by
     shard. `PoolExhausted` (nothing taken) if a shard lacks pages. A slot still in use is an error unless `replace`:
-    its answer is done and freed here, and its own release, still on its way, will be ignored."""
+    its answer is done and freed here, and its own release, still on its way (`release_owed`; an orchestrator that
+    never releases owes none), will be ignored."""
     with self.lock:
       demand = np.zeros(self.num_shards, np.int64)
       for pl in placements:
@@ -130,7 +131,7 @@ class SlotTable:
           raise ValueError(f"slot {busy[0]} is in use; release it before inserting")
       for slot in sorted({s for pl in placements for s in pl.slots if self.active[s]}):
         self._free(slot)  # replaced: its answer is done, and its own release comes later
-        self._late_releases[slot] += 1
+        self._late_releases[slot] += release_owed
         self.replaced += 1
       for shard in range(self.num_shards):
         if demand[shard] > self.pool.num_free(shard):
