@@ -191,7 +191,18 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.eps_clip = 0.2
   c.learner.eps_clip_higher = 0.0  # 0 = symmetric clip
   c.learner.c_clip = 0.0  # 0 = no dual clip
-  c.learner.behav_imp_weight_cap = 0.0  # 0 = no cap
+  c.learner.behav_imp_weight_cap = 0.0  # 0 = no cap; w above it weighs 0 (token-level rejection by ratio)
+  # Off-policy corrections of the behaviour importance weight w = pi_prox / pi_behav (AReaL's rejection sampling):
+  # tokens (or whole sequences) whose ratio, or KL estimate (kl_k1 | kl_k2 | kl_k3), is outside [lower, upper] are
+  # masked (weight 0, still counted in the denominator) or have w clamped. level "" = off. IcePop: token, mask,
+  # ratio, lower 0.5, upper 2. Sequence level aggregates by mean | sum | max (the ratio in log space: geometric).
+  c.learner.rejection = ml_collections.ConfigDict()
+  c.learner.rejection.level = ""  # "" | token | sequence
+  c.learner.rejection.action = "mask"  # mask | clamp
+  c.learner.rejection.metric = "ratio"
+  c.learner.rejection.agg = "mean"
+  c.learner.rejection.upper = 5.0
+  c.learner.rejection.lower = ml_collections.config_dict.placeholder(float)  # None = no lower bound
   c.learner.use_decoupled_loss = True
   # Proximal logprobs: recompute (a forward pass with the step's starting parameters) | loglinear (AReaL's
   # interpolation between behaviour and current logprobs by token version; one forward pass fewer per step)

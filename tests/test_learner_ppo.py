@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.learner.ppo import decoupled_ppo_loss, kl_estimate
+from areal_jax.learner.ppo import Rejection, behavior_weights, decoupled_ppo_loss, kl_estimate
 
 
 def reference(lt, lp, lb, adv, mask, *, eps_low, eps_high, cap, c):
@@ -103,3 +103,82 @@ def test_kl_estimators():
   np.testing.assert_allclose(kl_estimate(lt, lr, "k3"), r - 1 - np.log(r), rtol=1e-4, atol=1e-7)
   with pytest.raises(ValueError, match="k4"):
     kl_estimate(lt, lr, "k4")
+
+
+def rejection_reference(lp, lb, mask, seg, *, level, action, metric, agg, upper, lower):
+  """AReaL's rejection sampling (`apply_rejection_sampling`) transcribed sequence by sequence in numpy: (weight the
+  loss uses, tokens masked or clamped)."""
+  lp, lb = lp.astype(np.float64), lb.astype(np.float64)
+  log_w = np.where(mask, lp - lb, 0.0)
+  w = np.exp(log_w)
+  kl = {"kl_k1": log_w, "kl_k2": 0.5 * log_w ** 2, "kl_k3": np.exp(-log_w) - 1 + log_w}
+  metric_of = (lambda i: np.exp(log_w[i])) if metric == "ratio" else (lambda i: kl[metric][i])
+  ok = lambda v: v <= upper and (lower is None or v >= lower)
+  weight, changed = np.zeros_like(w), np.zeros(w.shape, bool)
+  for r in range(w.shape[0]):
+    for s in np.unique(seg[r][mask[r]]):
+      idx = np.flatnonzero((seg[r] == s) & mask[r])
+      cells = [(r, i) for i in idx]
+      if level == "token":
+        for c in cells:
+          inside = ok(metric_of(c))
+          weight[c] = w[c] if inside else (0.0 if action == "mask" else np.clip(w[c], lower or 0.0, upper))
+          changed[c] = not inside and weight[c] != w[c]
+        continue
+      if metric == "ratio":  # aggregated in log space; every token gets the geometric mean
+        logs = [log_w[c] for c in cells]
+        value = np.exp({"mean": np.mean, "sum": np.sum, "max": np.max}[agg](logs))
+        seq_w = np.exp(np.mean(logs))
+      else:
+        value = {"mean": np.mean, "sum": np.sum, "max": np.max}[agg]([metric_of(c) for c in cells])
+        seq_w = None
+      inside = ok(value)
+      for c in cells:
+        base = seq_w if seq_w is not None else w[c]
+        weight[c] = base if inside else (0.0 if action == "mask" else np.clip(base, lower or 0.0, upper))
+        changed[c] = not inside and weight[c] != base
+  return weight, changed
+
+
+REJECTIONS = [("token", "mask", "ratio", "mean", 1.5, None), ("token", "mask", "ratio", "mean", 1.5, 0.7),  # IcePop
+              ("token", "clamp", "ratio", "mean", 1.5, 0.7), ("token", "mask", "kl_k3", "mean", 0.05, None),
+              ("token", "mask", "kl_k1", "mean", 0.3, -0.3),
+              ("sequence", "mask", "ratio", "mean", 1.2, 0.85), ("sequence", "clamp", "ratio", "mean", 1.1, 0.9),
+              ("sequence", "mask", "ratio", "max", 2.0, None), ("sequence", "mask", "kl_k2", "sum", 0.2, None),
+              ("sequence", "clamp", "kl_k3", "max", 0.1, None), ("sequence", "mask", "ratio", "sum", 1.5, 0.5)]
+
+
+@pytest.mark.parametrize("level, action, metric, agg, upper, lower", REJECTIONS)
+def test_rejection_sampling_matches_areal_s_rule(level, action, metric, agg, upper, lower):
+  """Packed rows of several sequences (segment ids), a masked prompt and padding: the weights and the masked or
+  clamped tokens equal the reference, and the loss uses those weights."""
+  _, lp, lb, adv, mask = random_inputs(3, shape=(3, 30))
+  seg = np.repeat(np.arange(1, 7), 5)[None].repeat(3, 0).astype(np.int32)
+  seg[:, -4:] = 0  # padding
+  mask &= seg != 0
+  rule = Rejection(level=level, action=action, metric=metric, agg=agg, upper=upper, lower=lower)
+  want_w, want_changed = rejection_reference(lp, lb, mask, seg, level=level, action=action, metric=metric, agg=agg,
+                                             upper=upper, lower=lower)
+  assert 0 < want_changed.sum() < mask.sum()  # the rule bites, but not everywhere
+  weight, raw, changed = behavior_weights(jnp.asarray(lp), jnp.asarray(lb), jnp.asarray(mask), rule,
+                                          jnp.asarray(seg))
+  np.testing.assert_allclose(weight, want_w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(changed, want_changed)
+  # The loss: -w · A per token at u = 1 (no clipping), over every loss token.
+  loss, stats = decoupled_ppo_loss(lp, lp, lb, adv, mask.astype(np.float32), eps_clip=0.2, rejection=rule,
+                                   segment_ids=seg)
+  np.testing.assert_allclose(loss, -(want_w * adv)[mask].sum() / mask.sum(), rtol=1e-5)
+  np.testing.assert_allclose(stats["capped_fraction"], want_changed.sum() / mask.sum(), rtol=1e-6)
+
+
+def test_rejection_rules_are_checked():
+  with pytest.raises(ValueError, match="level='seq'"):
+    Rejection(level="seq")
+  with pytest.raises(ValueError, match="lower is above upper"):
+    Rejection(upper=1.0, lower=2.0)
+  with pytest.raises(ValueError, match="not both"):
+    decoupled_ppo_loss(*random_inputs(0)[:4], np.ones((4, 23)), eps_clip=0.2, behav_imp_weight_cap=2.0,
+                       rejection=Rejection())
+  with pytest.raises(ValueError, match="segment ids"):
+    lt, lp, lb, adv, mask = random_inputs(0)
+    decoupled_ppo_loss(lt, lp, lb, adv, mask.astype(np.float32), eps_clip=0.2, rejection=Rejection(level="sequence"))

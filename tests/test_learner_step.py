@@ -1,5 +1,6 @@
 """The learner's jitted step: packed = padded gradients, sharded = single-device updates, bounded compiles."""
 
+import dataclasses
 import gc
 import importlib.util
 import pathlib
@@ -13,7 +14,7 @@ from flax import nnx
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import assemble, bucket_lengths, plan_packed
-from areal_jax.learner.ppo import decoupled_ppo_loss, loglinear_alpha
+from areal_jax.learner.ppo import Rejection, decoupled_ppo_loss, loglinear_alpha
 from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, build_step, make_learner_mesh, packed_logprobs
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import logprobs_of
@@ -313,3 +314,38 @@ def test_prox_logp_method_errors_name_the_field():
     LearnerConfig(prox_logp_method="exact")
   with pytest.raises(ValueError, match=r"learner.prox_logp_method='loglinear'.*use_decoupled_loss=True"):
     LearnerConfig(prox_logp_method="loglinear", use_decoupled_loss=False)
+
+
+def test_statistics_by_staleness():
+  """`staleness/<s>/...`: each loss token counted under its own staleness (learner version - the version that drew
+  it); the per-staleness clip and drop fractions add up to the step's; log-ratio and weight statistics equal numpy's
+  over the proximal logprobs of the step's starting parameters."""
+  cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=32, ppo_n_minibatches=2,
+                      rejection=Rejection(upper=1.2))
+  learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), peak_flops=1e9)
+  learner.restore_counters(version=3, updates=6)
+  rng = np.random.default_rng(5)
+  trajs = [dataclasses.replace(t, versions=np.sort(rng.integers(0, 4, len(t.response_ids))).astype(np.int32))
+           for t in make_trajectories(11)]
+  plan = learner.prepare(trajs)
+  by = {}
+  for mb in (mb for minibatch in plan.minibatches for mb in minibatch):
+    lp = np.asarray(learner.fns.logprobs(learner.params, {k: getattr(mb, k) for k in BATCH_INT_KEYS}))
+    for s in range(4):
+      sel = (mb.loss_mask > 0) & (3 - mb.versions == s)
+      by.setdefault(s, []).append((lp - mb.behavior_logprobs)[sel])
+  stats = learner.update(plan)
+  total = stats["learner/loss_tokens"]
+  assert sum(stats[f"staleness/{s}/tokens"] for s in range(4)) == total
+  for name in ("clip_fraction", "capped_fraction"):
+    per = "clip_fraction" if name == "clip_fraction" else "dropped_fraction"
+    got = sum(stats[f"staleness/{s}/{per}"] * stats[f"staleness/{s}/tokens"] for s in range(4)) / total
+    np.testing.assert_allclose(got, stats[f"learner/{name}"], rtol=1e-5)
+  assert stats["learner/capped_fraction"] > 0  # the rule bites
+  for s in range(4):
+    r = np.concatenate(by[s]).astype(np.float64)
+    assert stats[f"staleness/{s}/tokens"] == len(r)
+    np.testing.assert_allclose(stats[f"staleness/{s}/log_ratio_mean"], r.mean(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(stats[f"staleness/{s}/log_ratio_max"], r.max(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(stats[f"staleness/{s}/weight_p90"], np.quantile(np.exp(r), 0.9), rtol=1e-4)
+  assert "staleness/4/tokens" not in stats

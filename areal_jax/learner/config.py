@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from areal_jax.learner.advantages import ADV_NORMS
-from areal_jax.learner.ppo import KL_ESTIMATORS
+from areal_jax.learner.ppo import KL_ESTIMATORS, Rejection
 
 # How token losses become a minibatch's loss: token-mean (Σ ℓ / Σ tokens: AReaL, the paper), seq-mean-token-mean
 # (the mean over sequences of each sequence's token mean: GRPO), seq-mean-token-sum-norm (the mean over sequences of
@@ -32,6 +32,7 @@ class LearnerConfig:
   eps_clip_higher: float = 0.0
   c_clip: float = 0.0
   behav_imp_weight_cap: float = 0.0
+  rejection: Rejection | None = None  # off-policy correction of the behaviour weights (`ppo.Rejection`); None = off
   use_decoupled_loss: bool = True
   prox_logp_method: str = "recompute"
   ppo_n_minibatches: int = 4
@@ -70,6 +71,12 @@ class LearnerConfig:
       bad("loss_agg", f"choose one of {LOSS_AGGS}")
     if self.loss_agg_max_tokens < 0:
       bad("loss_agg_max_tokens", "must be >= 0")
+    if self.rejection is not None:
+      if self.behav_imp_weight_cap:
+        bad("behav_imp_weight_cap", "is token-level rejection by ratio; set it or learner.rejection, not both")
+      if not self.use_decoupled_loss:
+        raise ValueError("learner.rejection corrects the decoupled loss's behaviour weights; needs "
+                         "learner.use_decoupled_loss=True")
     if self.prox_logp_method not in PROX_LOGP_METHODS:
       bad("prox_logp_method", f"choose one of {PROX_LOGP_METHODS}")
     if self.prox_logp_method == "loglinear" and not self.use_decoupled_loss:
@@ -93,7 +100,14 @@ class LearnerConfig:
     unknown = sorted(set(c.keys()) - names)
     if unknown:
       raise ValueError(f"unknown learner config keys {unknown}; known: {sorted(names)}")
-    out = cls(**dict(c.items()))
+    fields = dict(c.items())
+    if "rejection" in fields:  # a group whose level "" is off
+      group = dict(fields["rejection"].items())
+      try:
+        fields["rejection"] = Rejection(**group) if group.get("level") else None
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"learner.{str(e).replace('rejection ', 'rejection.')}") from None
+    out = cls(**fields)
     return out.replace(loss_agg_max_tokens=out.loss_agg_max_tokens or max_new_tokens)
 
   def loss_weighting(self, response_lengths) -> tuple[list[float], float]:
@@ -112,7 +126,7 @@ class LearnerConfig:
     return dataclasses.replace(self, **kw)
 
   @property
-  def loss_kwargs(self) -> dict[str, float | None]:
+  def loss_kwargs(self) -> dict:
     """Keyword arguments of `decoupled_ppo_loss` (0 = off becomes None)."""
-    return dict(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher or None,
-                behav_imp_weight_cap=self.behav_imp_weight_cap or None, c_clip=self.c_clip or None)
+    return dict(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher or None, c_clip=self.c_clip or None,
+                behav_imp_weight_cap=self.behav_imp_weight_cap or None, rejection=self.rejection)

@@ -35,7 +35,8 @@ from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
 from areal_jax.learner.optimizer import learning_rate
 from areal_jax.learner.ppo import loglinear_alpha
-from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, StepFns, build_step
+from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, STALENESS_BUCKETS, STALENESS_KEY, StepFns,
+                                    build_step)
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import LEARNER_RULES, Rules
 from areal_jax.types import Trajectory
@@ -60,6 +61,36 @@ def gap_stats(gaps: Sequence[np.ndarray]) -> dict[str, float]:
   out = {"sampler/logprob_gap_tokens": count}
   if count:
     out |= {"sampler/logprob_gap": total / count, "sampler/logprob_gap_max": max(float(g[2]) for g in gaps)}
+  return out
+
+
+def staleness_stats(sums: dict[str, np.ndarray], microbatches: Sequence[MicroBatch], staleness: Sequence[np.ndarray],
+                    proximal: Sequence[np.ndarray] | None) -> dict[str, float]:
+  """What staleness does to a step, by the loss tokens' staleness s (`staleness/<s>/...`; the last bucket holds
+  STALENESS_BUCKETS - 1 or more): `tokens`, `clip_fraction` (the PPO clip's active share over the step's updates),
+  `dropped_fraction` (the behaviour weight masked or clamped by the off-policy correction); with the proximal pass
+  also `log_ratio_mean` / `_max` (log π_prox - log π_behav: its mean is minus a KL estimate of π_behav against
+  π_prox) and the behaviour weight's `weight_p50` / `_p90` / `_p99` / `_max`. `sums` are `accumulate`'s
+  `*_by_staleness` sums over the step; `staleness` and `proximal` are per micro-batch, [rows, length]."""
+  out = {}
+  ratios = {}
+  if proximal is not None:
+    for mb, s, lp in zip(microbatches, staleness, proximal):
+      ok = (mb.loss_mask > 0) & np.isfinite(lp) & np.isfinite(mb.behavior_logprobs)
+      for b in np.unique(s[ok]):
+        ratios.setdefault(int(b), []).append((lp - mb.behavior_logprobs)[ok & (s == b)])
+  tokens = sums["tokens_by_staleness"]
+  for b in np.flatnonzero(tokens):
+    key = f"staleness/{b}"
+    out[f"{key}/tokens"] = float(tokens[b])
+    out[f"{key}/clip_fraction"] = float(sums["clipped_by_staleness"][b] / tokens[b])
+    out[f"{key}/dropped_fraction"] = float(sums["capped_by_staleness"][b] / tokens[b])
+    if int(b) in ratios:
+      r = np.concatenate(ratios[int(b)]).astype(np.float64)
+      w = np.exp(r)
+      out |= {f"{key}/log_ratio_mean": float(r.mean()), f"{key}/log_ratio_max": float(r.max()),
+              f"{key}/weight_p50": float(np.quantile(w, 0.5)), f"{key}/weight_p90": float(np.quantile(w, 0.9)),
+              f"{key}/weight_p99": float(np.quantile(w, 0.99)), f"{key}/weight_max": float(w.max())}
   return out
 
 
@@ -150,8 +181,14 @@ class Learner:
     cfg, fns = self.config, self.fns
     start = time.perf_counter()
 
+    microbatches = [mb for minibatch in plan.minibatches for mb in minibatch]
+    staleness = [np.where(mb.loss_mask > 0, np.clip(self.version - mb.versions, 0, STALENESS_BUCKETS - 1),
+                          0).astype(np.int32) for mb in microbatches]
+    index = {id(mb): i for i, mb in enumerate(microbatches)}
+
     def arrays(mb):
       out = {k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}
+      out[STALENESS_KEY] = staleness[index[id(mb)]]
       if cfg.loglinear_proximal:  # the proximal policy is this step's starting one, version `self.version`
         out["prox_alpha"] = np.where(mb.loss_mask > 0, loglinear_alpha(mb.versions, self.version), 0).astype(np.float32)
       return out
@@ -160,12 +197,12 @@ class Learner:
     if cfg.kl_coef and self.ref_params is None:
       self.ref_params = fns.copy_params(self.params)
     # Forward-only passes with the parameters at the start of the step, all dispatched before any update.
-    gaps = []
-    for mb, b in zip((mb for minibatch in plan.minibatches for mb in minibatch),
-                     (b for minibatch in batches for b in minibatch)):
+    gaps, proximal = [], []
+    for mb, b in zip(microbatches, (b for minibatch in batches for b in minibatch)):
       inputs = {k: b[k] for k in BATCH_INT_KEYS}
       if cfg.recompute_proximal:
         b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
+        proximal.append(b["proximal_logprobs"])
         # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
         same = (mb.loss_mask > 0) & (mb.versions == self.version)
         if same.any():
@@ -186,12 +223,16 @@ class Learner:
       self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
       sums.append(stats)
       grad_norms.append(grad_norm)
-    sums, grad_norms, gaps = jax.device_get((sums, grad_norms, gaps))
+    sums, grad_norms, gaps, proximal = jax.device_get((sums, grad_norms, gaps, proximal))
     elapsed = time.perf_counter() - start
     lr = float(self._lr(max(self._updates + len(sums) - 1, 0)))
     self._updates += len(sums)
     self.version += 1
     stats = self._stats(plan, sums, grad_norms, elapsed, lr)
+    if sums:
+      by_staleness = {k: np.sum([s[k] for s in sums], axis=0)
+                      for k in self.fns.stat_keys if k.endswith("_by_staleness")}
+      stats |= staleness_stats(by_staleness, microbatches, staleness, proximal if cfg.recompute_proximal else None)
     if cfg.recompute_proximal:
       stats |= gap_stats(gaps)
     return stats
@@ -205,7 +246,7 @@ class Learner:
 
   def _stats(self, plan: StepPlan, sums: list[dict], grad_norms: list, elapsed: float, lr: float) -> dict[str, float]:
     cfg = self.config
-    total = {k: float(sum(s[k] for s in sums)) for k in self.fns.stat_keys}
+    total = {k: float(sum(s[k] for s in sums)) for k in self.fns.stat_keys if not k.endswith("_by_staleness")}
     n = max(total["tokens"], 1.0)
     out = {f"learner/{k}": v for k, v in plan.host_stats.items()}
     tokens = sum(plan.seq_lengths)

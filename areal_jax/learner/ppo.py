@@ -5,8 +5,13 @@ logprob `lθ`: `u = exp(lθ - lp)`, `w = exp(lp - lb)` (no gradient), and
 
     L = -(1 / Σ m) Σ m · w · min(u·A, clip(u, 1 - ε, 1 + ε_high)·A)
 
-Tokens with `w > behav_imp_weight_cap` weigh 0 but stay in the denominator. With a dual clip `c > 1`, a token with
-A < 0 contributes at most `-c·A` to the loss. Passing `proximal_logprobs = behavior_logprobs` gives standard PPO.
+With a dual clip `c > 1`, a token with A < 0 contributes at most `-c·A` to the loss. Passing `proximal_logprobs =
+behavior_logprobs` gives standard PPO.
+
+Off-policy corrections of w (`Rejection`, AReaL's rejection sampling): tokens or whole sequences whose divergence
+between the proximal and behaviour policies (the ratio w, or a KL estimate) leaves [lower, upper] are masked (weight
+0, still in the denominator) or have w clamped to the bounds. Token-level masking by ratio with both bounds is
+IcePop's; `behav_imp_weight_cap` is token-level masking by ratio above the cap.
 
 `ppo_token_terms` returns per-token losses and statistics so a caller can sum them over micro-batches and divide by
 the token count of the whole (mini)batch; `decoupled_ppo_loss` is the token-level mean over its own arrays.
@@ -14,21 +19,113 @@ the token count of the whole (mini)batch; `decoupled_ppo_loss` is the token-leve
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+REJECTION_LEVELS = ("token", "sequence")
+REJECTION_ACTIONS = ("mask", "clamp")
+REJECTION_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
+REJECTION_AGGS = ("mean", "sum", "max")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rejection:
+  """Which behaviour importance weights w = π_prox/π_behav the loss keeps, as AReaL's `RejectionSamplingConfig`.
+
+  `metric`: w itself, or a KL estimate of the proximal against the behaviour policy per token (k1 = log w,
+  k2 = (log w)² / 2, k3 = 1/w - 1 + log w). `level="sequence"` judges a whole sequence by `agg` of its tokens'
+  metric (for the ratio in log space: the geometric mean, the product, or the largest w), and for the ratio metric
+  also gives every token the sequence's geometric-mean w. Out of [lower, upper] (`lower` None: no lower bound):
+  `action="mask"` weighs the token (sequence) 0, `"clamp"` clamps its w to [lower or 0, upper].
+  """
+
+  level: str = "token"
+  action: str = "mask"
+  metric: str = "ratio"
+  agg: str = "mean"
+  upper: float = 5.0
+  lower: float | None = None
+
+  def __post_init__(self):
+    for name, choices in (("level", REJECTION_LEVELS), ("action", REJECTION_ACTIONS), ("metric", REJECTION_METRICS),
+                          ("agg", REJECTION_AGGS)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"rejection {name}={getattr(self, name)!r}: choose one of {choices}")
+    if self.lower is not None and self.lower > self.upper:
+      raise ValueError(f"rejection bounds [{self.lower}, {self.upper}]: lower is above upper")
+    if self.metric == "ratio" and (self.upper <= 0 or (self.lower is not None and self.lower < 0)):
+      raise ValueError(f"rejection by ratio needs bounds >= 0 and upper > 0; got [{self.lower}, {self.upper}]")
+
+
+def _by_sequence(x: jax.Array, segment_ids: jax.Array, reduce: str) -> jax.Array:
+  """Each token's sequence's sum / max of `x` over that sequence ([rows, T] -> [rows, T]); a row's segment ids name
+  its sequences."""
+  t = x.shape[-1]
+  op = jax.ops.segment_sum if reduce == "sum" else jax.ops.segment_max
+
+  def row(v, seg):
+    return op(v, seg, num_segments=t)[seg]
+
+  return jax.vmap(row)(x.reshape(-1, t), segment_ids.reshape(-1, t)).reshape(x.shape)
+
+
+def behavior_weights(proximal_logprobs: jax.Array, behavior_logprobs: jax.Array, mask: jax.Array,
+                     rejection: Rejection | None, segment_ids: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(w the loss uses, w before the correction, tokens the correction masked or clamped), each like `mask`, zero off
+  it; logprobs finite where `mask` (see `ppo_token_terms`). `segment_ids` name sequences within rows (sequence
+  level)."""
+  log_w = jnp.where(mask, proximal_logprobs - behavior_logprobs, 0.0)
+  w = jnp.exp(log_w)
+  if rejection is None:
+    return jnp.where(mask, w, 0.0), jnp.where(mask, w, 0.0), jnp.zeros_like(mask)
+  r = rejection
+  if r.metric == "ratio":
+    value = log_w  # judged in log space: bounds are compared as logs
+  else:
+    value = jnp.where(mask, kl_estimate(proximal_logprobs, behavior_logprobs, r.metric[3:]), 0.0)
+  raw = w
+  if r.level == "sequence":
+    if segment_ids is None:
+      raise ValueError("rejection sampling by sequence needs the tokens' segment ids")
+    count = jnp.maximum(_by_sequence(mask.astype(jnp.float32), segment_ids, "sum"), 1.0)
+    if r.agg == "max":
+      value = _by_sequence(jnp.where(mask, value, -jnp.inf), segment_ids, "max")
+    else:
+      value = _by_sequence(value, segment_ids, "sum") / (count if r.agg == "mean" else 1.0)
+    if r.metric == "ratio":
+      raw = w = jnp.exp(_by_sequence(log_w, segment_ids, "sum") / count)
+  if r.metric == "ratio":
+    upper = jnp.log(r.upper)
+    lower = None if r.lower is None else jnp.log(jnp.maximum(r.lower, 1e-30))
+  else:
+    upper, lower = r.upper, r.lower
+  inside = value <= upper
+  if lower is not None:
+    inside &= value >= lower
+  if r.action == "mask":
+    w = jnp.where(inside, w, 0.0)
+    changed = mask & ~inside
+  else:
+    w = jnp.where(inside, w, jnp.clip(w, r.lower or 0.0, r.upper))
+    changed = mask & (w != raw)
+  return jnp.where(mask, w, 0.0), jnp.where(mask, raw, 0.0), changed
 
 
 def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
                     advantages: jax.Array, loss_mask: jax.Array, *, eps_clip: float,
                     eps_clip_higher: float | None = None, behav_imp_weight_cap: float | None = None,
-                    c_clip: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    c_clip: float | None = None, rejection: Rejection | None = None,
+                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Per-token loss `m · w · -min(...)` [..] and per-token statistics (already zero where `loss_mask` is 0).
 
-  Statistics: `clipped` (the clipped branch is the active one), `dual_clipped`, `importance_weight` (w, before the
-  cap), `capped` (w > cap), `approx_kl` (k3 estimate of KL(π_prox‖π_θ)), `tokens` (the mask itself), `nonfinite`.
+  Statistics: `clipped` (the clipped branch is the active one), `dual_clipped`, `importance_weight` (w, before any
+  correction), `capped` (w masked or clamped by the correction), `approx_kl` (k3 estimate of KL(π_prox‖π_θ)),
+  `tokens` (the mask itself), `nonfinite`. `behav_imp_weight_cap` is `Rejection(upper=cap)`; give one or the other.
 
   Non-finite logprobs never reach the loss: a token whose behaviour logprob is -inf/NaN gets w = 1 (as AReaL does);
   one whose proximal logprob is non-finite has no defined ratio and is left out of the loss (it stays in the
@@ -36,6 +133,10 @@ def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_
   """
   if c_clip is not None and c_clip <= 1.0:
     raise ValueError(f"c_clip={c_clip}: the dual clip must be > 1 (or None to disable it)")
+  if behav_imp_weight_cap is not None:
+    if rejection is not None:
+      raise ValueError("give behav_imp_weight_cap or a rejection rule, not both")
+    rejection = Rejection(upper=behav_imp_weight_cap)
   mask = loss_mask.astype(bool)
   eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
   finite_prox, finite_behav = jnp.isfinite(proximal_logprobs), jnp.isfinite(behavior_logprobs)
@@ -58,13 +159,7 @@ def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_
   else:
     dual_clipped = jnp.zeros_like(mask)
 
-  w = jnp.exp(jnp.where(mask, proximal_logprobs - behavior_logprobs, 0.0))
-  if behav_imp_weight_cap is not None:
-    capped = w > behav_imp_weight_cap
-    weight = jnp.where(capped, 0.0, w)
-  else:
-    capped = jnp.zeros_like(mask)
-    weight = w
+  weight, w, capped = behavior_weights(proximal_logprobs, behavior_logprobs, mask, rejection, segment_ids)
   loss = jnp.where(mask, weight * loss, 0.0)
 
   zero = lambda x: jnp.where(mask, x, 0.0).astype(jnp.float32)
@@ -83,7 +178,8 @@ def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_
 def decoupled_ppo_loss(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
                        advantages: jax.Array, loss_mask: jax.Array, *, eps_clip: float,
                        eps_clip_higher: float | None = None, behav_imp_weight_cap: float | None = None,
-                       c_clip: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       c_clip: float | None = None, rejection: Rejection | None = None,
+                       segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Paper Eq. 5 on [batch, time] arrays: the token-level mean loss over `loss_mask`, and its statistics.
 
   Stats (means over masked tokens unless named otherwise): `clip_fraction`, `dual_clip_fraction`,
@@ -91,7 +187,8 @@ def decoupled_ppo_loss(logprobs: jax.Array, proximal_logprobs: jax.Array, behavi
   """
   loss, terms = ppo_token_terms(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
                                 eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
-                                behav_imp_weight_cap=behav_imp_weight_cap, c_clip=c_clip)
+                                behav_imp_weight_cap=behav_imp_weight_cap, c_clip=c_clip, rejection=rejection,
+                                segment_ids=segment_ids)
   n = jnp.maximum(terms["tokens"].sum(), 1.0)
   mask = loss_mask.astype(bool)
   stats = {

@@ -39,9 +39,14 @@ from areal_jax.sharding import LEARNER_RULES, Rules, make_mesh, spec, state_shar
 # Micro-batch arrays fed to `accumulate`; `logprobs` reads the first three.
 BATCH_INT_KEYS = ("tokens", "positions", "segment_ids")
 BATCH_FLOAT_KEYS = ("loss_mask", "behavior_logprobs", "advantages", "loss_weights")
-# Statistic sums over loss tokens returned by `accumulate` (`importance_weight_max` is a max).
+# Each loss token's staleness (learner version - the version that drew it), for statistics by staleness; optional.
+STALENESS_KEY = "staleness"
+STALENESS_BUCKETS = 16  # staleness 0 .. 14, and 15 or more
+# Statistic sums over loss tokens returned by `accumulate` (`importance_weight_max` is a max), and sums by staleness
+# bucket ([STALENESS_BUCKETS] each).
 SUM_STATS = ("loss", "clipped", "dual_clipped", "importance_weight", "capped", "approx_kl", "entropy", "tokens",
              "nonfinite")
+STALENESS_STATS = ("tokens", "clipped", "capped")
 
 
 def make_learner_mesh(devices, *, tensor: int = 1, data: int = 1) -> Mesh:
@@ -70,13 +75,14 @@ def packed_logprobs(model, tokens: jax.Array, positions: jax.Array, segment_ids:
 
 
 def stat_keys(cfg: LearnerConfig) -> tuple[str, ...]:
-  return SUM_STATS + (("ref_kl",) if cfg.kl_coef else ()) + ("importance_weight_max",)
+  return (SUM_STATS + (("ref_kl",) if cfg.kl_coef else ()) + ("importance_weight_max",)
+          + tuple(f"{k}_by_staleness" for k in STALENESS_STATS))
 
 
 def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
   optional = {"proximal_logprobs": cfg.recompute_proximal, "prox_alpha": cfg.loglinear_proximal,
               "ref_logprobs": bool(cfg.kl_coef)}
-  return BATCH_INT_KEYS + BATCH_FLOAT_KEYS + tuple(k for k, on in optional.items() if on)
+  return BATCH_INT_KEYS + BATCH_FLOAT_KEYS + (STALENESS_KEY,) + tuple(k for k, on in optional.items() if on)
 
 
 def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, cfg: LearnerConfig,
@@ -91,7 +97,8 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
     proximal = loglinear_proximal(behavior, lp, batch["prox_alpha"])
   else:
     proximal = batch["proximal_logprobs"] if cfg.use_decoupled_loss else behavior
-  token_loss, terms = ppo_token_terms(lp, proximal, behavior, batch["advantages"], mask, **cfg.loss_kwargs)
+  token_loss, terms = ppo_token_terms(lp, proximal, behavior, batch["advantages"], mask,
+                                      segment_ids=batch["segment_ids"], **cfg.loss_kwargs)
   if cfg.kl_coef:
     kl = jnp.where(mask, kl_estimate(lp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
     token_loss = token_loss + cfg.kl_coef * kl
@@ -103,6 +110,9 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
   terms["loss"] = jax.lax.stop_gradient(token_loss)
   stats = {k: v.sum() for k, v in terms.items()}
   stats["importance_weight_max"] = terms["importance_weight"].max()
+  bucket = jnp.clip(batch.get(STALENESS_KEY, jnp.zeros_like(batch["tokens"])), 0, STALENESS_BUCKETS - 1).reshape(-1)
+  for k in STALENESS_STATS:
+    stats[f"{k}_by_staleness"] = jax.ops.segment_sum(terms[k].reshape(-1), bucket, num_segments=STALENESS_BUCKETS)
   return (token_loss * batch["loss_weights"]).sum() * inv_tokens, stats
 
 
@@ -132,7 +142,7 @@ class StepFns:
 
   def abstract_batch(self, length: int, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     keys = self.batch_keys if keys is None else keys
-    dtype = lambda k: jnp.int32 if k in BATCH_INT_KEYS else jnp.float32
+    dtype = lambda k: jnp.int32 if k in BATCH_INT_KEYS + (STALENESS_KEY,) else jnp.float32
     return {k: jax.ShapeDtypeStruct((self.rows, length), dtype(k), sharding=self.batch_sharding) for k in keys}
 
   def abstract_state(self) -> tuple[nnx.State, Any]:
@@ -147,7 +157,8 @@ class StepFns:
     params, opt = self.abstract_state()
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-    stats = {k: scalar for k in self.stat_keys}
+    vector = jax.ShapeDtypeStruct((STALENESS_BUCKETS,), jnp.float32, sharding=self.replicated)
+    stats = {k: vector if k.endswith("_by_staleness") else scalar for k in self.stat_keys}
     return {
         "logprobs": (params, self.abstract_batch(length, BATCH_INT_KEYS)),
         "accumulate": (params, grads, stats, self.abstract_batch(length), scalar),
@@ -200,7 +211,8 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
 
   def zeros():
     grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_params)
-    return grads, {k: jnp.zeros((), jnp.float32) for k in skeys}
+    return grads, {k: jnp.zeros((STALENESS_BUCKETS,) if k.endswith("_by_staleness") else (), jnp.float32)
+                   for k in skeys}
 
   def logprobs(params, batch):
     model = nnx.merge(graphdef, params)
