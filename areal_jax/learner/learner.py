@@ -202,7 +202,7 @@ class Learner:
       inputs = {k: b[k] for k in BATCH_INT_KEYS}
       if cfg.recompute_proximal:
         b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
-        proximal.append(b["proximal_logprobs"])
+        proximal.append(fns.gather(b["proximal_logprobs"]))  # read on the host for `staleness/*`
         # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
         same = (mb.loss_mask > 0) & (mb.versions == self.version)
         if same.any():

@@ -11,6 +11,7 @@ from abstract shapes (`StepFns.lower`) for a topology that is not attached. The 
 * `apply(params, opt_state, grads) -> (params, opt_state, grad_norm)`: one optimizer update.
 * `logprob_gap(proximal, behavior, mask) -> [sum, count, max]` of |proximal - behaviour| over the masked tokens
   where both are finite: how far the sampler's logprobs are from the learner's under the same weights.
+* `gather(x) -> x` replicated: a [rows, length] array whole on every device, so each process's host can read it.
 
 Each compiles once per row length (bucket); `apply` and the initialisers compile once.
 """
@@ -139,6 +140,7 @@ class StepFns:
   accumulate: Callable
   apply: Callable
   logprob_gap: Callable
+  gather: Callable
 
   def abstract_batch(self, length: int, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     keys = self.batch_keys if keys is None else keys
@@ -253,5 +255,6 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
       apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh),
                     out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1)),
       logprob_gap=jax.jit(logprob_gap, in_shardings=(batch_sh,) * 3, out_shardings=replicated),
+      gather=jax.jit(lambda x: x, in_shardings=batch_sh, out_shardings=replicated),
   )
 
