@@ -155,6 +155,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
   r = c.rollout
   if r.max_head_offpolicyness < 0:
     _fail("rollout.max_head_offpolicyness", r.max_head_offpolicyness, "must be >= 0 (0 = synchronous RL)")
+  if r.target_staleness is not None and not 0 <= r.target_staleness <= r.max_head_offpolicyness:
+    _fail("rollout.target_staleness", r.target_staleness,
+          f"must lie in [0, rollout.max_head_offpolicyness={r.max_head_offpolicyness}] (None = the bound)")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
 

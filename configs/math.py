@@ -231,6 +231,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.group_size = 8 if tiny else 16  # G: answers per prompt
   c.rollout.max_head_offpolicyness = 4 if tiny else 8  # eta; 0 = synchronous RL
   c.rollout.max_concurrent_rollouts = 16 if tiny else 256  # groups in flight
+  # Pace the sampler to run this many versions ahead (staleness ≈ it; fractional allowed) instead of up to eta; a slow
+  # group may still finish up to eta versions late. None = eta.
+  c.rollout.target_staleness = ml_collections.config_dict.placeholder(float)
   # A run that accepts no group for this long stops with an error (every answer scores the same: nothing to learn).
   c.rollout.stall_timeout_s = 300.0 if tiny else 3600.0
 

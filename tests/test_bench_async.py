@@ -31,8 +31,8 @@ def test_bench_async_compares_sync_and_async_runs(tmp_path):
   assert [(r.eta, r.label) for r in results] == [(0, "sync"), (2, "η=2"), (2, "η=2 lr")]
   for run, (r,) in results.items():
     assert r["steps"] == 2 and r["seconds"] > 0 and r["samples_per_s"] > 0 and r["tokens_per_s"] > r["samples_per_s"]
-    assert r["staleness_max"] <= run.eta and 0 <= r["accuracy"] <= 1
-    assert 0 < r["sampler_busy"] <= 1.05 and 0 < r["learner_busy"] <= 1.05
+    assert r["staleness_max"] <= run.eta and 0 <= r["accuracy"] <= 1, (run, r)
+    assert 0 < r["sampler_busy"] <= 1.05 and 0 < r["learner_busy"] <= 1.05, (run, r)
   assert results[runs[0]][0]["staleness_max"] == 0
   # Both runs started from the one cached warm-start: the same weights give the same step-0 evaluation.
   assert results[runs[0]][0]["initial_accuracy"] == results[runs[1]][0]["initial_accuracy"]

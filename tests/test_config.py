@@ -88,6 +88,7 @@ def test_unknown_preset():
     ({"data.source": "parquet"}, "data.source"),
     ({"data.source": "jsonl"}, "data.path"),
     ({"rollout.max_head_offpolicyness": -1}, "rollout.max_head_offpolicyness"),
+    ({"rollout.target_staleness": 4.5}, "rollout.target_staleness"),
     ({"mesh.learner_tensor": 3}, "mesh.learner_tensor"),
     ({"sampler.num_slots": 66}, "sampler.num_slots"),
     ({"mesh.sampler_devices": 8}, "mesh.sampler_devices"),

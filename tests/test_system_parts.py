@@ -63,6 +63,25 @@ def test_eta_zero_is_synchronous():
   assert buf.capacity(1) == 3
 
 
+def test_target_staleness_paces_admission_below_the_bound():
+  """A target t < eta admits up to ⌊(t + v + 1)·B⌋ generated groups (fractional t: part of a batch ahead), while
+  take_batch still waits only for groups at the bound eta."""
+  for target, want in ((0.0, 4), (0.5, 6), (1.0, 8), (4.0, 20)):
+    assert RolloutBuffer(batch_size=4, max_offpolicyness=4, max_concurrent=100,
+                         target_staleness=target).capacity(0) == want
+  buf = RolloutBuffer(batch_size=4, max_offpolicyness=4, max_concurrent=100, target_staleness=0.5)
+  assert buf.capacity(3) == 18  # 4.5 batches at version 3, none generated yet
+  for g in range(6):
+    buf.admit(g, 0)
+  assert buf.capacity(0) == 0
+  for g in range(1, 6):
+    buf.finish(g, [_traj(0, g)], version=0)
+  assert len(buf.take_batch(4, version=0, timeout=1)) == 4  # group 0, still out, is within the bound: no wait
+  assert buf.capacity(1) == 4  # 10 allowed at version 1: 6 generated so far (one kept and waiting, one out)
+  with pytest.raises(ValueError, match="target_staleness=5"):
+    RolloutBuffer(batch_size=4, max_offpolicyness=4, max_concurrent=100, target_staleness=5)
+
+
 def _traj(version, group=0):
   return Trajectory(prompt_ids=np.zeros(2, np.int32), response_ids=np.ones(3, np.int32),
                     logprobs=np.zeros(3, np.float32), versions=np.full(3, version, np.int32), finish_reason="eos",

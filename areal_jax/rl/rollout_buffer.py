@@ -3,8 +3,11 @@
     capacity(version) ─► admit(gid, version) ─► generating ─► finish(gid, group | None) ─► take_batch(n, version)
 
 - `capacity(version)`: how many new prompt groups may start generating when the sampler runs policy `version`:
-  min(max_concurrent - running, (η + version + 1) * B - (accepted + running)), where `accepted` counts finished groups
-  that were kept (not filtered) and `running` those in flight. η = 0 is synchronous RL: B groups per version.
+  min(max_concurrent - running, ⌊(a + version + 1) * B⌋ - (accepted + running)), where `accepted` counts finished
+  groups that were kept (not filtered), `running` those in flight, and the lookahead a is η, or a target staleness
+  t ≤ η (`rollout.target_staleness`, fractional allowed). η = 0 is synchronous RL: B groups per version.
+  A sampler faster than the learner runs a versions ahead, so batches are trained at staleness ≈ a: t paces it
+  below the bound, while a slow group may still finish up to η versions late.
 - `take_batch(n, version)`: the n oldest finished groups (by the policy version their answers started from; ties by
   arrival) for the learner step after `version`. A group admitted under version − η or earlier is trained in this
   step or never within the bound, so it waits for every such group still out.
@@ -18,14 +21,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 from typing import Any
 
 
 class RolloutBuffer:
 
-  def __init__(self, *, batch_size: int, max_offpolicyness: int, max_concurrent: int, accepted: int = 0):
+  def __init__(self, *, batch_size: int, max_offpolicyness: int, max_concurrent: int, accepted: int = 0,
+               target_staleness: float | None = None):
+    if target_staleness is not None and not 0 <= target_staleness <= max_offpolicyness:
+      raise ValueError(f"target_staleness={target_staleness} must lie in [0, max_offpolicyness={max_offpolicyness}]")
     self.batch_size, self.eta, self.max_concurrent = batch_size, max_offpolicyness, max_concurrent
+    self.lookahead = max_offpolicyness if target_staleness is None else target_staleness
     self.accepted = accepted  # finished and kept, since the start of training (restored from the version on resume)
     self._out: dict[int, int] = {}  # generating: group id -> version it was admitted under
     self._heap: list[tuple[int, int, Any]] = []  # finished: (version, arrival, group)
@@ -48,7 +56,8 @@ class RolloutBuffer:
   def _capacity(self, version: int) -> int:
     running = len(self._out)
     return max(0, min(self.max_concurrent - running,
-                      (self.eta + version + 1) * self.batch_size - (self.accepted + running)))
+                      math.floor((self.lookahead + version + 1) * self.batch_size + 1e-9)
+                      - (self.accepted + running)))
 
   def admit(self, group_id: int, version: int) -> None:
     """Group `group_id` starts generating under `version` (the caller checked `capacity(version)`)."""

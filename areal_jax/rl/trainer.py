@@ -240,7 +240,8 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
                            st.tokenizer)
   rewards = RewardService.from_config(config.reward)
   buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
-                         max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size)
+                         max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size,
+                         target_staleness=r.target_staleness)
   controller = _controller(config, st, rollout, rewards, buffer)
   evaluator = (EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
                                 num_samples=config.eval.num_samples) if controller.episodes is not None
