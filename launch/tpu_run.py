@@ -48,7 +48,7 @@ def main(argv):
   jax.devices()  # the backend first: libtpu installs a SIGTERM handler of its own, replaced here
   cli.stop_on_signals()
   try:
-    trainer.run(config, _WORKDIR.value, layout)
+    trainer.entry_point(layout)(config, _WORKDIR.value, layout)  # lead, follow or sample
   except ConfigError as e:
     sys.exit(f"FATAL config error: {e}")
   except cli.Stopped as e:

@@ -1,4 +1,5 @@
-"""`run(config, workdir, layout)`: the asynchronous RL job, in one controller process or as one of several.
+"""`run(config, workdir, layout)`: the asynchronous RL job, in one controller process or as one of several
+(`entry_point(layout)`: `lead`, `follow` or `sample`).
 
 One process (the default) runs four threads and a pool of reward worker processes:
 - the sampler loop (sampler slice) generates without pause and takes new weights between decode steps; a second
@@ -11,8 +12,8 @@ owner of the staleness bound), run by the threads that complete them.
 In a multi-process job (`roles.ProcessLayout`) the same code runs per role. The leader (learner process 0) keeps the
 rollout controller, reward workers, rollout buffer, checkpoints and metrics, and drives the sampler processes through a
 `SamplerHub` (requests and answers over authenticated connections, weights over `jax.experimental.transfer`).
-Other learner processes follow the leader step by step on their shards of one fsdp x tensor mesh (`_follow`).
-Sampler processes run `sampler_process.run_sampler`.
+Other learner processes `follow` the leader step by step on their shards of one fsdp x tensor mesh. Sampler
+processes `sample` (`sampler_process.run_sampler`).
 
 Resume order (a workdir with checkpoints is resumed automatically): 1. model config from the config; 2. parameters
 and optimizer state of the latest checkpoint, straight onto the learner's shardings; 3. learner step and policy
@@ -30,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -136,27 +138,66 @@ def _learner_mesh(config, layout: ProcessLayout):
 
 
 def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]:
-  """Trains until `config.total_steps` learner steps; returns the metrics rows written by this invocation (the
-  leader's; other processes of a multi-process job return [])."""
-  start_time = time.time()
+  """Trains until `config.total_steps` learner steps: this process's part of the job (`entry_point`; one process:
+  all of it). Returns the metrics rows written by this invocation (the leader's; other processes return [])."""
   layout = layout or ProcessLayout.single()
+  return entry_point(layout)(config, workdir, layout)
+
+
+def entry_point(layout: ProcessLayout) -> Callable[..., list[dict]]:
+  """What a process of `layout` runs, `(config, workdir, layout) -> rows`: `lead` (the single process, or learner
+  process 0), `follow` (another learner process) or `sample` (a sampler process)."""
+  if layout.role == "sampler":
+    return sample
+  return lead if layout.is_leader else follow
+
+
+def _start(config, workdir: str, layout: ProcessLayout) -> tuple[float, epath.Path]:
+  """(start time, workdir): the library log filter installed and the config checked, before anything is written."""
+  start_time = time.time()
   for handler in logging.getLogger().handlers:
     handler.addFilter(_QuietLibraries())
-  workdir = epath.Path(workdir)
-  config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())  # before any write
-  if layout.role == "sampler":
-    sampler_process.run_sampler(config, str(workdir), layout, model_cfg=_model_config(config))
-    return []
-  # The leader listens at once, so the other processes can connect while it compiles.
-  control = ControlServer(layout, authkey(str(workdir))) if layout.multi_process and layout.is_leader else None
-  leader = None if layout.is_leader else connect(layout, authkey(str(workdir)), timeout_s=CONNECT_TIMEOUT_S)
+  config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())
+  return start_time, epath.Path(workdir)
+
+
+def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
+  """The leader: data, the rollout controller, reward workers, checkpoints and metrics, and the learner loop (in one
+  process, the sampler too)."""
+  start_time, workdir = _start(config, workdir, layout)
+  # It listens at once, so the other processes can connect while it compiles.
+  control = ControlServer(layout, authkey(str(workdir))) if layout.multi_process else None
   try:
-    return _run_learner(config, workdir, layout, start_time, control, leader)
+    learner_mesh, sampler_mesh = _learner_mesh(config, layout)
+    st = _prepare(config, workdir, layout, learner_mesh, start_time, control, None)
+    cut_logs(workdir, st.step if st.latest is not None else None)  # no checkpoint: the killed attempts' rows go too
+    return _lead(config, workdir, layout, control, st, learner_mesh, sampler_mesh)
   finally:
     if control is not None:
       control.close()
-    if leader is not None:
-      leader.close()
+
+
+def follow(config, workdir: str, layout: ProcessLayout) -> list[dict]:
+  """A learner process other than the leader: the leader's steps on this process's shards (`_follow`)."""
+  start_time, workdir = _start(config, workdir, layout)
+  leader = connect(layout, authkey(str(workdir)), timeout_s=CONNECT_TIMEOUT_S)
+  try:
+    learner_mesh, _ = _learner_mesh(config, layout)
+    st = _prepare(config, workdir, layout, learner_mesh, start_time, None, leader)
+    try:
+      _follow(leader, st.learner, st.ckpt, st.step)
+    finally:
+      st.ckpt.close()
+    return []
+  finally:
+    leader.close()
+
+
+def sample(config, workdir: str, layout: ProcessLayout) -> list[dict]:
+  """A sampler process: the engine on this process's devices, serving the leader (`sampler_process.run_sampler`)."""
+  _, workdir = _start(config, workdir, layout)
+  sampler_process.run_sampler(config, str(workdir), layout, model_cfg=_model_config(config))
+  return []
 
 
 @dataclasses.dataclass
@@ -174,20 +215,6 @@ class _Start:
   controller_state: dict | None
   start_time: float  # time/elapsed_s counts from here (moved back by the checkpoint's elapsed time)
   followers: dict[int, Peer]
-
-
-def _run_learner(config, workdir: epath.Path, layout: ProcessLayout, start_time: float, control: ControlServer | None,
-                 leader: Peer | None) -> list[dict]:
-  learner_mesh, sampler_mesh = _learner_mesh(config, layout)
-  st = _prepare(config, workdir, layout, learner_mesh, start_time, control, leader)
-  if leader is not None:
-    try:
-      _follow(leader, st.learner, st.ckpt, st.step)
-    finally:
-      st.ckpt.close()
-    return []
-  cut_logs(workdir, st.step if st.latest is not None else None)  # no checkpoint: the killed attempts' rows go too
-  return _lead(config, workdir, layout, control, st, learner_mesh, sampler_mesh)
 
 
 def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, start_time: float,
