@@ -22,6 +22,9 @@ setup(
         "safetensors==0.8.0",
         "jinja2==3.1.6",
         "math-verify==0.9.0",
+        # The code sandbox's seccomp filter (ctypes over the system's libseccomp.so.2); the jail itself is bubblewrap,
+        # a system package (Debian/Ubuntu: bubblewrap).
+        "pyseccomp==0.1.2",
         "tensorboardX==2.6.5",
         "tensorflow-datasets==4.9.10",
         "array-record==0.8.6",

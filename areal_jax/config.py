@@ -40,6 +40,7 @@ _CHOICES = {
     "learner.adv_norm": ("group", "batch", "none"),
     "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "learner.prox_logp_method": ("recompute", "loglinear"),
+    "reward.code_isolation": ("bwrap", "rlimits"),
 }
 
 

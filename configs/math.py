@@ -242,6 +242,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.reward.timeout_s = 5.0  # per item on a worker; it scores 0 past this
   c.reward.code_test_timeout_s = 2.0  # wall and CPU seconds per sandboxed code test
   c.reward.code_memory_mb = 1024  # address-space cap per sandboxed code test
+  # "bwrap": each code test in a kernel-enforced jail (namespaces, seccomp; needs bubblewrap). "rlimits" is weaker
+  # (no file, network or process isolation): choose it by name only where bwrap cannot run.
+  c.reward.code_isolation = "bwrap"
 
   # An agent written against the OpenAI API (areal_jax.agents): its episodes replace single-turn answers, and its
   # returned reward replaces the reward service's. "module:attribute", importable from where the job runs.

@@ -1,4 +1,4 @@
-"""tools/bench_sampler.py, tools/bench_learner.py and tools/bench_agents.py end to end on small workloads, peers
+"""tools/bench_sampler.py, tools/bench_learner.py, tools/bench_agents.py and tools/bench_sandbox.py end to end on small workloads, peers
 included."""
 
 import os
@@ -41,3 +41,8 @@ def test_bench_agents_replays_the_recorded_completions():
   assert [r[0] for r in rows] == ["episodes (recorded)", "plain requests"], out
   assert {r[1:] for r in rows} == {("8", "32")}, out  # the same work: 4 episodes x 2 turns x 4 tokens
   assert re.search(r"^recording overhead: [+-]\d+\.\d% time", out, re.M), out
+
+
+def test_bench_sandbox_times_both_modes():
+  out = _run("bench_sandbox.py", "--samples=3")
+  assert "bwrap    median" in out and "rlimits  median" in out and "jail / rlimits:" in out

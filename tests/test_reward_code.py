@@ -1,15 +1,21 @@
 """Code rewards: extraction, test formats, output matching, and the sandbox containing hostile programs."""
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
+import subprocess
 import tempfile
 import time
+import types
 
+import hostile_code
 import pytest
 
 from areal_jax.reward import code as code_reward
 from areal_jax.reward import sandbox
+from areal_jax.reward.service import RewardService
 
 FAST = sandbox.Limits(wall_s=1.5, cpu_s=1.0, memory_mb=512)
 STDIN_TESTS = {"inputs": ["3 4\n", "10 -2\n"], "outputs": ["7\n", "8\n"]}
@@ -19,25 +25,12 @@ def _answer(body: str) -> str:
   return f"Let me think.\n```python\n{body}\n```\nDone."
 
 
-def _procs_in(path: str) -> list[int]:
-  """Live processes whose working directory is under `path` (finds sandboxed programs whatever their parent)."""
-  out = []
-  for d in os.listdir("/proc"):
-    if d.isdigit():
-      try:
-        if os.readlink(f"/proc/{d}/cwd").startswith(path):
-          out.append(int(d))
-      except OSError:
-        pass
-  return out
-
-
 @pytest.fixture
 def sandbox_tmp(tmp_path, monkeypatch):
-  """Sandbox working directories go under tmp_path, so the test can find anything they left running."""
+  """Checks that a test's runs leave nothing: no jailed process, no working directory ("rlimits" makes them here)."""
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   yield str(tmp_path)
-  assert _procs_in(str(tmp_path)) == [], "sandboxed processes left running"
+  assert hostile_code.jailed_processes() == [], "sandboxed processes left running"
   assert os.listdir(tmp_path) == [], "sandbox directories left behind"
 
 
@@ -112,71 +105,74 @@ def test_time_budget_stops_remaining_tests(sandbox_tmp):
   assert time.monotonic() - t0 < 2.0
 
 
-# Hostile programs: each must score 0, leave the host (this process) alone and leave nothing running.
-HOSTILE = {
-    "infinite loop": "while True:\n  pass",
-    "sleep forever": "import time\ntime.sleep(3600)",
-    "fork bomb": "import os\nwhile True:\n  os.fork()",
-    "10 GB allocation": "x = bytearray(10 * 2**30)\nprint(len(x))",
-    "write outside": "open({outside!r}, 'w').write('pwned')\nprint(7)",
-    "kill parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(7)",
-    "kill parent group": "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)\nprint(7)",
-    "segfault": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
-    "subprocess": "import subprocess\nsubprocess.run(['sleep', '100'])",
-    "network": "import socket\nsocket.create_connection(('127.0.0.1', 9))",
-    "endless output": "while True:\n  print('x' * 100000)",
-}
+@pytest.fixture(scope="module")
+def hostile():
+  setup = hostile_code.Setup.make()
+  yield setup
+  setup.close()
 
 
-@pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_programs_are_contained(name, sandbox_tmp, tmp_path_factory):
-  outside = str(tmp_path_factory.mktemp("outside") / "pwned.txt")
-  program = HOSTILE[name].format(outside=outside)
-  parent_group = os.getpgid(0)
-  t0 = time.monotonic()
-  ok, why = code_reward.check_code(_answer(program), {"inputs": [""], "outputs": ["7"]}, limits=FAST)
-  assert not ok, f"{name}: {why}"
-  assert time.monotonic() - t0 < FAST.wall_s + 2.0
-  assert not os.path.exists(outside)
-  assert os.getpgid(0) == parent_group  # we are alive and in our own group
+def test_hostile_answers_score_zero_through_the_reward_service(hostile, sandbox_tmp, monkeypatch):
+  monkeypatch.setenv("AREAL_JAX_AUTHKEY", hostile_code.SECRET)  # the workers inherit it, as in a training run
+  limits = sandbox.Limits(wall_s=2.0, cpu_s=2.0, memory_mb=1024)
+  tests = {"inputs": [""], "outputs": ["7"]}
+  with RewardService(num_workers=2, timeout_s=20.0, code_limits=limits) as service:
+    futures = {name: service.submit(name, "code", _answer(program), tests)
+               for name, program in hostile.programs().items()}
+    results = {name: f.result(timeout=120) for name, f in futures.items()}
+    scored = {name: r.reason for name, r in results.items() if r.reward != 0.0}
+    assert not scored, scored
+    assert service.healthy and service.stats()["crashes"] == 0, service.stats()
+    assert service.submit("honest", "code", _answer("print(3 + 4)"), tests).result(30).reward == 1.0
+  assert hostile.breaches() == []
+  assert hostile_code.jailed_processes() == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="per-run uids need root")
-def test_process_cap_holds_when_the_audit_hook_is_bypassed(sandbox_tmp):
-  # Re-importing _posixsubprocess restores fork_exec behind the harness's back; RLIMIT_NPROC under the per-run uid
-  # must still cap the processes, and everything (even children in new sessions) must die with the run.
-  program = r'''
-import os, sys, time
-del sys.modules["_posixsubprocess"]
-import _posixsubprocess
-started = 0
-for _ in range(100):
-  r, w = os.pipe()
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv") and os.path.exists("/usr/bin/python3")),
+                    reason="runs the attacks as uid 65534: needs root, setpriv and a system /usr/bin/python3")
+def test_hostile_answers_score_zero_as_an_unprivileged_user(hostile, tmp_path):
+  # The same jail started by an unprivileged service: a copy of the sandbox (and pyseccomp) that uid 65534 can read,
+  # run by the system interpreter (ours may sit where that uid cannot reach).
+  import pyseccomp  # pylint: disable=g-import-not-at-top
+  here = tempfile.mkdtemp(prefix="unprivileged_")
   try:
-    _posixsubprocess.fork_exec([sys.executable, "-S", "-c", "import time; time.sleep(60)"],
-        [sys.executable.encode()], True, (r, w), None, None, -1, -1, -1, -1, -1, -1, r, w, True, True, -1,
-        None, None, None, -1, None, False)
-    started += 1
-  except OSError:
-    pass
-  os.close(r)
-  os.close(w)
-print(started, flush=True)
-time.sleep(60)
-'''
-  limits = sandbox.Limits(wall_s=2.0, cpu_s=2.0, max_procs=8)
-  r = sandbox.run_python(program, limits=limits)
-  assert r.status == "timeout"
-  assert 0 < int(r.stdout.split()[0]) < limits.max_procs
+    os.chmod(here, 0o755)
+    for src in (sandbox.__file__, pyseccomp.__file__, hostile_code.__file__):
+      shutil.copy(src, here)
+    spec = json.dumps({"programs": hostile.programs()})
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-s", "-E",
+                        os.path.join(here, "hostile_code.py"), spec], capture_output=True, text=True, timeout=300,
+                       cwd=here, env={"PATH": os.environ["PATH"], "AREAL_JAX_AUTHKEY": hostile_code.SECRET})
+  finally:
+    shutil.rmtree(here, ignore_errors=True)
+  assert r.returncode == 0, r.stderr[-3000:]
+  results = json.loads(r.stdout.splitlines()[-1])
+  assert set(results) == set(hostile_code.ATTACKS)
+  assert not [s for s in results.values() if s[0].startswith("error")], results  # each one really ran
+  scored = {name: s for name, s in results.items() if s[1]}
+  assert not scored, scored
+  assert hostile.breaches() == []
+  assert hostile_code.jailed_processes() == []
 
 
-def test_sandbox_environment_is_minimal(sandbox_tmp, monkeypatch):
-  monkeypatch.setenv("SECRET_TOKEN", "hunter2")
-  r = sandbox.run_python("import os\nprint(sorted(os.environ))\nprint(os.getcwd())", limits=FAST)
-  assert r.ok
-  names = r.stdout.splitlines()[0]
-  assert "SECRET_TOKEN" not in names and "PATH" in names
-  assert r.stdout.splitlines()[1].startswith(sandbox_tmp)
+def test_missing_isolation_refuses_to_score_unless_the_weaker_mode_is_named(sandbox_tmp, monkeypatch):
+  monkeypatch.setattr(shutil, "which", lambda name: None)
+  with pytest.raises(sandbox.SandboxUnavailable, match="bubblewrap"):
+    sandbox.run_python("print(1)", limits=FAST)
+  with pytest.raises(sandbox.SandboxUnavailable, match="isolation='rlimits'"):
+    code_reward.check_code(_answer("print(7)"), {"inputs": [""], "outputs": ["7"]}, limits=FAST)
+  weak = dataclasses.replace(FAST, isolation="rlimits")
+  assert code_reward.check_code(_answer("print(7)"), {"inputs": [""], "outputs": ["7"]}, limits=weak) == (
+      True, "all 1 tests passed")
+  with pytest.raises(ValueError, match="choose one of"):
+    sandbox.Limits(isolation="none")
+
+
+def test_rlimits_mode_still_caps_time_memory_and_output(sandbox_tmp):
+  weak = dataclasses.replace(FAST, isolation="rlimits")
+  assert sandbox.run_python("while True: pass", limits=weak).status in ("timeout", "signal SIGXCPU", "signal SIGKILL")
+  assert sandbox.run_python("x = bytearray(10 << 30)", limits=weak).status == "exit 1"
+  assert sandbox.run_python("while True: print('x' * 10000)", limits=weak).status == "output limit"
 
 
 def test_kill_tree_kills_grandchildren(tmp_path):
@@ -198,3 +194,23 @@ def test_kill_tree_kills_grandchildren(tmp_path):
     except FileNotFoundError:
       pass
   assert child.returncode == -signal.SIGKILL
+
+
+def test_a_run_with_code_problems_refuses_to_start_without_the_jail(monkeypatch):
+  from areal_jax.config import ConfigError, load_config  # pylint: disable=g-import-not-at-top
+  from areal_jax.data.records import PromptRecord  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl import trainer  # pylint: disable=g-import-not-at-top
+
+  def missing():
+    raise sandbox.SandboxUnavailable("code sandbox: `bwrap` is not on PATH")
+
+  monkeypatch.setattr(sandbox, "check_isolation", missing)
+  reward = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")).reward
+  code = PromptRecord(uid="a", prompt="", prompt_ids=None, reference="", kind="code")
+  code_set = types.SimpleNamespace(records=[code])
+  math_set = types.SimpleNamespace(records=[PromptRecord(uid="b", prompt="", prompt_ids=None, reference="")])
+  trainer._check_code_sandbox(reward, [math_set])  # pylint: disable=protected-access  # math needs no jail
+  with pytest.raises(ConfigError, match="config.reward.code_isolation='bwrap': code sandbox: `bwrap` is not on PATH"):
+    trainer._check_code_sandbox(reward, [math_set, code_set])  # pylint: disable=protected-access
+  reward.code_isolation = "rlimits"
+  trainer._check_code_sandbox(reward, [code_set])  # pylint: disable=protected-access  # the weaker mode, by name

@@ -11,6 +11,7 @@ from areal_jax.config import load_config
 from areal_jax.reward import sandbox
 from areal_jax.reward.service import RewardService, score_all
 from helpers import SLOW_MATH
+from hostile_code import jailed_processes
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")
 
@@ -21,18 +22,6 @@ def _alive(pid: int) -> bool:
       return f.read().rsplit(") ", 1)[1][0] != "Z"
   except FileNotFoundError:
     return False
-
-
-def _procs_in(path: str) -> list[int]:
-  out = []
-  for d in os.listdir("/proc"):
-    if d.isdigit():
-      try:
-        if os.readlink(f"/proc/{d}/cwd").startswith(path):
-          out.append(int(d))
-      except OSError:
-        pass
-  return out
 
 
 def _results(futures, timeout=60.0):
@@ -114,8 +103,7 @@ def test_1000_adversarial_completions_finish_in_time_and_service_stays_healthy()
   assert wall < 90, f"1000 adversarial items took {wall:.1f} s"
 
 
-def test_hung_item_times_out_and_worker_is_replaced(tmp_path, monkeypatch):
-  monkeypatch.setenv("TMPDIR", str(tmp_path))  # the workers' sandboxes live here, so we can find leftovers
+def test_hung_item_times_out_and_worker_is_replaced():
   hang = "```python\nimport time\ntime.sleep(600)\n```"
   limits = sandbox.Limits(wall_s=60, cpu_s=60)
   with RewardService(num_workers=2, timeout_s=1.0, soft_timeout_s=60, code_limits=limits) as service:
@@ -124,7 +112,7 @@ def test_hung_item_times_out_and_worker_is_replaced(tmp_path, monkeypatch):
     futures = [service.submit("slow-math", "math", SLOW_MATH, "5"),
                service.submit("hung-code", "code", hang, {"inputs": [""], "outputs": ["1"]})]
     time.sleep(0.5)
-    assert _procs_in(str(tmp_path))  # the hung program is running in its sandbox
+    assert jailed_processes()  # the hung program is running in its sandbox
     t0 = time.monotonic()
     results = _results(futures, timeout=10)
     assert time.monotonic() - t0 < 3.0
@@ -134,7 +122,7 @@ def test_hung_item_times_out_and_worker_is_replaced(tmp_path, monkeypatch):
     assert service.stats()["timeouts"] == 2 and service.stats()["restarts"] == 2
     assert not pids & set(service.worker_pids())
     assert not any(_alive(p) for p in pids)
-    assert _procs_in(str(tmp_path)) == []  # the sandboxed program died with its worker
+    assert jailed_processes() == []  # the sandboxed program died with its worker
     assert service.submit("next", "math", r"\boxed{2}", "2").result(30).reward == 1.0
     assert service.healthy
 

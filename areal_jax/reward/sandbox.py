@@ -1,33 +1,50 @@
-"""Runs untrusted Python in a contained subprocess (Linux).
+"""Runs untrusted Python in a jail the kernel enforces (Linux): one process per run, nothing left after it.
 
-Each run gets: its own session and process group; a fresh temporary working directory (also HOME and TMPDIR) that
-is deleted afterwards; a minimal environment; stdin, stdout and stderr as files in that directory; rlimits on CPU
-time, address space (RLIMIT_AS), processes (RLIMIT_NPROC), file size (which also caps output) and open files, set by
-a small trusted harness before the program starts; a wall-clock timeout. After every run, finished or not,
-everything left in its process group is killed. No Python runs between fork and exec, so callers may have threads.
+`isolation="bwrap"` (the default) starts the program under bubblewrap (`bwrap`, Debian's `bubblewrap` package) in
+new user, mount, PID, network, IPC, UTS and cgroup namespaces, as uid 65534 without capabilities:
 
-When the caller is root, the program runs under a per-run unprivileged uid: root ignores RLIMIT_NPROC, and another
-uid can neither signal our processes nor write our files. The harness drops the uid itself after start-up, reaching
-the interpreter's library directories through descriptors opened before the drop (`/proc/self/fd/N`), so an
-interpreter installed where other users cannot read (under /root, say) still works; every process of that uid is
-killed after the run. Inside, an audit hook (`_HARNESS`) also refuses process creation, signals to other processes,
-writes outside the working directory, sockets and ctypes. Audit hooks are a tripwire for ordinary code, not a
-security boundary; the boundaries are the rlimits, the process group and the uid.
+* files: a read-only root holding only /usr (with the /bin, /lib... links) and the interpreter's installation; a
+  private /tmp (its working directory and HOME) of `disk_mb`; its own /proc, which shows only its own processes; a
+  read-only minimal /dev. No dataset, project tree, home directory, /etc or other process is reachable.
+* network: a namespace with nothing but its own loopback, and no sockets at all (seccomp).
+* seccomp (libseccomp through `pyseccomp`): no new processes (fork, vfork, clone without CLONE_THREAD; clone3 says
+  ENOSYS so libc falls back to clone), no sockets, ptrace, process_vm_*, namespaces, mounts, keyrings, bpf,
+  perf_event_open, userfaultfd or io_uring. Threads are allowed (recursion-depth tricks need them).
+* rlimits, set by the harness before the program's first line: CPU seconds, address space (one process, so this
+  caps the whole answer), threads (RLIMIT_NPROC; exempt when the service runs as root, where the address-space cap
+  and the clock bound them), file size, open files, no core dumps.
+* data: the program and its arguments arrive on an inherited descriptor the harness reads and closes; stdin, stdout
+  and stderr are pipes this process owns (stdout is capped at `max_output_mb`). Nothing is read back from a path.
+* the end: when the program returns, times out or writes too much, bwrap is SIGKILLed; `--die-with-parent` and the
+  PID namespace take everything in the jail with it.
+
+The same boundary holds whether the service runs as root or not. Where the host cannot build it (no `bwrap`, user
+namespaces refused, no libseccomp), `check_isolation()` and every run raise `SandboxUnavailable` naming what is
+missing. `isolation="rlimits"` is a weaker mode a user must choose by name: the same harness, rlimits, session and
+wall clock, with no namespaces and no seccomp, so the program can read and write what this user can and open sockets.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import errno
+import functools
 import json
 import math
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+ISOLATIONS = ("bwrap", "rlimits")
+
+
+class SandboxUnavailable(RuntimeError):
+  """The host cannot build the requested isolation; the message names what is missing."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,16 +53,22 @@ class Limits:
 
   wall_s: float = 4.0
   cpu_s: float = 3.0
-  memory_mb: int = 1024
-  max_procs: int = 16  # processes and threads (of the per-run uid; else on top of this user's current count)
-  max_output_mb: float = 16.0  # any file the program writes, stdout and stderr included
+  memory_mb: int = 1024  # address space of the one process (threads share it)
+  max_threads: int = 16  # RLIMIT_NPROC (not enforced for a root service: see the module docstring)
+  max_output_mb: float = 16.0  # stdout, and any one file the program writes
+  disk_mb: int = 64  # the private /tmp ("bwrap")
   max_open_files: int = 64
   site_packages: bool = False
+  isolation: str = "bwrap"  # or "rlimits", the weaker mode (module docstring)
+
+  def __post_init__(self):
+    if self.isolation not in ISOLATIONS:
+      raise ValueError(f"sandbox isolation {self.isolation!r}: choose one of {ISOLATIONS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunResult:
-  status: str  # "ok" | "exit N" | "signal SIGxxx" | "timeout"
+  status: str  # "ok" | "exit N" | "signal SIGxxx" | "timeout" | "output limit"
   stdout: str
   stderr: str
   wall_s: float
@@ -55,84 +78,19 @@ class RunResult:
     return self.status == "ok"
 
 
-# The program runs under this harness, started as `python -I [-S] harness.py` in the working directory, which holds
-# run.json ({"rlimits": {name: [soft, hard]}, "uid": int or null, "call": null or {"fn_name", "args"}}) and
-# program.py. The harness, still trusted, sets the rlimits, drops to the uid and installs the audit hook; then it runs
-# the program as __main__, or (with "call") defines it as a module, calls the function and prints the JSON result
-# as the last line of stdout.
+# Started as `python -I [-S] -c _HARNESS FD`. FD holds {"source", "rlimits": {name: [soft, hard]}, "call"}; the
+# harness reads and closes it, sets the rlimits, then runs the program as __main__, or (with "call": {"fn_name",
+# "args"}) defines it as a module, calls the function and prints the JSON result as the last line of stdout.
 _HARNESS = r'''
 import json, os, resource, sys
-_WORKDIR = os.path.realpath(os.getcwd())
-with open("run.json") as _f:
-  _RUN = json.load(_f)
-with open("program.py") as _f:
-  _SOURCE = _f.read()
+with os.fdopen(int(sys.argv[1]), "rb") as _f:
+  _RUN = json.loads(_f.read())
 for _name, _limit in _RUN["rlimits"].items():
   resource.setrlimit(getattr(resource, _name), tuple(_limit))
-
-if _RUN["uid"] is not None:  # drop root; the library directories stay reachable through descriptors opened now
-  _moved = {}
-  for _i, _p in enumerate(sys.path):
-    if os.path.isdir(_p):
-      _moved[_p] = sys.path[_i] = "/proc/self/fd/%d" % os.open(_p, os.O_RDONLY | os.O_DIRECTORY)
-  for _m in list(sys.modules.values()):
-    _path = getattr(_m, "__path__", None)
-    if isinstance(_path, list):
-      _path[:] = [next((n + p[len(o):] for o, n in _moved.items() if p == o or p.startswith(o + os.sep)), p)
-                  for p in _path]
-  sys.path_importer_cache.clear()
-  os.setgroups([])
-  os.setgid(_RUN["uid"])
-  os.setuid(_RUN["uid"])
-_PID, _PGID = os.getpid(), os.getpgid(0)
-_realpath, _join, _getcwd = os.path.realpath, os.path.join, os.getcwd
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_PATH_EVENTS = {"os.remove": (0,), "os.rename": (0, 1), "os.rmdir": (0,), "os.mkdir": (0,), "os.symlink": (1,),
-                "os.link": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-                "shutil.copyfile": (1,)}
-_DENY = ("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.system", "subprocess.Popen", "socket.__new__")
-_busy = []
-
-def _inside(path):
-  if isinstance(path, int):
-    return True
-  p = _realpath(_join(_getcwd(), os.fsdecode(path)))
-  return p == _WORKDIR or p.startswith(_WORKDIR + os.sep) or p == os.devnull
-
-def _hook(event, args):
-  if _busy:
-    return
-  _busy.append(1)
-  try:
-    if event in _DENY or event.startswith("ctypes."):
-      raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0].partition(".")[0] in ("ctypes", "_ctypes", "cffi"):
-      raise ImportError(f"sandbox: importing {args[0]} is not allowed")
-    if event in ("os.kill", "os.killpg"):
-      target = args[0]
-      if not (target in (0, _PID) or (event == "os.killpg" and target == _PGID) or target == -_PGID):
-        raise PermissionError(f"sandbox: {event}({target}) is not allowed")
-    elif event == "open":
-      path, mode, flags = args
-      writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE
-      if path is not None and writes and not _inside(path):
-        raise PermissionError(f"sandbox: writing {path!r} outside the working directory is not allowed")
-    elif event in _PATH_EVENTS:
-      for i in _PATH_EVENTS[event]:
-        if i < len(args) and args[i] is not None and not _inside(args[i]):
-          raise PermissionError(f"sandbox: {event}({args[i]!r}) outside the working directory is not allowed")
-  finally:
-    _busy.pop()
-
-import _posixsubprocess
-def _no_fork_exec(*a, **k):
-  raise PermissionError("sandbox: subprocesses are not allowed")
-_posixsubprocess.fork_exec = _no_fork_exec
-sys.addaudithook(_hook)
-
-_code = compile(_SOURCE, "program.py", "exec")
+_code = compile(_RUN["source"], "program.py", "exec")
 sys.argv = ["program.py"]
 if _RUN["call"] is None:
+  del _RUN
   exec(_code, {"__name__": "__main__", "__file__": "program.py", "__builtins__": __builtins__})
 else:
   import types
@@ -153,27 +111,250 @@ else:
   _out.flush()
 '''
 
-_RUN_COUNTER = itertools.count()
-_UID_BASE = 1 << 30  # per-run uids: far above any real account
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_DENIED_SYSCALLS = (
+    "fork", "vfork", "socket", "socketpair", "ptrace", "process_vm_readv", "process_vm_writev", "unshare", "setns",
+    "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount", "fspick", "move_mount", "open_tree", "keyctl",
+    "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "kcmp", "pidfd_getfd",
+    "open_by_handle_at", "name_to_handle_at", "personality", "syslog", "acct", "quotactl", "swapon", "swapoff",
+    "reboot", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load")
+_CLONE_THREAD = 0x00010000
 
 
-def _run_uid() -> int:
-  """A uid no other live run uses: this process's pid and a counter (unique over 256 consecutive runs)."""
-  return _UID_BASE + ((os.getpid() & 0x3FFFFF) << 8) + (next(_RUN_COUNTER) & 0xFF)
+@functools.cache
+def _seccomp_filter() -> bytes:
+  """The jail's seccomp program (classic BPF for bwrap's `--seccomp FD`), built once per process."""
+  try:
+    import pyseccomp as sc  # pylint: disable=g-import-not-at-top
+    f = sc.SyscallFilter(sc.ALLOW)
+  except (ImportError, OSError, RuntimeError) as e:
+    raise SandboxUnavailable(f"code sandbox: no seccomp filter ({type(e).__name__}: {e}); it needs the pyseccomp "
+                             "package and libseccomp.so.2 (Debian: libseccomp2)") from None
+  for name in _DENIED_SYSCALLS:
+    try:
+      f.add_rule(sc.ERRNO(errno.EPERM), name)
+    except (ValueError, OSError):  # not a syscall on this architecture
+      pass
+  f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+  f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+  with tempfile.TemporaryFile() as out:
+    f.export_bpf(out)
+    out.seek(0)
+    return out.read()
 
 
-def _pids_of_uid(uid: int) -> list[int]:
-  """Processes whose real uid is `uid` (from /proc/PID/status: /proc/PID itself shows root after a uid change)."""
-  pids, prefix = [], f"Uid:\t{uid}\t".encode()
+def _memfd(name: str, data: bytes) -> int:
+  fd = os.memfd_create(name, 0)  # no CLOEXEC: the jail inherits it
+  os.write(fd, data)
+  os.lseek(fd, 0, os.SEEK_SET)
+  return fd
+
+
+def _bwrap_argv(python: str, limits: Limits, seccomp_fd: int, info_fd: int) -> list[str]:
+  """bwrap's command line up to the interpreter (see the module docstring)."""
+  bwrap = shutil.which("bwrap")
+  if bwrap is None:
+    raise SandboxUnavailable("code sandbox: `bwrap` is not on PATH; install bubblewrap (Debian/Ubuntu: apt-get "
+                             "install bubblewrap), or choose the weaker isolation='rlimits' by name")
+  argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534",
+          "--ro-bind", "/usr", "/usr"]
+  for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    if os.path.islink(top):
+      argv += ["--symlink", os.readlink(top), top]
+    elif os.path.isdir(top):
+      argv += ["--ro-bind", top, top]
+  roots = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(python))}
+  if limits.site_packages:
+    roots.add(os.path.realpath(sys.prefix))
+  for root in sorted(roots):
+    if not (root == "/usr" or root.startswith("/usr/")):
+      argv += ["--ro-bind", root, root]
+  return argv + ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_mb << 20), "--tmpfs", "/tmp",
+                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv",
+                 *[a for k, v in dict(_ENV, HOME="/tmp", TMPDIR="/tmp").items() for a in ("--setenv", k, v)],
+                 "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd), "--"]
+
+
+@functools.cache
+def check_isolation() -> None:
+  """Raises SandboxUnavailable, naming what is missing, unless this host can run `isolation="bwrap"` jails (checked
+  once per process by running one)."""
+  r = run_python("import os\nprint(os.getuid(), len(os.listdir('/proc/self/task')))",
+                 limits=Limits(wall_s=30.0, cpu_s=10.0), _checked=True)
+  if r.status != "ok" or r.stdout.split() != ["65534", "1"]:
+    raise SandboxUnavailable(f"code sandbox: bwrap could not start a jail on this host ({r.status}): "
+                             f"{r.stderr.strip()[-500:] or r.stdout.strip()[-200:]}; user namespaces may be "
+                             "disabled (sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces). "
+                             "Choose the weaker isolation='rlimits' by name to score code anyway")
+
+
+def _rlimits(limits: Limits) -> dict[str, list[int]]:
+  cpu = max(1, math.ceil(limits.cpu_s))
+  out = int(limits.max_output_mb * 2**20)
+  mem = int(limits.memory_mb * 2**20)
+  nproc = limits.max_threads
+  if limits.isolation == "rlimits" and os.geteuid() != 0:  # here RLIMIT_NPROC counts all of this user's processes
+    nproc += sum(1 for _ in _user_tasks(os.getuid()))
+  return {"RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_AS": [mem, mem], "RLIMIT_FSIZE": [out, out],
+          "RLIMIT_NOFILE": [limits.max_open_files] * 2, "RLIMIT_CORE": [0, 0], "RLIMIT_NPROC": [nproc, nproc]}
+
+
+def _user_tasks(uid: int):
+  prefix = f"Uid:\t{uid}\t".encode()
   for d in os.listdir("/proc"):
     if d.isdigit():
       try:
         with open(f"/proc/{d}/status", "rb") as f:
-          if prefix in f.read():
-            pids.append(int(d))
+          status = f.read()
+      except OSError:
+        continue
+      if prefix in status:
+        yield int(status.split(b"Threads:\t")[1].split()[0]) if b"Threads:\t" in status else 1
+
+
+def _status(returncode: int | None, ended: str | None) -> str:
+  if ended:
+    return ended
+  if returncode == 0:
+    return "ok"
+  if returncode is not None and returncode < 0:
+    try:
+      return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:
+      return f"signal {-returncode}"
+  return f"exit {returncode}"
+
+
+def _exchange(proc: subprocess.Popen, stdin: bytes, limits: Limits) -> tuple[bytes, bytes, str | None]:
+  """Feeds stdin and reads stdout/stderr until the program exits; (stdout, stderr, "timeout" | "output limit" |
+  None). stderr keeps its first 64 KiB."""
+  deadline = time.monotonic() + limits.wall_s
+  cap = int(limits.max_output_mb * 2**20)
+  out, err = bytearray(), bytearray()
+  sel = selectors.DefaultSelector()
+  pending = memoryview(stdin)
+  if pending:
+    os.set_blocking(proc.stdin.fileno(), False)
+    sel.register(proc.stdin, selectors.EVENT_WRITE)
+  else:
+    proc.stdin.close()
+  sel.register(proc.stdout, selectors.EVENT_READ, out)
+  sel.register(proc.stderr, selectors.EVENT_READ, err)
+  try:
+    while sel.get_map():
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return bytes(out), bytes(err), "timeout"
+      for key, _ in sel.select(left):
+        if key.fileobj is proc.stdin:
+          try:
+            pending = pending[os.write(key.fd, pending[:65536]):]
+          except (BrokenPipeError, BlockingIOError) as e:
+            pending = pending if isinstance(e, BlockingIOError) else pending[:0]
+          if not pending:
+            sel.unregister(proc.stdin)
+            proc.stdin.close()
+          continue
+        chunk = os.read(key.fd, 1 << 16)
+        if not chunk:
+          sel.unregister(key.fileobj)
+        elif key.data is err:
+          err += chunk[:max(0, 65536 - len(err))]
+        else:
+          out += chunk
+          if len(out) > cap:
+            return bytes(out[:cap]), bytes(err), "output limit"
+    try:
+      proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      return bytes(out), bytes(err), "timeout"
+    return bytes(out), bytes(err), None
+  finally:
+    sel.close()
+
+
+def run_python(source: str, *, stdin: str = "", call: dict | None = None, limits: Limits = Limits(),
+               python: str | None = None, _checked: bool = False) -> RunResult:
+  """Runs `source` as a script fed `stdin`, or, with `call={"fn_name": ..., "args": [...]}`, calls its function and
+  returns the JSON result as the last line of stdout. Never raises for anything the program does; raises
+  SandboxUnavailable when the host cannot build the jail `limits.isolation` names."""
+  python = python or sys.executable
+  jailed = limits.isolation == "bwrap"
+  if jailed and not limits.site_packages:
+    python = os.path.realpath(python)  # a venv's bin/python links to the base interpreter, which is all -S needs
+  if jailed and not _checked:
+    check_isolation()
+  t0 = time.monotonic()
+  fds, work, proc, info = [], None, None, None
+  try:
+    payload = json.dumps({"source": source, "rlimits": _rlimits(limits), "call": call}).encode()
+    fds.append(_memfd("program", payload))
+    argv = [python, "-I", *([] if limits.site_packages else ["-S"]), "-c", _HARNESS, str(fds[0])]
+    if jailed:
+      info, info_w = os.pipe()
+      fds += [_memfd("seccomp", _seccomp_filter()), info_w]
+      argv = _bwrap_argv(python, limits, fds[1], info_w) + argv
+      env, cwd = {}, None
+    else:
+      work = tempfile.mkdtemp(prefix="areal_sandbox_")
+      env, cwd = dict(_ENV, HOME=work, TMPDIR=work), work
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                            env=env, pass_fds=fds, start_new_session=True)
+    for fd in fds:
+      os.close(fd)
+    fds = []
+    out, err, ended = _exchange(proc, stdin.encode(), limits)
+    wall = time.monotonic() - t0
+    _kill(proc, info)
+    return RunResult(status=_status(proc.returncode, ended), stdout=out.decode("utf-8", "replace"),
+                     stderr=err.decode("utf-8", "replace"), wall_s=wall)
+  except OSError as e:  # e.g. the interpreter or bwrap cannot start
+    return RunResult(status=f"error {type(e).__name__}: {e}", stdout="", stderr="", wall_s=time.monotonic() - t0)
+  finally:
+    for fd in fds:
+      os.close(fd)
+    if proc is not None:
+      _kill(proc, info)
+      for f in (proc.stdin, proc.stdout, proc.stderr):
+        if not f.closed:
+          f.close()
+    if info is not None:
+      os.close(info)
+    if work is not None:
+      shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill(proc: subprocess.Popen, info: int | None) -> None:
+  """Ends a run that is still going: SIGKILLs its process group and reaps it. A jail dies with bwrap, but not at
+  once: wait until nothing is left in its PID namespace (named on bwrap's `info` pipe)."""
+  if proc.poll() is not None:
+    return  # bwrap exits only after its PID namespace has emptied
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+  proc.wait()
+  if info is None:
+    return
+  os.set_blocking(info, False)
+  try:
+    pidns = f"pid:[{json.loads(os.read(info, 1 << 16))['pid-namespace']}]"
+  except (OSError, ValueError, KeyError):
+    return  # bwrap died before it made the jail
+  deadline = time.monotonic() + 5.0
+  while time.monotonic() < deadline:
+    left = []
+    for d in os.listdir("/proc"):
+      try:
+        if d.isdigit() and os.readlink(f"/proc/{d}/ns/pid") == pidns and not _gone(int(d)):
+          left.append(int(d))
+          os.kill(int(d), signal.SIGKILL)
       except OSError:
         pass
-  return pids
+    if not left:
+      return
+    time.sleep(0.005)
 
 
 def descendants(pid: int) -> list[int]:
@@ -206,15 +387,6 @@ def _gone(pid: int) -> bool:
     return True
 
 
-def _await_exit(pids: list[int], timeout_s: float = 2.0) -> None:
-  """SIGKILL is asynchronous: wait (briefly) until the killed processes are really gone."""
-  deadline = time.monotonic() + timeout_s
-  while pids and time.monotonic() < deadline:
-    pids = [p for p in pids if not _gone(p)]
-    if pids:
-      time.sleep(0.005)
-
-
 def kill_tree(pid: int) -> None:
   """SIGKILLs `pid`, its descendants and the process groups they lead (never the caller's own group); returns once
   they have exited."""
@@ -228,110 +400,8 @@ def kill_tree(pid: int) -> None:
       os.kill(p, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
       pass
-  _await_exit(victims)
-
-
-def _rlimits(limits: Limits, uid: int | None) -> dict[str, list[int]]:
-  """The rlimits the harness sets on itself before running the program."""
-  cpu = max(1, math.ceil(limits.cpu_s))
-  out = int(limits.max_output_mb * 2**20)
-  mem = int(limits.memory_mb * 2**20)
-  nproc = limits.max_procs
-  if uid is None and os.geteuid() != 0:  # RLIMIT_NPROC counts all of this user's processes
-    nproc += len(_pids_of_uid(os.getuid()))
-  return {"RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_AS": [mem, mem], "RLIMIT_FSIZE": [out, out],
-          "RLIMIT_NOFILE": [limits.max_open_files] * 2, "RLIMIT_CORE": [0, 0], "RLIMIT_NPROC": [nproc, nproc]}
-
-
-def _status(returncode: int | None, timed_out: bool) -> str:
-  if timed_out:
-    return "timeout"
-  if returncode == 0:
-    return "ok"
-  if returncode is not None and returncode < 0:
-    try:
-      return f"signal {signal.Signals(-returncode).name}"
-    except ValueError:
-      return f"signal {-returncode}"
-  return f"exit {returncode}"
-
-
-def _rmtree(path: str) -> None:
-  def unlock(func, p, exc_info):
-    try:
-      os.chmod(os.path.dirname(p), 0o700)
-      os.chmod(p, 0o700)
-      func(p)
-    except OSError:
-      pass
-
-  shutil.rmtree(path, onerror=unlock)
-
-
-def run_python(source: str, *, stdin: str = "", call: dict | None = None, limits: Limits = Limits(),
-               python: str | None = None) -> RunResult:
-  """Runs `source` as a script fed `stdin`, or, with `call={"fn_name": ..., "args": [...]}`, calls its function and
-  returns the JSON result as the last line of stdout. Never raises for anything the program does."""
-  python = python or sys.executable
-  uid = _run_uid() if os.geteuid() == 0 else None
-  work = tempfile.mkdtemp(prefix="areal_sandbox_")
-  t0 = time.monotonic()
-  proc = None
-  timed_out = False
-  try:
-    run = {"rlimits": _rlimits(limits, uid), "uid": uid, "call": call}
-    files = {"harness.py": _HARNESS, "program.py": source, "stdin.txt": stdin, "run.json": json.dumps(run)}
-    for name, text in files.items():
-      with open(os.path.join(work, name), "w", encoding="utf-8") as f:
-        f.write(text)
-    if uid is not None:
-      os.chown(work, uid, uid)
-    os.chmod(work, 0o700)
-    env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
-           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    argv = [python, "-I", *([] if limits.site_packages else ["-S"]), "harness.py"]
-    with open(os.path.join(work, "stdin.txt"), "rb") as fin, \
-         open(os.path.join(work, "stdout.txt"), "wb") as fout, \
-         open(os.path.join(work, "stderr.txt"), "wb") as ferr:
-      proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=env, close_fds=True,
-                              start_new_session=True)
-    try:
-      proc.wait(timeout=limits.wall_s)
-    except subprocess.TimeoutExpired:
-      timed_out = True
-    wall = time.monotonic() - t0
-    _kill_run(proc, uid)
-    proc.wait()
-    cap = int(limits.max_output_mb * 2**20)
-    with open(os.path.join(work, "stdout.txt"), "rb") as f:
-      out = f.read(cap).decode("utf-8", "replace")
-    with open(os.path.join(work, "stderr.txt"), "rb") as f:
-      err = f.read(65536).decode("utf-8", "replace")
-    return RunResult(status=_status(proc.returncode, timed_out), stdout=out, stderr=err, wall_s=wall)
-  except OSError as e:  # e.g. the interpreter cannot start
-    return RunResult(status=f"error {type(e).__name__}: {e}", stdout="", stderr="", wall_s=time.monotonic() - t0)
-  finally:
-    if proc is not None and proc.returncode is None:
-      _kill_run(proc, uid)
-      proc.wait()
-    _rmtree(work)
-
-
-def _kill_run(proc: subprocess.Popen, uid: int | None) -> None:
-  """Kills the run's process group, and with a per-run uid every process of that uid (escapees of the group)."""
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-  if uid is not None:
-    for _ in range(3):  # a process forking while we scan is caught by the next pass (RLIMIT_NPROC bounds it)
-      pids = [p for p in _pids_of_uid(uid) if not _gone(p)]
-      if not pids:
-        break
-      for p in pids:
-        try:
-          os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-      _await_exit(pids)
+  deadline = time.monotonic() + 2.0  # SIGKILL is asynchronous: wait (briefly) until they are really gone
+  while victims and time.monotonic() < deadline:
+    victims = [p for p in victims if not _gone(p)]
+    if victims:
+      time.sleep(0.005)

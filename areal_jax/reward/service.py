@@ -116,9 +116,10 @@ class RewardService:
 
   @classmethod
   def from_config(cls, reward, **kw) -> RewardService:
-    """From the config's `reward` group (num_workers, timeout_s, code_test_timeout_s, code_memory_mb)."""
+    """From the config's `reward` group (num_workers, timeout_s, code_test_timeout_s, code_memory_mb,
+    code_isolation)."""
     limits = sandbox.Limits(wall_s=reward.code_test_timeout_s, cpu_s=reward.code_test_timeout_s,
-                            memory_mb=reward.code_memory_mb)
+                            memory_mb=reward.code_memory_mb, isolation=reward.get("code_isolation", "bwrap"))
     return cls(num_workers=reward.num_workers, timeout_s=reward.timeout_s, code_limits=limits, **kw)
 
   # ---- caller side: nothing here waits for a worker

@@ -52,6 +52,7 @@ from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.models import hf_io, orbax_io, weights
 from areal_jax.models.config import ModelConfig
+from areal_jax.reward import sandbox
 from areal_jax.reward.service import RewardService, score_all
 from areal_jax.rl import warmstart
 from areal_jax.rl.batches import save_batch
@@ -217,6 +218,16 @@ class _Start:
   followers: dict[int, Peer]
 
 
+def _check_code_sandbox(reward, datasets) -> None:
+  """Code problems are scored in the sandbox the config names: refuse to start where the host cannot build it."""
+  isolation = reward.get("code_isolation", "bwrap")
+  if isolation == "bwrap" and any(r.kind == "code" for d in datasets for r in d.records):
+    try:
+      sandbox.check_isolation()
+    except sandbox.SandboxUnavailable as e:
+      raise config_lib.ConfigError(f"config.reward.code_isolation={isolation!r}: {e}") from None
+
+
 def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, start_time: float,
              control: ControlServer | None, leader: Peer | None) -> _Start:
   """Data, model and learner; the run's directory (leader); the latest checkpoint restored, or the initial weights."""
@@ -224,6 +235,7 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
   train = build_dataset(config.data, tokenizer, split="train")
   evalset = build_dataset(config.data, tokenizer, split="eval")
   logging.info("data: %d train prompts %s, %d eval prompts", len(train), train.stats, len(evalset))
+  _check_code_sandbox(config.reward, [train, evalset])
   model_cfg = _model_config(config)
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise config_lib.ConfigError(f"config.model.vocab_size={model_cfg.vocab_size}: smaller than the tokenizer's "
