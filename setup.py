@@ -21,6 +21,7 @@ setup(
         "tokenizers==0.23.3",
         "safetensors==0.8.0",
         "jinja2==3.1.6",
+        "msgpack==1.2.4",  # the control plane's message format (areal_jax/distributed/wire.py)
         "math-verify==0.9.0",
         # The code sandbox's seccomp filter (ctypes over the system's libseccomp.so.2); the jail itself is bubblewrap,
         # a system package (Debian/Ubuntu: bubblewrap).

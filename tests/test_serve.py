@@ -510,3 +510,38 @@ def test_malformed_tool_calls_stay_content(text, content, calls):
   assert got_content == (text if content == "same" else content)
   assert got_calls is None if calls is None else [
       (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+
+
+def test_api_key_is_required_of_every_route_but_health(server, tok):
+  import uvicorn  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.distributed.local_job import free_port_pair  # pylint: disable=g-import-not-at-top
+  from areal_jax.serve.server import create_app  # pylint: disable=g-import-not-at-top
+
+  port = free_port_pair()
+  app = create_app(backend=server.backend, tokenizer=tok, model_name=MODEL, api_key="sk-test-key")
+  keyed = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=keyed.run, daemon=True)
+  thread.start()
+  try:
+    deadline = time.monotonic() + 30
+    while not keyed.started and time.monotonic() < deadline:
+      time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test-key", max_retries=0, timeout=120)
+    r = good.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, temperature=0)
+    assert r.choices[0].text is not None
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError) as e:
+      bad.models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as h:
+      assert h.status == 200
+    req = urllib.request.Request(f"{url}/v1/completions", data=b'{"prompt": "1"}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+      urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401
+  finally:
+    keyed.should_exit = True
+    thread.join(30)

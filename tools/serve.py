@@ -15,6 +15,8 @@ logprobs and the policy version in every response); all requests share the sampl
 See `areal_jax.serve` for the fields served and the errors returned.
 """
 
+import os
+
 from absl import app, flags
 
 from areal_jax.serve import build
@@ -23,6 +25,9 @@ _DIR = flags.DEFINE_string("checkpoint_dir", None, "Run directory, its checkpoin
                            "directory or a local HF model directory; local or gs://.", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "'latest' or a step number of a run's checkpoints.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+_KEY = flags.DEFINE_string("api_key", None, "Bearer token every request but /health must carry (OpenAI clients send "
+                           "their api_key so); default $AREAL_JAX_API_KEY, which other users cannot read off the "
+                           "command line. Unset: no authentication.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port, logged).")
 _NAME = flags.DEFINE_string("model_name", None, "Model id served (default: the directory's name, @step for a run).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer spec (default: the run's; a HF directory's own).")
@@ -61,7 +66,8 @@ def main(argv):
   build(_DIR.value, step=_STEP.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, model_name=_NAME.value,
         host=_HOST.value, port=_PORT.value, max_queue=_QUEUE.value, max_seq_len=_SEQ.value, num_slots=_SLOTS.value,
         page_size=_PAGE.value, num_pages=_PAGES.value, memory_fraction=_MEM.value, decode_steps=_STEPS.value,
-        tensor_parallel=_TP.value, warmup=_WARMUP.value).serve_forever()
+        tensor_parallel=_TP.value, warmup=_WARMUP.value,
+        api_key=_KEY.value or os.environ.get("AREAL_JAX_API_KEY")).serve_forever()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The control plane of a multi-process run: authenticated connections between the leader and the other processes.
 
-Every process but the leader (learner process 0) connects to the leader's `multiprocessing.connection` listener and
-says who it is; after that each side sends `(kind, payload)` tuples of host data (requests, trajectories, notices,
-learner batches). Arrays never travel here: weights go over `jax.experimental.transfer` (`weight_transfer.py`).
+Every process but the leader (learner process 0) connects to the leader's `multiprocessing.connection` listener,
+both sides prove they hold the job's key ($AREAL_JAX_AUTHKEY, HMAC challenges both ways; `roles.authkey`), and the
+process says who it is; after that each side sends `(kind, payload)` messages of host data (requests, trajectories,
+notices, learner batches) as typed msgpack (`wire.py`: data, never pickles). A connection that has not finished its
+handshake within `HANDSHAKE_TIMEOUT_S` is dropped without holding up the others. Weights never travel here: they go
+over `jax.experimental.transfer` (`weight_transfer.py`).
 
     leader                                         sampler process i
       ("weights", {version, uuid, fp})  ──────►      pulls, checks fp, swaps between two decode steps
@@ -23,13 +26,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
+import struct
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
+from areal_jax.distributed import wire
 from areal_jax.distributed.roles import ProcessLayout
 
 CONNECT_TIMEOUT_S = 600.0  # how long a process waits for the others to connect (compilation may come first)
+HANDSHAKE_TIMEOUT_S = 10.0  # from accept to hello: a silent or slow stranger is dropped after this
+
+
+def _io_timeout(conn: Connection, seconds: float) -> None:
+  """Bounds each blocking read and write on `conn` by `seconds` (0: no bound); past it they raise OSError."""
+  tv = struct.pack("@ll", int(seconds), int((seconds % 1) * 1e6))
+  sock = socket.socket(fileno=os.dup(conn.fileno()))  # a second handle on the same socket, for its options
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+  finally:
+    sock.close()
 
 
 class Peer:
@@ -40,8 +60,9 @@ class Peer:
     self._lock = threading.Lock()
 
   def send(self, kind: str, payload=None) -> None:
+    data = wire.encode((kind, payload))
     with self._lock:
-      self.conn.send((kind, payload))
+      self.conn.send_bytes(data)
 
   def poll(self, timeout: float) -> bool:
     """Whether a message (or the end of the connection) is waiting, after at most `timeout` seconds."""
@@ -51,11 +72,14 @@ class Peer:
       return True  # recv() will say the peer is gone
 
   def recv(self):
-    """The next (kind, payload); ConnectionError naming the peer when the other side is gone."""
+    """The next (kind, payload); ConnectionError naming the peer when the other side is gone or sent garbage."""
     try:
-      return self.conn.recv()
+      kind, payload = wire.decode(self.conn.recv_bytes())
     except (EOFError, OSError) as e:
       raise ConnectionError(f"{self.name} (process {self.process_id}) is gone: its control connection closed") from e
+    except ValueError as e:
+      raise ConnectionError(f"{self.name} (process {self.process_id}) sent a malformed message: {e}") from e
+    return kind, payload
 
   def close(self) -> None:
     try:
@@ -65,37 +89,54 @@ class Peer:
 
 
 class ControlServer:
-  """The leader's listener: accepts the other processes of the job in the background, from the very start."""
+  """The leader's listener: accepts the other processes of the job in the background, from the very start. Each
+  connection gets its own handshake thread, so one that stays silent cannot keep the others out."""
 
   def __init__(self, layout: ProcessLayout, authkey: bytes):
-    self.layout = layout
-    self._listener = Listener(layout.control_address, authkey=authkey)
+    self.layout, self._authkey = layout, authkey
+    self._listener = Listener(layout.control_address)
     self._peers: dict[int, Peer] = {}
     self._cond = threading.Condition()
-    threading.Thread(target=self._accept, name="control-accept", daemon=True).start()
+    self._closed = False
+    self._thread = threading.Thread(target=self._accept, name="control-accept", daemon=True)
+    self._thread.start()
 
   def _accept(self) -> None:
-    expected = self.layout.num_processes - 1
-    while len(self._peers) < expected:
-      conn = None
+    while True:
       try:
         conn = self._listener.accept()
-        hello, info = conn.recv()
-        pid = int(info["process_id"])
-      except Exception as e:  # pylint: disable=broad-except  # a stranger or a wrong key: log it, keep listening
-        logging.warning("control: rejected a connection: %s", e)
-        if conn is not None:
-          conn.close()
+      except OSError as e:
+        if self._closed:
+          return
+        logging.warning("control: accept failed: %s", e)
+        time.sleep(0.1)
         continue
-      peer = Peer(conn, name=dataclasses.replace(self.layout, process_id=pid).name, process_id=pid)
-      if hello != "hello" or not 0 < pid < self.layout.num_processes or pid in self._peers:
+      if self._closed:
+        conn.close()
+        return
+      threading.Thread(target=self._handshake, args=(conn,), name="control-handshake", daemon=True).start()
+
+  def _handshake(self, conn: Connection) -> None:
+    try:
+      _io_timeout(conn, HANDSHAKE_TIMEOUT_S)
+      deliver_challenge(conn, self._authkey)
+      answer_challenge(conn, self._authkey)
+      hello, info = wire.decode(conn.recv_bytes(1 << 16))
+      pid = int(info["process_id"])
+      _io_timeout(conn, 0)
+    except Exception as e:  # pylint: disable=broad-except  # a stranger, a wrong key, silence: drop it, keep listening
+      logging.warning("control: rejected a connection: %s", f"{type(e).__name__}: {e}"[:300])
+      conn.close()
+      return
+    peer = Peer(conn, name=dataclasses.replace(self.layout, process_id=pid).name, process_id=pid)
+    with self._cond:
+      if hello != "hello" or not 0 < pid < self.layout.num_processes or pid in self._peers or self._closed:
         logging.warning("control: rejected %r from process %s", hello, pid)
         peer.close()
-        continue
-      with self._cond:
-        self._peers[pid] = peer
-        self._cond.notify_all()
-      logging.info("control: %s connected", peer.name)
+        return
+      self._peers[pid] = peer
+      self._cond.notify_all()
+    logging.info("control: %s connected", peer.name)
 
   def wait(self, process_ids, *, timeout_s: float) -> dict[int, Peer]:
     """The peers of `process_ids`, waiting up to `timeout_s` for them to connect."""
@@ -109,22 +150,42 @@ class ControlServer:
       return {i: self._peers[i] for i in ids}
 
   def close(self) -> None:
-    for peer in list(self._peers.values()):
-      peer.close()
+    """Stops accepting (the accept thread is woken by a connection of our own and exits) and closes every peer."""
+    with self._cond:
+      self._closed = True
+      peers = list(self._peers.values())
+    try:
+      socket.create_connection(self.layout.control_address, timeout=1.0).close()
+    except OSError:
+      pass
+    self._thread.join(timeout=5.0)
     self._listener.close()
+    for peer in peers:
+      peer.close()
 
 
 def connect(layout: ProcessLayout, authkey: bytes, *, timeout_s: float, **info) -> Peer:
-  """Connects this (non-leader) process to the leader, retrying until it listens; says hello with `info`."""
+  """Connects this (non-leader) process to the leader, retrying until it listens; both sides prove the key, then it
+  says hello with `info`."""
   deadline = time.monotonic() + timeout_s
   while True:
     try:
-      conn = Client(layout.control_address, authkey=authkey)
+      conn = Client(layout.control_address)
       break
     except OSError as e:  # not listening yet
       if time.monotonic() > deadline:
         raise TimeoutError(f"{layout.name}: the leader at {layout.coordinator_address} did not accept a control "
                            f"connection within {timeout_s:.0f} s ({e})") from e
       time.sleep(0.2)
-  conn.send(("hello", {"process_id": layout.process_id, **info}))
-  return Peer(conn, name="the leader (learner 0)", process_id=0)
+  peer = Peer(conn, name="the leader (learner 0)", process_id=0)
+  try:
+    _io_timeout(conn, HANDSHAKE_TIMEOUT_S)
+    answer_challenge(conn, authkey)
+    deliver_challenge(conn, authkey)
+    _io_timeout(conn, 0)
+  except (OSError, EOFError, AuthenticationError) as e:
+    peer.close()
+    raise ConnectionError(f"{layout.name}: the control handshake with {layout.coordinator_address} failed "
+                          f"({type(e).__name__}: {e}); do all processes have the same $AREAL_JAX_AUTHKEY?") from e
+  peer.send("hello", {"process_id": layout.process_id, **info})
+  return peer

@@ -16,8 +16,9 @@ One process (N = 1) is the single-controller mode: `ProcessLayout.single()`, bot
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
+
+from areal_jax.config import ConfigError
 
 ENV_PREFIX = "AREAL_JAX_"
 AUTHKEY_ENV = ENV_PREFIX + "AUTHKEY"
@@ -96,11 +97,17 @@ class ProcessLayout:
     return f"{host}:{port + 1}"
 
 
-def authkey(workdir: str) -> bytes:
-  """The control connections' shared secret: $AREAL_JAX_AUTHKEY (set it on a shared network; `launch/local.py`
-  sets a random one), else one derived from the workdir, which only keeps apart jobs that trust each other."""
-  key = os.environ.get(AUTHKEY_ENV)
-  return key.encode() if key else hashlib.sha256(b"areal_jax:" + str(workdir).encode()).digest()
+def authkey() -> bytes:
+  """The control connections' shared secret, $AREAL_JAX_AUTHKEY: `launch/local.py` sets a random one; a job started
+  by hand or by a scheduler exports the same random value to every process. There is no fallback: a key anyone could
+  derive would let anyone who reaches the port feed the leader."""
+  key = os.environ.get(AUTHKEY_ENV, "")
+  if len(key) < 16:
+    raise ConfigError(f"${AUTHKEY_ENV} is {'unset' if not key else 'shorter than 16 characters'}: a multi-process job "
+                     "needs a shared random key for its control connections. launch/local.py makes one; otherwise "
+                     f"export the same value to every process, e.g. {AUTHKEY_ENV}=$(python -c 'import secrets; "
+                     "print(secrets.token_hex(16))')")
+  return key.encode()
 
 
 def from_flags_or_env(*, num_processes: int | None, process_id: int | None, coordinator_address: str | None,

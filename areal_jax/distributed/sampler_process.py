@@ -48,7 +48,7 @@ def run_sampler(config, workdir: str, layout: ProcessLayout, *, model_cfg) -> No
       tokenizer.vocab_size), mesh=mesh)
   abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
-  leader = connect(layout, authkey(workdir), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
+  leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
   _Sampler(leader, engine, abstract_params, layout=layout, tensor=config.mesh.sampler_tensor,
            eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode).run()
 

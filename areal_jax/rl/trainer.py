@@ -167,7 +167,7 @@ def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   process, the sampler too)."""
   start_time, workdir = _start(config, workdir, layout)
   # It listens at once, so the other processes can connect while it compiles.
-  control = ControlServer(layout, authkey(str(workdir))) if layout.multi_process else None
+  control = ControlServer(layout, authkey()) if layout.multi_process else None
   try:
     learner_mesh, sampler_mesh = _learner_mesh(config, layout)
     st = _prepare(config, workdir, layout, learner_mesh, start_time, control, None)
@@ -181,7 +181,7 @@ def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
 def follow(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   """A learner process other than the leader: the leader's steps on this process's shards (`_follow`)."""
   start_time, workdir = _start(config, workdir, layout)
-  leader = connect(layout, authkey(str(workdir)), timeout_s=CONNECT_TIMEOUT_S)
+  leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S)
   try:
     learner_mesh, _ = _learner_mesh(config, layout)
     st = _prepare(config, workdir, layout, learner_mesh, start_time, None, leader)

@@ -10,7 +10,8 @@ requests waiting, the most answers and requests one decode call advanced, policy
 Handlers never block the event loop on the device: tokenizing, scoring and shaping answers run in worker threads, and
 a handler awaits its requests' futures, which the sampler thread resolves; a streamed request gets each decode call's
 new tokens from the sampler thread through an asyncio queue. Errors are OpenAI-style bodies (`{"error": {"message",
-"type", "param", "code"}}`): 400 for malformed JSON, wrong types and values the server cannot serve, 404 for another
+"type", "param", "code"}}`): 401 without the server's API key when it has one (every route but `/health`; clients
+send it as `Authorization: Bearer KEY`, as OpenAI's do), 400 for malformed JSON, wrong types and values the server cannot serve, 404 for another
 model's name, 429 when `max_queue` requests wait beyond the free decode slots, 503 if the sampler thread has stopped
 (in a stream: an error event, then the stream ends). A refused request changes nothing; the next one is served.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import hmac
 import json
 import logging
 import signal
@@ -94,12 +96,25 @@ EPISODE_HEADER = "x-areal-episode"
 
 
 def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None = None,
-               any_model: bool = False) -> fastapi.FastAPI:
+               any_model: bool = False, api_key: str | None = None) -> fastapi.FastAPI:
   """The routes over `backend` (which the caller starts and stops); `episodes` records agents' completions;
-  `any_model` serves requests naming any model (in training, whatever name an agent was written with)."""
+  `any_model` serves requests naming any model (in training, whatever name an agent was written with); `api_key`:
+  the bearer token every request but `/health` must carry."""
   app = fastapi.FastAPI(title="areal_jax policy server")
   limits = backend.limits
   created = int(time.time())
+
+  if api_key:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def _authorize(request: fastapi.Request, call_next):
+      given = request.headers.get("authorization", "").encode()
+      if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+        err = openai_api.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                  code="invalid_api_key")
+        return JSONResponse(err.body(), status_code=err.status)
+      return await call_next(request)
 
   @app.exception_handler(openai_api.ApiError)
   async def _api_error(_, exc: openai_api.ApiError):
@@ -242,9 +257,9 @@ class PolicyServer:
   """`create_app` served by uvicorn on `host:port` (port 0 = any free port; `port` then holds the one bound)."""
 
   def __init__(self, *, backend: Backend, tokenizer: Tokenizer, model_name: str, host: str = "127.0.0.1",
-               port: int = 0):
+               port: int = 0, api_key: str | None = None):
     self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
-    self.app = create_app(backend=backend, tokenizer=tokenizer, model_name=model_name)
+    self.app = create_app(backend=backend, tokenizer=tokenizer, model_name=model_name, api_key=api_key)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self._sock = socket.socket(family, socket.SOCK_STREAM)
     self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -314,7 +329,7 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
           model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
           max_seq_len: int | None = None, num_slots: int = 64, page_size: int = 16, num_pages: int = 0,
           memory_fraction: float = 0.8, decode_steps: int = 8, tensor_parallel: int = 1,
-          devices: list[jax.Device] | None = None, warmup: bool = True) -> PolicyServer:
+          devices: list[jax.Device] | None = None, warmup: bool = True, api_key: str | None = None) -> PolicyServer:
   """A server for `checkpoint_dir` (see `policy.describe`), not started yet.
 
   Args:
@@ -329,6 +344,7 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
       rounded up to a multiple of the data shards.
     tensor_parallel, devices: the sampling mesh, data x tensor over `devices` (default: all).
     warmup: compile every prefill and decode program before serving (no compile stall on a first request).
+    api_key: if set, every request but `/health` must carry `Authorization: Bearer <api_key>` (else 401).
   """
   source = policy.describe(checkpoint_dir, step=step, dtype=dtype)
   tokenizer = tokenizer or source.tokenizer
@@ -352,4 +368,5 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
     start = time.perf_counter()
     backend.scheduler.state = engine.warmup(params, backend.scheduler.state)
     _log.info("compiled the sampler's programs in %.1f s", time.perf_counter() - start)
-  return PolicyServer(backend=backend, tokenizer=tok, model_name=model_name or source.name, host=host, port=port)
+  return PolicyServer(backend=backend, tokenizer=tok, model_name=model_name or source.name, host=host, port=port,
+                      api_key=api_key)

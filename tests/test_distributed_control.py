@@ -1,0 +1,118 @@
+"""The control plane: a key that must be given, handshakes that cannot block each other, data that cannot be code."""
+
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from multiprocessing.connection import Client
+
+import numpy as np
+import pytest
+
+from areal_jax.config import ConfigError
+from areal_jax.distributed import control, local_job, wire
+from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout, authkey
+from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.types import Trajectory
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+class _Plant:
+  """Unpickling this writes a file: proof that someone unpickled it."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return (open, (self.path, "w"))
+
+
+def _layouts(n=3):
+  address = f"127.0.0.1:{local_job.free_port_pair()}"
+  return [ProcessLayout.create(num_processes=n, process_id=i, coordinator_address=address, sampler_processes=1)
+          for i in range(n)]
+
+
+def test_authkey_must_be_set_and_long(monkeypatch):
+  monkeypatch.delenv(AUTHKEY_ENV, raising=False)
+  with pytest.raises(ConfigError, match=r"\$AREAL_JAX_AUTHKEY is unset.*secrets.token_hex"):
+    authkey()
+  monkeypatch.setenv(AUTHKEY_ENV, "short")
+  with pytest.raises(ConfigError, match="shorter than 16"):
+    authkey()
+  monkeypatch.setenv(AUTHKEY_ENV, KEY.decode())
+  assert authkey() == KEY
+
+
+def test_wire_round_trips_records_and_refuses_anything_else():
+  t = Trajectory(prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(2, dtype=np.int32),
+                 logprobs=np.array([-0.5, -1.0], np.float32), versions=np.array([3, 4], np.int32),
+                 finish_reason="eos", loss_mask=np.ones(2, np.float32), reward=1.0)
+  r = Request(group_id=7, prompt_ids=[1, 2], num_answers=2, sampling=SamplingParams(stop=((1, 2), (3,))))
+  kind, (got_t, got_r, n) = wire.decode(wire.encode(("x", (t, r, np.int64(5)))))
+  assert kind == "x" and n == 5 and (got_r.group_id, got_r.num_answers, got_r.sampling) == (7, 2, r.sampling)
+  assert got_r.sampling.stop == ((1, 2), (3,)) and got_r.prompt_ids.tolist() == [1, 2]
+  for name in ("prompt_ids", "response_ids", "logprobs", "versions", "loss_mask"):
+    np.testing.assert_array_equal(getattr(got_t, name), getattr(t, name))
+    assert getattr(got_t, name).dtype == getattr(t, name).dtype
+  with pytest.raises(TypeError, match="_Plant cannot be sent"):
+    wire.encode(("x", _Plant("/nonexistent")))
+  with pytest.raises(ValueError, match="unreadable"):
+    wire.decode(pickle.dumps(("x", 1)))
+
+
+def test_a_silent_stranger_does_not_hold_up_the_job(monkeypatch, caplog):
+  monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT_S", 1.0)
+  leader, one, two = _layouts()
+  server = control.ControlServer(leader, KEY)
+  try:
+    silent = socket.create_connection(leader.control_address)  # connects first, then says nothing
+    t0 = time.monotonic()
+    peers = [control.connect(layout, KEY, timeout_s=30) for layout in (one, two)]
+    got = server.wait([1, 2], timeout_s=30)
+    assert time.monotonic() - t0 < 1.0  # not after the stranger's timeout
+    peers[0].send("trajectory", (3, None))
+    assert got[1].recv() == ("trajectory", [3, None])
+    time.sleep(1.5)
+    assert silent.recv(1 << 16) is not None and silent.recv(1) == b""  # dropped: the challenge, then EOF
+    assert any("rejected a connection" in r.message for r in caplog.records)
+  finally:
+    server.close()
+
+
+def test_wrong_key_and_pickles_are_refused(tmp_path):
+  leader, one, _ = _layouts()
+  server = control.ControlServer(leader, KEY)
+  planted = str(tmp_path / "planted")
+  try:
+    with pytest.raises(ConnectionError, match="AREAL_JAX_AUTHKEY"):
+      control.connect(one, b"not-the-key-not-the-key", timeout_s=30)
+    raw = Client(leader.control_address, authkey=KEY)  # right key, then a pickle as its hello
+    raw.send(("hello", _Plant(planted)))
+    with pytest.raises(EOFError):
+      raw.recv_bytes()  # the leader hung up
+    peer = control.connect(one, KEY, timeout_s=30)
+    got = server.wait([1], timeout_s=30)[1]
+    peer.conn.send(("trajectory", _Plant(planted)))  # a pickle after the handshake
+    with pytest.raises(ConnectionError, match="malformed message"):
+      got.recv()
+    assert not os.path.exists(planted)
+  finally:
+    server.close()
+
+
+def test_close_is_clean(caplog):
+  caplog.set_level(logging.INFO)
+  for _ in range(8):  # close() used to race the accept loop into logging without end
+    leader, *_ = _layouts()
+    server = control.ControlServer(leader, KEY)
+    time.sleep(0.01)
+    server.close()
+  time.sleep(0.3)
+  n = len(caplog.records)
+  time.sleep(0.3)
+  assert len(caplog.records) == n <= 8, [r.message for r in caplog.records][:10]
+  assert not [t for t in threading.enumerate() if t.name == "control-accept"]
