@@ -180,9 +180,9 @@ def _bwrap_argv(python: str, limits: Limits, seccomp_fd: int, info_fd: int) -> l
 def check_isolation() -> None:
   """Raises SandboxUnavailable, naming what is missing, unless this host can run `isolation="bwrap"` jails (checked
   once per process by running one)."""
-  r = run_python("import os\nprint(os.getuid(), len(os.listdir('/proc/self/task')))",
-                 limits=Limits(wall_s=30.0, cpu_s=10.0), _checked=True)
-  if r.status != "ok" or r.stdout.split() != ["65534", "1"]:
+  probe = "import os\ntry:\n  os.fork()\nexcept PermissionError:\n  print(os.getuid(), 'cannot fork')"
+  r = run_python(probe, limits=Limits(wall_s=30.0, cpu_s=10.0), _checked=True)
+  if r.status != "ok" or r.stdout.split() != ["65534", "cannot", "fork"]:
     raise SandboxUnavailable(f"code sandbox: bwrap could not start a jail on this host ({r.status}): "
                              f"{r.stderr.strip()[-500:] or r.stdout.strip()[-200:]}; user namespaces may be "
                              "disabled (sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces). "
@@ -195,12 +195,13 @@ def _rlimits(limits: Limits) -> dict[str, list[int]]:
   mem = int(limits.memory_mb * 2**20)
   nproc = limits.max_threads
   if limits.isolation == "rlimits" and os.geteuid() != 0:  # here RLIMIT_NPROC counts all of this user's processes
-    nproc += sum(1 for _ in _user_tasks(os.getuid()))
+    nproc += sum(_user_tasks(os.getuid()))
   return {"RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_AS": [mem, mem], "RLIMIT_FSIZE": [out, out],
           "RLIMIT_NOFILE": [limits.max_open_files] * 2, "RLIMIT_CORE": [0, 0], "RLIMIT_NPROC": [nproc, nproc]}
 
 
 def _user_tasks(uid: int):
+  """The thread count of each process of `uid` (RLIMIT_NPROC counts threads)."""
   prefix = f"Uid:\t{uid}\t".encode()
   for d in os.listdir("/proc"):
     if d.isdigit():
