@@ -27,8 +27,9 @@ def test_a_sampler_stopped_by_a_signal_stops_the_leader_quietly(signal_handlers)
   cli.stop_on_signals()
   ours, theirs = multiprocessing.Pipe()
   hub = SamplerHub(peers={1: Peer(ours, name="sampler 0", process_id=1)}, publisher=None).start()
-  theirs.send(("stopped", int(signal.SIGTERM)))
-  theirs.close()
+  sampler = Peer(theirs, name="the leader", process_id=0)
+  sampler.send("stopped", int(signal.SIGTERM))
+  sampler.close()
   deadline = time.time() + 10
   while hub.error is None and time.time() < deadline:
     time.sleep(0.01)
