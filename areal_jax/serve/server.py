@@ -105,16 +105,7 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
   created = int(time.time())
 
   if api_key:
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def _authorize(request: fastapi.Request, call_next):
-      given = request.headers.get("authorization", "").encode()
-      if request.url.path != "/health" and not hmac.compare_digest(given, expected):
-        err = openai_api.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                                  code="invalid_api_key")
-        return JSONResponse(err.body(), status_code=err.status)
-      return await call_next(request)
+    _require_api_key(app, api_key)
 
   @app.exception_handler(openai_api.ApiError)
   async def _api_error(_, exc: openai_api.ApiError):
@@ -152,7 +143,8 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
 
     prepared = await asyncio.to_thread(prepare)
     if prepared.stream:
-      return await stream(prepared, chat=isinstance(body, openai_api.ChatRequest), episode=episode)
+      return _stream(prepared, chat=isinstance(body, openai_api.ChatRequest), episode=episode, submit=submit,
+                     failed=failed, backend=backend, tokenizer=tokenizer, model_name=model_name, episodes=episodes)
     futures = submit(prepared)
     try:
       seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -163,62 +155,6 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
     if episode is not None:
       episodes.record(episode, prepared, seqs, response["id"])
     return response
-
-  async def stream(prepared: openai_api.Prepared, chat: bool, episode: str | None) -> StreamingResponse:
-    loop, reports = asyncio.get_running_loop(), asyncio.Queue()
-    futures = submit(prepared, lambda i, t: loop.call_soon_threadsafe(reports.put_nowait, (i, t)))
-    for f in futures:  # a failed request ends the stream with an error event
-      f.add_done_callback(lambda f: f.exception() and loop.call_soon_threadsafe(reports.put_nowait, f.exception()))
-    n = prepared.n
-    choices = {(i, j): streaming.ChoiceStream(tokenizer, stops=prepared.stops, tools=prepared.tools)
-               for i in range(len(prepared.requests)) for j in range(n)}
-    offsets = {key: len(tokenizer.decode(prepared.requests[key[0]].prompt_ids)) for key in choices} if not chat else {}
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    version = backend.version
-
-    def event(choices: list[dict], usage=None) -> str:
-      body = openai_api.envelope(kind, choices, model=model_name, version=version, request_id=request_id,
-                                 usage=usage)
-      if prepared.include_usage and usage is None:
-        body["usage"] = None
-      return f"data: {json.dumps(body)}\n\n"
-
-    async def events():
-      nonlocal version
-      if chat:
-        yield event([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for k in range(len(choices))])
-      open_choices, completion_tokens = len(choices), 0
-      while open_choices:
-        report = await reports.get()
-        if isinstance(report, BaseException):
-          yield f"data: {json.dumps(failed(report).body())}\n\n"
-          return
-        i, tokens = report
-        delta = choices[(i, tokens.answer)].push(tokens)
-        if delta is None:
-          continue
-        version = max([version, *delta.versions])
-        completion_tokens += len(delta.token_ids)
-        open_choices -= delta.finish_reason is not None
-        index = i * n + tokens.answer
-        if chat:
-          yield event([streaming.chat_choice(index, delta, tokenizer, logprobs=prepared.logprobs)])
-        else:
-          key = (i, tokens.answer)
-          yield event([streaming.completion_choice(index, delta, tokenizer, logprobs=prepared.logprobs,
-                                                   offset=offsets[key])])
-          offsets[key] += len(tokenizer.decode(delta.token_ids))
-      if prepared.include_usage:
-        prompt_tokens = sum(len(r.prompt_ids) for r in prepared.requests)
-        yield event([], usage=openai_api.usage(prompt_tokens, completion_tokens))
-      yield "data: [DONE]\n\n"
-      if episode is not None:  # once every answer ends (a choice cut by a stop string ends before its answer)
-        episodes.record(episode, prepared, await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
-                        request_id)
-
-    return StreamingResponse(events(), media_type="text/event-stream")
 
   @app.post("/v1/completions")
   async def completions(body: openai_api.CompletionRequest, request: fastapi.Request):
@@ -247,6 +183,79 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
     return backend.stats()
 
   return app
+
+
+def _require_api_key(app: fastapi.FastAPI, api_key: str) -> None:
+  """Every request but `/health` must carry `Authorization: Bearer <api_key>`; others get 401 `invalid_api_key`."""
+  expected = f"Bearer {api_key}".encode()
+
+  @app.middleware("http")
+  async def _authorize(request: fastapi.Request, call_next):
+    given = request.headers.get("authorization", "").encode()
+    if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+      err = openai_api.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                code="invalid_api_key")
+      return JSONResponse(err.body(), status_code=err.status)
+    return await call_next(request)
+
+
+def _stream(prepared: openai_api.Prepared, *, chat: bool, episode: str | None, submit: Callable, failed: Callable,
+            backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None) -> StreamingResponse:
+  """A streamed request: its answers' new tokens as server-sent events, one per decode call that advanced them."""
+  loop, reports = asyncio.get_running_loop(), asyncio.Queue()
+  futures = submit(prepared, lambda i, t: loop.call_soon_threadsafe(reports.put_nowait, (i, t)))
+  for f in futures:  # a failed request ends the stream with an error event
+    f.add_done_callback(lambda f: f.exception() and loop.call_soon_threadsafe(reports.put_nowait, f.exception()))
+  n = prepared.n
+  choices = {(i, j): streaming.ChoiceStream(tokenizer, stops=prepared.stops, tools=prepared.tools)
+             for i in range(len(prepared.requests)) for j in range(n)}
+  offsets = {key: len(tokenizer.decode(prepared.requests[key[0]].prompt_ids)) for key in choices} if not chat else {}
+  kind = "chat.completion.chunk" if chat else "text_completion"
+  request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+  version = backend.version
+
+  def event(choices: list[dict], usage=None) -> str:
+    body = openai_api.envelope(kind, choices, model=model_name, version=version, request_id=request_id,
+                               usage=usage)
+    if prepared.include_usage and usage is None:
+      body["usage"] = None
+    return f"data: {json.dumps(body)}\n\n"
+
+  async def events():
+    nonlocal version
+    if chat:
+      yield event([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for k in range(len(choices))])
+    open_choices, completion_tokens = len(choices), 0
+    while open_choices:
+      report = await reports.get()
+      if isinstance(report, BaseException):
+        yield f"data: {json.dumps(failed(report).body())}\n\n"
+        return
+      i, tokens = report
+      delta = choices[(i, tokens.answer)].push(tokens)
+      if delta is None:
+        continue
+      version = max([version, *delta.versions])
+      completion_tokens += len(delta.token_ids)
+      open_choices -= delta.finish_reason is not None
+      index = i * n + tokens.answer
+      if chat:
+        yield event([streaming.chat_choice(index, delta, tokenizer, logprobs=prepared.logprobs)])
+      else:
+        key = (i, tokens.answer)
+        yield event([streaming.completion_choice(index, delta, tokenizer, logprobs=prepared.logprobs,
+                                                 offset=offsets[key])])
+        offsets[key] += len(tokenizer.decode(delta.token_ids))
+    if prepared.include_usage:
+      prompt_tokens = sum(len(r.prompt_ids) for r in prepared.requests)
+      yield event([], usage=openai_api.usage(prompt_tokens, completion_tokens))
+    yield "data: [DONE]\n\n"
+    if episode is not None:  # once every answer ends (a choice cut by a stop string ends before its answer)
+      episodes.record(episode, prepared, await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
+                      request_id)
+
+  return StreamingResponse(events(), media_type="text/event-stream")
 
 
 class _Interrupted(Exception):
