@@ -14,6 +14,7 @@ import ml_collections
 
 from areal_jax.agents.agent import AgentConfig
 from areal_jax.models.config import ModelConfig
+from areal_jax.reward.sandbox import ISOLATIONS
 from areal_jax.tokenizer import CharTokenizer
 
 # Overrides of configs/math.py (tiny) for a small, fast run with every mechanism on: end-to-end tests and
@@ -40,7 +41,7 @@ _CHOICES = {
     "learner.adv_norm": ("group", "batch", "none"),
     "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "learner.prox_logp_method": ("recompute", "loglinear"),
-    "reward.code_isolation": ("bwrap", "rlimits"),
+    "reward.code_isolation": ISOLATIONS,
 }
 
 

@@ -95,6 +95,7 @@ def test_unknown_preset():
     ({"model.vocab_size": 32}, "model.vocab_size"),
     ({"sampler.param_dtype": "float16"}, "sampler.param_dtype"),
     ({"sampler.param_dtype": "bf16"}, "sampler.param_dtype"),
+    ({"reward.code_isolation": "none"}, "reward.code_isolation"),
 ])
 def test_validation_names_the_field(override, field):
   c = load_config(CONFIG, **override)
