@@ -175,6 +175,24 @@ def test_rlimits_mode_still_caps_time_memory_and_output(sandbox_tmp):
   assert sandbox.run_python("while True: print('x' * 10000)", limits=weak).status == "output limit"
 
 
+def test_nothing_of_a_run_outlives_its_return(sandbox_tmp):
+  # bwrap can exit a moment before its jail's init: run_python must wait for the jail itself (this caught ~5%).
+  for _ in range(60):
+    assert sandbox.run_python("print(1)", limits=FAST).ok
+    assert hostile_code.jailed_processes() == []
+
+
+def test_sandbox_environment_is_minimal(sandbox_tmp, monkeypatch):
+  monkeypatch.setenv("SECRET_TOKEN", "hunter2")
+  program = (f"import os\nprint(sorted(os.environ))\n"
+             f"print(os.getcwd(), os.getuid(), os.path.exists({__file__!r}), os.path.exists('/etc'))")
+  r = sandbox.run_python(program, limits=FAST)
+  assert r.ok, r
+  names, where = r.stdout.splitlines()
+  assert "SECRET_TOKEN" not in names and "PATH" in names
+  assert where.split() == ["/tmp", "65534", "False", "False"]  # no project tree, no /etc
+
+
 def test_kill_tree_kills_grandchildren(tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
 

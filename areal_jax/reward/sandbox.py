@@ -327,35 +327,34 @@ def run_python(source: str, *, stdin: str = "", call: dict | None = None, limits
 
 
 def _kill(proc: subprocess.Popen, info: int | None) -> None:
-  """Ends a run that is still going: SIGKILLs its process group and reaps it. A jail dies with bwrap, but not at
-  once: wait until nothing is left in its PID namespace (named on bwrap's `info` pipe)."""
-  if proc.poll() is not None:
-    return  # bwrap exits only after its PID namespace has emptied
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-  proc.wait()
+  """Ends the run: SIGKILLs its process group if it is still going, and reaps it. bwrap may exit a moment before its
+  jail's init (which takes everything else in the PID namespace with it when it exits), so with bwrap's `info` pipe
+  (the init's pid and namespace) wait for that init too."""
+  if proc.poll() is None:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
+    proc.wait()
   if info is None:
     return
   os.set_blocking(info, False)
   try:
-    pidns = f"pid:[{json.loads(os.read(info, 1 << 16))['pid-namespace']}]"
+    jail = json.loads(os.read(info, 1 << 16))
+    init, pidns = int(jail["child-pid"]), f"pid:[{jail['pid-namespace']}]"
   except (OSError, ValueError, KeyError):
     return  # bwrap died before it made the jail
   deadline = time.monotonic() + 5.0
-  while time.monotonic() < deadline:
-    left = []
-    for d in os.listdir("/proc"):
-      try:
-        if d.isdigit() and os.readlink(f"/proc/{d}/ns/pid") == pidns and not _gone(int(d)):
-          left.append(int(d))
-          os.kill(int(d), signal.SIGKILL)
-      except OSError:
-        pass
-    if not left:
+  while not _gone(init):
+    try:
+      if os.readlink(f"/proc/{init}/ns/pid") != pidns:
+        return  # the pid is another process's now: the init is long gone
+      os.kill(init, signal.SIGKILL)  # it dies with bwrap anyway (--die-with-parent); do not wait for the signal
+    except OSError:
       return
-    time.sleep(0.005)
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"code sandbox: the jail of pid {init} did not end within 5 s of its run")
+    time.sleep(0.001)
 
 
 def descendants(pid: int) -> list[int]:
