@@ -1,5 +1,6 @@
 """Every preset builds and validates; command-line overrides work and typos fail naming the key."""
 
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,14 @@ def test_sampler_config_rejects_a_bad_param_dtype():
     SamplerConfig.from_config(c.sampler)
   assert SamplerConfig.from_config(load_config(CONFIG, **{"sampler.param_dtype": "bfloat16"}).sampler).weight_dtype \
       == jnp.bfloat16
+
+
+def test_a_saved_config_loads_with_fields_added_since(tmp_path):
+  c = load_config(CONFIG, **{"rollout.batch_size": 8})
+  saved = json.loads(c.to_json_best_effort())
+  del saved["reward"]["code_isolation"]  # saved before the field existed
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(saved))
+  again = load_config(f"{os.path.join(os.path.dirname(CONFIG), 'from_json.py')}:{path}")
+  validate(again)
+  assert again.rollout.batch_size == 8 and again.reward.code_isolation == "bwrap"

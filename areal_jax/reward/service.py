@@ -119,7 +119,7 @@ class RewardService:
     """From the config's `reward` group (num_workers, timeout_s, code_test_timeout_s, code_memory_mb,
     code_isolation)."""
     limits = sandbox.Limits(wall_s=reward.code_test_timeout_s, cpu_s=reward.code_test_timeout_s,
-                            memory_mb=reward.code_memory_mb, isolation=reward.get("code_isolation", "bwrap"))
+                            memory_mb=reward.code_memory_mb, isolation=reward.code_isolation)
     return cls(num_workers=reward.num_workers, timeout_s=reward.timeout_s, code_limits=limits, **kw)
 
   # ---- caller side: nothing here waits for a worker

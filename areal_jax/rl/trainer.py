@@ -220,7 +220,7 @@ class _Start:
 
 def _check_code_sandbox(reward, datasets) -> None:
   """Code problems are scored in the sandbox the config names: refuse to start where the host cannot build it."""
-  isolation = reward.get("code_isolation", "bwrap")
+  isolation = reward.code_isolation
   if isolation == "bwrap" and any(r.kind == "code" for d in datasets for r in d.records):
     try:
       sandbox.check_isolation()
