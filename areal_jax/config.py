@@ -103,7 +103,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     if c[group][name] not in choices:
       _fail(field, c[group][name], f"choose one of {choices}")
   try:
-    model = ModelConfig.from_config(c.model)  # checks heads, dims, dtypes, rope type
+    model = ModelConfig.from_config(c.model).with_lora(c.learner.lora)  # heads, dims, dtypes, rope type, adapters
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
   if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:

@@ -225,6 +225,17 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # loss_agg_max_tokens, 0 = sampler.max_new_tokens)
   c.learner.loss_agg = "token-mean"
   c.learner.loss_agg_max_tokens = 0
+  # LoRA (models/lora.py): rank > 0 freezes the base weights and trains adapters (alpha / rank scales them) on the
+  # projections named in targets (q, k, v, o, gate, up, down); the sampler then takes only the adapters each version.
+  # quantize_base: "" keeps the base in model.param_dtype, "bfloat16" stores it in bfloat16 (adapters stay float32).
+  # dropout must stay 0: a random mask in the learner's forward would make its logprobs noisy against the proximal
+  # and behaviour ones that the importance ratios compare.
+  c.learner.lora = ml_collections.ConfigDict()
+  c.learner.lora.rank = 0
+  c.learner.lora.alpha = 16.0
+  c.learner.lora.targets = "q,k,v,o,gate,up,down"
+  c.learner.lora.dropout = 0.0
+  c.learner.lora.quantize_base = ""
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.batch_size = 16 if tiny else 512  # B: prompt groups per learner step

@@ -39,8 +39,12 @@ def _run(workdir, num_processes, overrides, timeout=400):
 
 
 def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_path):
+  """With LoRA: the sampler process pulls the whole model once, then each version's adapters alone."""
   eta = 1
-  overrides = dict(PROCESS_OVERRIDES, total_steps=4, **{"rollout.max_head_offpolicyness": eta})
+  overrides = dict(PROCESS_OVERRIDES, total_steps=4, **{"rollout.max_head_offpolicyness": eta,
+                                                        "learner.lora.rank": 4})
+  adapter_bytes = 4 * 4 * 2 * sum(i + o for i, o in ModelConfig.from_config(
+      load_config(CONFIG, **overrides).model).lora_shapes().values())  # float32, rank 4, 2 layers
   proc = _run(tmp_path, 2, overrides)
   assert proc.returncode == 0, proc.stdout[-4000:]
   assert re.search(r"learner 0 is process 0 .* on cores \[\d+\]", proc.stdout)
@@ -51,6 +55,7 @@ def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_pat
     assert m["version"] == m["step"] and m["staleness/max"] <= eta
     # Every pull the sampler made was checked against the published fingerprint (a mismatch stops the run).
     assert m["sync/sampler0/seconds"] > 0 and m["sync/mb_per_s"] > 0 and m["sync/version_lag"] >= 0
+    assert m["sync/bytes"] == adapter_bytes
     assert m["sampler/busy_s"] > 0 and m["learner/busy_s"] > 0
   trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
   assert len(trained) == 4 * overrides["rollout.batch_size"]

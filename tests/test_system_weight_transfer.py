@@ -14,9 +14,9 @@ from flax import nnx
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.weight_transfer import (WeightPublisher, WeightPuller, check_fingerprint, fingerprint,
                                                    local_copy)
-from areal_jax.models import weights
+from areal_jax.models import create, lora, weights
 from areal_jax.sharding import LEARNER_RULES, SAMPLER_RULES, make_mesh, state_shardings
-from helpers import tiny_model
+from helpers import TINY, tiny_model
 
 
 @pytest.mark.parametrize("learner_axes,tensor,sampler_axes", [
@@ -36,7 +36,7 @@ def test_pulled_weights_equal_the_learners_leaf_by_leaf(learner_axes, tensor, sa
   staged = pub.stage(local_copy(learner_params, learner_mesh))
   uuids, published_fp = pub.offer(staged, version=3, pullers=[0])
   pulled, fp = puller.pull(uuids[0], timeout_s=60)
-  check_fingerprint(fp, published_fp, paths=pub.paths, what="test")
+  check_fingerprint(fp, published_fp, paths=puller.paths["all"], what="test")
   sampler_mesh = make_mesh(devices[4:], sampler_axes)
   on_sampler = weight_transfer.transfer(pulled, state_shardings(params, sampler_mesh, SAMPLER_RULES))
 
@@ -58,13 +58,13 @@ def test_a_bfloat16_sampler_pulls_weights_cast_before_staging():
   pub = WeightPublisher(abstract_params=abstract, tensor=1, devices=devices[:1], host="127.0.0.1")
   puller = WeightPuller(address=pub.address, abstract_params=abstract, tensor=1, devices=devices[4:5],
                         host="127.0.0.1")
-  assert pub.nbytes * 2 == WeightPublisher(abstract_params=params, tensor=1, devices=devices[:1],
-                                           host="127.0.0.1").nbytes
+  assert pub.nbytes() * 2 == WeightPublisher(abstract_params=params, tensor=1, devices=devices[:1],
+                                             host="127.0.0.1").nbytes()
   staged = pub.stage(jax.device_put(params, devices[0]))
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(staged))
   uuids, published_fp = pub.offer(staged, version=1, pullers=[0])
   pulled, fp = puller.pull(uuids[0], timeout_s=60)
-  check_fingerprint(fp, published_fp, paths=pub.paths, what="test")
+  check_fingerprint(fp, published_fp, paths=puller.paths["all"], what="test")
   for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(pulled)):
     assert g.dtype == jnp.bfloat16, jax.tree_util.keystr(path)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w.astype(jnp.bfloat16)))
@@ -115,3 +115,20 @@ def test_a_pull_that_never_arrives_times_out():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "TIMEOUT: weight pull 12345" in proc.stdout and "did not finish in 2 s" in proc.stdout
+
+
+def test_under_lora_a_version_can_be_published_as_its_adapters_alone():
+  devices = jax.devices()
+  cfg = TINY.replace(lora_rank=2)
+  params = nnx.state(create(cfg, 0), nnx.Param)
+  pub = WeightPublisher(abstract_params=params, tensor=1, devices=devices[:1], host="127.0.0.1")
+  puller = WeightPuller(address=pub.address, abstract_params=params, tensor=1, devices=devices[4:5], host="127.0.0.1")
+  assert set(pub.parts) == {"all", "adapters"} and pub.nbytes("adapters") * 5 < pub.nbytes("all")
+  staged = pub.stage(jax.device_put(params, devices[0]), "adapters")
+  uuids, published_fp = pub.offer(staged, version=2, pullers=[0])
+  pulled, fp = puller.pull(uuids[0], part="adapters", timeout_s=60)
+  check_fingerprint(fp, published_fp, paths=puller.paths["adapters"], what="test")
+  want = lora.split(params)[0]
+  assert jax.tree.structure(pulled) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(pulled), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)

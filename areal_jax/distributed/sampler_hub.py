@@ -41,6 +41,7 @@ class SamplerHub:
     self._stats = {i: {} for i in self.peers}
     self._pulls = {i: {} for i in self.peers}  # the latest pull each sampler reported
     self._publish_s = 0.0  # the latest publish: staged and offered
+    self._part = "all"  # what the latest publish held: "all", or under LoRA (after the first) "adapters"
     self._lock = threading.Lock()
     self._stopping = False
     self._threads = [threading.Thread(target=self._read, args=(i,), name=f"hub-{i}", daemon=True) for i in self.peers]
@@ -64,12 +65,13 @@ class SamplerHub:
     """Offers the learner's local copy `params` as `version`; samplers pull it and swap it in between two decode
     steps."""
     start = time.perf_counter()
-    staged = self.publisher.stage(params)
+    part = "adapters" if self.version >= 0 and "adapters" in self.publisher.parts else "all"
+    staged = self.publisher.stage(params, part)
     faults.reach("weight_update")
-    self._offer(staged, version)
-    self._publish_s = time.perf_counter() - start
+    self._offer(staged, version, part)
+    self._publish_s, self._part = time.perf_counter() - start, part
 
-  def _offer(self, staged, version: int) -> None:
+  def _offer(self, staged, version: int, part: str) -> None:
     """Offers `staged` (from `publisher.stage`) as `version`.
 
     Waits while `MAX_LIVE_VERSIONS` earlier versions are still being pulled: each holds a copy of the weights on the
@@ -81,7 +83,7 @@ class SamplerHub:
     uuids, fp = self.publisher.offer(staged, version, list(self.peers))
     for i, peer in self.peers.items():
       peer.send("weights", {"version": version, "uuid": uuids[i], "address": self.publisher.address,
-                            "fingerprint": fp})
+                            "fingerprint": fp, "part": part})
     self.version = version
 
   def check(self) -> None:
@@ -105,10 +107,12 @@ class SamplerHub:
     latest pulls, and the same per sampler."""
     with self._lock:
       pulls = {i: p for i, p in self._pulls.items() if p}
+    nbytes = self.publisher.nbytes(self._part)
     if not pulls:
-      return {"sync/publish_seconds": self._publish_s}
-    mb = self.publisher.nbytes / 1e6
-    out = {"sync/publish_seconds": self._publish_s, "sync/seconds": max(p["seconds"] for p in pulls.values()),
+      return {"sync/publish_seconds": self._publish_s, "sync/bytes": float(nbytes)}
+    mb = nbytes / 1e6
+    out = {"sync/publish_seconds": self._publish_s, "sync/bytes": float(nbytes),
+           "sync/seconds": max(p["seconds"] for p in pulls.values()),
            "sync/mb_per_s": float(np.mean([mb / max(p["seconds"], 1e-9) for p in pulls.values()])),
            "sync/version_lag": float(self.version - min(p["version"] for p in pulls.values()))}
     for i, p in pulls.items():

@@ -30,7 +30,7 @@ from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
-from areal_jax.models import create
+from areal_jax.models import create, lora
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
@@ -61,6 +61,7 @@ class _Sampler:
     self.abstract_params, self.tensor = abstract_params, tensor
     self.eos_ids, self.detokenize = eos_ids, detokenize
     self.loop: SamplerLoop | None = None
+    self.base = None  # under LoRA: the frozen base weights, pulled once
     self.puller: WeightPuller | None = None
     self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
     self.error: BaseException | None = None
@@ -146,11 +147,17 @@ class _Sampler:
     """Pulls one version, checks it against the published fingerprint (a layout mismatch would copy the wrong bytes),
     reports it and returns it on the engine's shardings."""
     start = time.perf_counter()
-    pulled, fp = self.puller.pull(notice["uuid"], timeout_s=PULL_TIMEOUT_S)
+    part = notice.get("part", "all")
+    pulled, fp = self.puller.pull(notice["uuid"], part=part, timeout_s=PULL_TIMEOUT_S)
     seconds = time.perf_counter() - start
-    check_fingerprint(fp, notice["fingerprint"], paths=self.puller.paths,
+    check_fingerprint(fp, notice["fingerprint"], paths=self.puller.paths[part],
                       what=f"weights of version {notice['version']} on {self.layout.name}")
-    params = weight_transfer.transfer(pulled, self.engine.param_shardings)  # onto this process's data x tensor mesh
+    # Onto this process's data x tensor mesh; LoRA adapters join the base pulled with the first version.
+    params = weight_transfer.transfer(pulled, weight_transfer.part_of(self.engine.param_shardings, part))
+    if part == "adapters":
+      params = nnx.merge_state(self.base, params)
+    elif lora.has_adapters(params):
+      self.base = lora.split(params)[1]
     self.leader.send("pulled", {"version": notice["version"], "seconds": seconds})
     return params
 

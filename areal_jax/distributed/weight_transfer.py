@@ -16,6 +16,9 @@ so both sides use the same layout: the sampler's parameter shardings on a (data 
 local devices. The sampler then reshards device-to-device onto its own (data x tensor) mesh. A published copy stays
 alive until every puller has reported it (`pulled`); each puller gets its own uuid (a uuid can be pulled once).
 
+Under LoRA a published version is either `part="all"` (the whole model: the first) or `part="adapters"` (the
+adapters alone, which the sampler joins to the base it keeps); each part has its own layout on both ends.
+
 Pulls run under a watchdog (a pull whose peer is gone can hang past its own timeout), and every pull is checked
 against the publisher's fingerprint (a position-weighted sum per leaf), so a layout mismatch that would copy the
 wrong bytes fails loudly instead of training on garbage.
@@ -33,7 +36,7 @@ import numpy as np
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from areal_jax.models import weights
+from areal_jax.models import lora, weights
 from areal_jax.models.weights import cast
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
 
@@ -142,15 +145,26 @@ def _leaf_paths(tree) -> list[str]:
   return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def parts(abstract_params) -> dict:
+  """The trees a version can be published as: "all", and under LoRA "adapters"."""
+  out = {"all": abstract_params}
+  if lora.has_adapters(abstract_params):
+    out["adapters"] = lora.split(abstract_params)[0]
+  return out
+
+
+def part_of(params, part: str):
+  return lora.split(params)[0] if part == "adapters" else params
+
+
 class WeightPublisher:
   """The learner leader's transfer server: offers each policy version to the sampler processes."""
 
   def __init__(self, *, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
     """`abstract_params`: the sampler's parameter tree (shapes and dtypes: what the pullers expect)."""
     self.mesh = transfer_mesh(devices, tensor)
-    self.shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
-    self.abstract = abstract_params
-    self.paths = _leaf_paths(abstract_params)
+    self.parts = parts(abstract_params)
+    self.shardings = {k: state_shardings(v, self.mesh, SAMPLER_RULES) for k, v in self.parts.items()}
     floats = {x.dtype for x in jax.tree.leaves(abstract_params) if jnp.issubdtype(x.dtype, jnp.floating)}
     if len(floats) > 1:
       raise ValueError(f"published weights: floating leaves of several dtypes {sorted(map(str, floats))}")
@@ -163,18 +177,19 @@ class WeightPublisher:
   def address(self) -> str:
     return self.server.address()
 
-  @property
-  def nbytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract))
+  def nbytes(self, part: str = "all") -> int:
+    return lora.nbytes(self.parts[part])
 
-  def stage(self, params):
-    """A fresh copy of `params` (any device of this process) in the pull layout, floating leaves cast to the dtype of
-    `abstract_params` (the sampler's `param_dtype`: a bfloat16 sampler pulls half the bytes), checked against the
-    sampler's parameter tree first (never the learner's live buffers: the train step donates those)."""
+  def stage(self, params, part: str = "all"):
+    """A fresh copy of `params`' `part` (any device of this process) in the pull layout, floating leaves cast to the
+    dtype of `abstract_params` (the sampler's `param_dtype`: a bfloat16 sampler pulls half the bytes), checked against
+    the sampler's tree first (never the learner's live buffers: the train step donates those)."""
+    params = part_of(params, part)
     if self._dtype is not None:
       params = weights.cast(params, self._dtype)
-    weights.check_compatible(params, self.abstract, what="published weights")
-    return transfer(params, self.shardings)
+    what = "published weights" if part == "all" else f"published {part}"
+    weights.check_compatible(params, self.parts[part], what=what)
+    return transfer(params, self.shardings[part])
 
   def offer(self, staged, version: int, pullers: Sequence[int]) -> tuple[dict[int, int], np.ndarray]:
     """Registers `staged` once per puller; returns ({puller: uuid}, fingerprint)."""
@@ -209,21 +224,24 @@ class WeightPuller:
 
   def __init__(self, *, address: str, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
     self.mesh = transfer_mesh(devices, tensor)
-    self.paths = _leaf_paths(abstract_params)
-    shardings = state_shardings(abstract_params, self.mesh, SAMPLER_RULES)
-    self._targets, self._treedef = jax.tree.flatten(jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings))
+    self.paths, self._targets = {}, {}
+    for part, tree in parts(abstract_params).items():
+      shardings = state_shardings(tree, self.mesh, SAMPLER_RULES)
+      self.paths[part] = _leaf_paths(tree)
+      self._targets[part] = jax.tree.flatten(jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings))
     self.address = address
     self.server = _server(devices, host)
     self._conn = self.server.connect(address)
 
-  def pull(self, uuid: int, *, timeout_s: float):
-    """(parameter tree on the pull mesh, its fingerprint); TimeoutError when the pull does not finish in time."""
+  def pull(self, uuid: int, *, part: str = "all", timeout_s: float):
+    """(`part`'s tree on the pull mesh, its fingerprint); TimeoutError when the pull does not finish in time."""
     box: dict = {}
+    targets, treedef = self._targets[part]
 
     def work():
       try:
-        leaves = self._conn.pull(uuid, self._targets)
+        leaves = self._conn.pull(uuid, targets)
         jax.block_until_ready(leaves)
         box["leaves"] = leaves
       except BaseException as e:  # pylint: disable=broad-except  # re-raised below, in the caller's thread
@@ -238,4 +256,4 @@ class WeightPuller:
     if "error" in box:
       raise RuntimeError(f"weight pull {uuid} from {self.address} failed: {box['error']}") from box["error"]
     leaves = box["leaves"]
-    return jax.tree.unflatten(self._treedef, leaves), fingerprint(leaves)
+    return jax.tree.unflatten(treedef, leaves), fingerprint(leaves)

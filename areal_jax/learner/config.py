@@ -95,12 +95,12 @@ class LearnerConfig:
   @classmethod
   def from_config(cls, c, *, max_new_tokens: int = 0) -> LearnerConfig:
     """From the `learner` group of an ml_collections config; unknown keys raise. `max_new_tokens` (the sampler's)
-    stands in for `loss_agg_max_tokens=0`."""
+    stands in for `loss_agg_max_tokens=0`. The `lora` group shapes the model (`ModelConfig.with_lora`)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(c.keys()) - names)
+    unknown = sorted(set(c.keys()) - names - {"lora"})
     if unknown:
-      raise ValueError(f"unknown learner config keys {unknown}; known: {sorted(names)}")
-    fields = dict(c.items())
+      raise ValueError(f"unknown learner config keys {unknown}; known: {sorted(names | {'lora'})}")
+    fields = {k: v for k, v in c.items() if k != "lora"}
     if "rejection" in fields:  # a group whose level "" is off
       group = dict(fields["rejection"].items())
       try:

@@ -9,6 +9,10 @@ from abstract shapes (`StepFns.lower`) for a topology that is not attached. The 
   `Σ m·w·loss / D` (token weights w and the minibatch's denominator D from `loss_agg`, so the sum over micro-batches
   and data shards is the minibatch's loss exactly) and its statistic sums.
 * `apply(params, opt_state, grads) -> (params, opt_state, grad_norm)`: one optimizer update.
+
+`params` is always the whole parameter state. What trains is `lora.trainable(model_cfg)`: every parameter, or under
+LoRA only the adapters (`nnx.LoRAParam`); gradients and optimizer state cover that part alone, and the frozen base
+passes through `apply` untouched.
 * `logprob_gap(proximal, behavior, mask) -> [sum, count, max]` of |proximal - behaviour| over the masked tokens
   where both are finite: how far the sampler's logprobs are from the learner's under the same weights.
 * `gather(x) -> x` replicated: a [rows, length] array whole on every device, so each process's host can read it.
@@ -32,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
 from areal_jax.learner.ppo import kl_estimate, loglinear_proximal, ppo_token_terms
+from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import logprobs_and_entropy
 from areal_jax.models.transformer import create
@@ -126,6 +131,7 @@ class StepFns:
   graphdef: Any
   abstract_params: nnx.State  # ShapeDtypeStructs
   param_shardings: Any
+  trainable: Any  # the NNX filter of the trained part of the parameters (`lora.trainable`)
   opt_shardings: Any
   batch_sharding: NamedSharding  # every [rows, length] array
   replicated: NamedSharding
@@ -147,17 +153,22 @@ class StepFns:
     dtype = lambda k: jnp.int32 if k in BATCH_INT_KEYS + (STALENESS_KEY,) else jnp.float32
     return {k: jax.ShapeDtypeStruct((self.rows, length), dtype(k), sharding=self.batch_sharding) for k in keys}
 
+  def split(self, params) -> tuple[nnx.State, nnx.State]:
+    """(trained part, frozen part) of a parameter state (or of a state of shardings)."""
+    return nnx.split_state(params, self.trainable, ...)
+
   def abstract_state(self) -> tuple[nnx.State, Any]:
     """(params, optimizer state) as sharded ShapeDtypeStructs."""
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     params = jax.tree.map(sds, self.abstract_params, self.param_shardings)
-    opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
+    opt = jax.eval_shape(self.optimizer.init, self.split(self.abstract_params)[0])
     return params, jax.tree.map(sds, opt, self.opt_shardings)
 
   def abstract_args(self, length: int) -> dict[str, tuple]:
     """The arguments of the three per-step programs for rows of `length` tokens, as sharded abstract shapes."""
     params, opt = self.abstract_state()
-    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
+                         self.split(params)[0])
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
     vector = jax.ShapeDtypeStruct((STALENESS_BUCKETS,), jnp.float32, sharding=self.replicated)
     stats = {k: vector if k.endswith("_by_staleness") else scalar for k in self.stat_keys}
@@ -197,7 +208,10 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   param_sh = state_shardings(abstract_params, mesh, rules)
   replicated = NamedSharding(mesh, P())
   tx = make_optimizer(cfg)
-  opt_sh = _opt_state_shardings(jax.eval_shape(tx.init, abstract_params), abstract_params, param_sh, replicated)
+  trainable = lora.trainable(model_cfg)
+  split = lambda state: nnx.split_state(state, trainable, ...)
+  abstract_trained, trained_sh = split(abstract_params)[0], split(param_sh)[0]
+  opt_sh = _opt_state_shardings(jax.eval_shape(tx.init, abstract_trained), abstract_trained, trained_sh, replicated)
   rows = batch_rows(mesh, rules)
   batch_sh = NamedSharding(mesh, spec((rows, 1), ("batch", None), mesh, rules))
   skeys = stat_keys(cfg)
@@ -212,7 +226,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
     return jax.jit(lambda: nnx.split(create(model_cfg, seed))[1], out_shardings=param_sh)()
 
   def zeros():
-    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_params)
+    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_trained)
     return grads, {k: jnp.zeros((STALENESS_BUCKETS,) if k.endswith("_by_staleness") else (), jnp.float32)
                    for k in skeys}
 
@@ -223,10 +237,12 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
     return lp
 
   def accumulate(params, grads, stats, batch, inv_tokens):
-    def loss_fn(params):
-      return microbatch_loss(nnx.merge(graphdef, params), batch, inv_tokens, cfg, temperature)
+    trained, frozen = split(params)
 
-    (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    def loss_fn(trained):
+      return microbatch_loss(nnx.merge(graphdef, trained, frozen), batch, inv_tokens, cfg, temperature)
+
+    (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(trained)
     grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
     stats = {k: jnp.maximum(stats[k], s[k]) if k.endswith("_max") else stats[k] + s[k] for k in skeys}
     return grads, stats
@@ -237,22 +253,23 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
     return jnp.stack([gap.sum(), ok.sum().astype(jnp.float32), gap.max()])
 
   def apply(params, opt_state, grads):
+    trained, frozen = split(params)
     grad_norm = optax.tree.norm(grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, grad_norm
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+    updates, opt_state = tx.update(grads, opt_state, trained)
+    return nnx.merge_state(optax.apply_updates(trained, updates), frozen), opt_state, grad_norm
 
   return StepFns(
       mesh=mesh, rows=rows, graphdef=graphdef, abstract_params=abstract_params, param_shardings=param_sh,
-      opt_shardings=opt_sh, batch_sharding=batch_sh, replicated=replicated, optimizer=tx,
+      trainable=trainable, opt_shardings=opt_sh, batch_sharding=batch_sh, replicated=replicated, optimizer=tx,
       batch_keys=batch_keys(cfg), stat_keys=skeys, init_params=init_params,
-      init_opt_state=jax.jit(tx.init, in_shardings=(param_sh,), out_shardings=opt_sh),
+      init_opt_state=jax.jit(lambda p: tx.init(split(p)[0]), in_shardings=(param_sh,), out_shardings=opt_sh),
       copy_params=jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(param_sh,), out_shardings=param_sh),
-      zero_accumulators=jax.jit(zeros, out_shardings=(param_sh, replicated)),
+      zero_accumulators=jax.jit(zeros, out_shardings=(trained_sh, replicated)),
       logprobs=jax.jit(ruled(logprobs), in_shardings=(param_sh, batch_sh), out_shardings=batch_sh),
-      accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, param_sh, replicated, batch_sh, replicated),
-                         out_shardings=(param_sh, replicated), donate_argnums=(1, 2)),
-      apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh),
+      accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, trained_sh, replicated, batch_sh, replicated),
+                         out_shardings=(trained_sh, replicated), donate_argnums=(1, 2)),
+      apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, trained_sh),
                     out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1)),
       logprob_gap=jax.jit(logprob_gap, in_shardings=(batch_sh,) * 3, out_shardings=replicated),
       gather=jax.jit(lambda x: x, in_shardings=batch_sh, out_shardings=replicated),

@@ -17,6 +17,9 @@ _ARCH_TO_FAMILY = {arch: fam for fam, (arch, _) in FAMILIES.items()}
 ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("auto", "flash", "splash", "dense")  # see models/packed_attention.py
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The projections LoRA adapters can sit on (models/lora.py); configured as `learner.lora.targets`.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_BASE_DTYPES = ("", "bfloat16")  # learner.lora.quantize_base: "" = model.param_dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,10 @@ class ModelConfig:
   scan_layers: bool = True  # run the decoder layers under lax.scan (False: unrolled; the parameters are stacked alike)
   attention: str = "auto"  # packed training attention: auto | flash | splash | dense (models/packed_attention.py)
   attention_block: int = 0  # tokens per attention block; 0 = flash: 128 on CPU, 512 elsewhere; splash: <= 512 by row
+  # LoRA adapters (models/lora.py), set from `learner.lora`: rank 0 = none (every weight trains).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   def __post_init__(self):
     def bad(field, why):
@@ -71,6 +78,33 @@ class ModelConfig:
       bad("attention_block", "the splash kernel's blocks are multiples of 128 tokens (or 0: chosen by row length)")
     if self.rope_type not in ROPE_TYPES:
       bad("rope_scaling", f"rope_type {self.rope_type!r} not supported; supported: {ROPE_TYPES}")
+    if self.lora_rank:
+      self._check_lora()
+
+  def lora_shapes(self) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each projection LoRA can adapt."""
+    d, f = self.hidden_size, self.intermediate_size
+    q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+
+  def _check_lora(self):
+    def bad(field, value, why):
+      raise ValueError(f"learner.lora.{field}={value!r}: {why}")
+
+    if self.lora_rank < 0:
+      bad("rank", self.lora_rank, "must be >= 0 (0 = no adapters)")
+    if not self.lora_targets:
+      bad("targets", list(self.lora_targets), f"names no projection; choose from {list(LORA_TARGETS)}")
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if unknown:
+      bad("targets", list(self.lora_targets), f"{unknown} name no projection; choose from {list(LORA_TARGETS)}")
+    if self.lora_alpha <= 0:
+      bad("alpha", self.lora_alpha, "must be positive")
+    shapes = self.lora_shapes()
+    for t in self.lora_targets:
+      if self.lora_rank > min(shapes[t]):
+        bad("rank", self.lora_rank, f"exceeds the {t} projection's {min(shapes[t])} (its shape {shapes[t]}): "
+            "an adapter of that rank is no low-rank update")
 
   @property
   def rope(self) -> dict[str, Any]:
@@ -91,13 +125,26 @@ class ModelConfig:
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
+  def with_lora(self, c) -> ModelConfig:
+    """This config with the adapters of a `learner.lora` config group (rank 0: none)."""
+    if c.dropout:
+      raise ValueError(f"learner.lora.dropout={c.dropout!r}: must be 0; a random mask in the learner's forward would "
+                       "make its logprobs noisy against the proximal and behaviour logprobs the ratios compare")
+    if c.quantize_base not in LORA_BASE_DTYPES:
+      raise ValueError(f"learner.lora.quantize_base={c.quantize_base!r}: choose one of {LORA_BASE_DTYPES}")
+    if not c.rank:
+      return self.replace(lora_rank=0)
+    targets = tuple(t.strip() for t in c.targets.split(",") if t.strip())
+    out = self.replace(lora_rank=c.rank, lora_alpha=float(c.alpha), lora_targets=targets)
+    return out.replace(param_dtype="bfloat16") if c.quantize_base == "bfloat16" else out
+
   @classmethod
   def from_config(cls, c) -> ModelConfig:
     """From the `model` group of an ml_collections config."""
     rope = {}
     if c.rope_scaling.rope_type:
       rope = dict(c.rope_scaling)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - {"lora_rank", "lora_alpha", "lora_targets"}
     kw = {k: v for k, v in c.items() if k in names and k != "rope_scaling"}
     return cls(rope_scaling=tuple(sorted(rope.items())), **kw)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import constrain
 
@@ -136,7 +137,26 @@ def dense_attention(segment_ids: jax.Array, *, query_chunk: int = 0) -> Attend:
   return lambda q, k, v: (blockwise_attention(q, k, v, block_mask, query_chunk=query_chunk), None)
 
 
-class Attention(nnx.Module):
+class _Adapted(nnx.Module):
+  """A module whose projections may carry LoRA adapters (`cfg.lora_targets`, models/lora.py)."""
+
+  def _add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs, shapes: dict[str, tuple]) -> None:
+    """`shapes`: projection -> (input dims, output dims, input names, output names)."""
+    for name, (in_shape, out_shape, in_names, out_names) in shapes.items():
+      if cfg.lora_rank and name in cfg.lora_targets:
+        a, b = lora.create(rngs, in_shape, out_shape, in_names, out_names, cfg.lora_rank)
+        setattr(self, f"{name}_lora_a", a)
+        setattr(self, f"{name}_lora_b", b)
+
+  def _adapted(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """y = x·W plus the adapters' (x·A)·B·scale when `name` has them."""
+    a = getattr(self, f"{name}_lora_a", None)
+    if a is None:
+      return y
+    return y + lora.delta(x, a[...], getattr(self, f"{name}_lora_b")[...], lora.scale(self.cfg))
+
+
+class Attention(_Adapted):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, h, k, hd, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
@@ -152,13 +172,17 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pd, names=("head_dim",))
       self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pd, names=("head_dim",))
     self.cfg = cfg
+    heads = lambda n, names: ((d,), (n, hd), ("embed",), names)
+    self._add_adapters(cfg, rngs, {"q": heads(h, ("q_heads", "head_dim")), "k": heads(k, ("kv_heads", "head_dim")),
+                                   "v": heads(k, ("kv_heads", "head_dim")),
+                                   "o": ((h, hd), (d,), ("q_heads", "head_dim"), ("embed",))})
 
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Projected q [B, T, H, D] and k, v [B, T, K, D], RoPE applied."""
     dt, inv_freq = x.dtype, rope_inv_freq(self.cfg)
-    q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dt))
+    q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt)))
+    k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dt)))
+    v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dt)))
     if self.cfg.attention_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
@@ -171,10 +195,10 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
     q, k, v = self.qkv(x, positions)
     out, aux = attend(q, k, v)
-    return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(x.dtype)), aux
+    return self._adapted("o", out, jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(x.dtype))), aux
 
 
-class MLP(nnx.Module):
+class MLP(_Adapted):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -182,12 +206,16 @@ class MLP(nnx.Module):
     self.gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
     self.up = _param(rngs, (d, f), ("embed", "mlp"), pd)
     self.down = _param(rngs, (f, d), ("mlp", "embed"), pd)
+    self.cfg = cfg
+    self._add_adapters(cfg, rngs, {"gate": ((d,), (f,), ("embed",), ("mlp",)), "up": ((d,), (f,), ("embed",), ("mlp",)),
+                                   "down": ((f,), (d,), ("mlp",), ("embed",))})
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = x.dtype
-    g = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+    g = jax.nn.silu(self._adapted("gate", x, x @ self.gate[...].astype(dt))) * self._adapted(
+        "up", x, x @ self.up[...].astype(dt))
     g = constrain(g, ("batch", "seq", "act_mlp"))
-    return g @ self.down[...].astype(dt)
+    return self._adapted("down", g, g @ self.down[...].astype(dt))
 
 
 class Block(nnx.Module):

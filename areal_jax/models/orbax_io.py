@@ -35,6 +35,8 @@ def config_to_json(cfg: ModelConfig) -> dict:
 
 def config_from_json(d: dict, **overrides) -> ModelConfig:
   d = dict(d, rope_scaling=tuple(sorted(d.get("rope_scaling", {}).items())))
+  if "lora_targets" in d:
+    d["lora_targets"] = tuple(d["lora_targets"])
   d.update(overrides)
   return ModelConfig(**d)
 

@@ -6,6 +6,8 @@
 
 `LocalRollout` runs a `SamplerLoop` on this process's sampler slice and moves weights device-to-device;
 `SamplerHub` (sampler_hub.py) drives sampler processes and moves weights over `jax.experimental.transfer`.
+Under LoRA both move the whole model once, at the start, and then only the adapters: the samplers keep their copy
+of the frozen base and join each version's adapters to it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from areal_jax import faults
+from flax import nnx
+
 from areal_jax.distributed import weight_transfer
+from areal_jax.models import lora
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
@@ -50,19 +55,28 @@ class LocalRollout:
 
   def __init__(self, *, abstract_model, config: SamplerConfig, mesh, params, version: int, eos_ids, detokenize):
     self.engine = Engine(model=abstract_model, config=config, mesh=mesh)
-    self.loop = SamplerLoop(engine=self.engine, params=self._move(params), version=version, eos_ids=eos_ids,
+    params = self._move(params, self.engine.param_shardings)
+    self._base = lora.split(params)[1] if lora.has_adapters(params) else None  # held under LoRA
+    self._bytes = 0
+    self.loop = SamplerLoop(engine=self.engine, params=params, version=version, eos_ids=eos_ids,
                             detokenize=detokenize).start()
 
-  def _move(self, params):
+  def _move(self, params, shardings):
     """Onto the sampler's shardings, device-to-device, cast to `sampler.param_dtype` on the learner's devices first
     (so the narrower copy is what crosses over)."""
-    return weight_transfer.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
+    moved = weight_transfer.transfer(params, shardings, dtype=self.engine.param_dtype)
+    self._bytes = lora.nbytes(moved)
+    return moved
 
   def submit(self, request: Request) -> list[Future]:
     return self.loop.submit(request)
 
   def publish(self, params, version: int) -> None:
-    moved = self._move(params)
+    if self._base is None:
+      moved = self._move(params, self.engine.param_shardings)
+    else:
+      adapters = self._move(lora.split(params)[0], lora.split(self.engine.param_shardings)[0])
+      moved = nnx.merge_state(self._base, adapters)
     faults.reach("weight_update")
     self.loop.update_params(moved, version)
 
@@ -70,7 +84,7 @@ class LocalRollout:
     return self.loop.stats()
 
   def sync_metrics(self) -> dict[str, float]:
-    return {}
+    return {"sync/bytes": float(self._bytes)}
 
   def check(self) -> None:
     self.loop.check()

@@ -42,7 +42,7 @@ from flax import nnx
 from areal_jax import agents, faults
 from areal_jax import config as config_lib
 from areal_jax.data import build_dataset, warmstart_pairs
-from areal_jax.distributed import sampler_process
+from areal_jax.distributed import sampler_process, weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.sampler_hub import SamplerHub
@@ -50,7 +50,8 @@ from areal_jax.distributed.slices import build_slices
 from areal_jax.distributed.weight_transfer import WeightPublisher, local_copy
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
-from areal_jax.models import hf_io, orbax_io, weights
+from areal_jax.learner.step import build_step
+from areal_jax.models import hf_io, lora, orbax_io, weights
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward import sandbox
 from areal_jax.reward.service import RewardService, score_all
@@ -69,17 +70,42 @@ from areal_jax.tokenizer import load_tokenizer
 
 
 def _model_config(config) -> ModelConfig:
+  """The model (with `learner.lora`'s adapters, if any)."""
   init = config.model.init_from
   if init and epath.Path(init, "config.json").exists():  # a HF directory: its architecture wins
-    return hf_io.read_config(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                             remat=config.model.remat)
-  return ModelConfig.from_config(config.model)
+    cfg = hf_io.read_config(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                            remat=config.model.remat)
+  else:
+    cfg = ModelConfig.from_config(config.model)
+  return cfg.with_lora(config.learner.lora)
 
 
 def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.Path):
-  """HF or Orbax weights from `model.init_from`; else the random init, warm-started on worked solutions (cached)."""
+  """The initial weights: the base model (`_initial_base`), with the learner's fresh adapters under LoRA."""
+  if not learner.model_cfg.lora_rank:
+    return _initial_base(config, learner.fns, learner.params, train, tokenizer, workdir)
+  adapters, base = lora.split(learner.params)
+  # The base is loaded or warm-started in model.param_dtype, then stored as learner.lora.quantize_base says.
+  base_cfg = learner.model_cfg.replace(lora_rank=0, param_dtype=config.model.param_dtype)
+  base_fns = build_step(base_cfg, learner.config, learner.mesh, temperature=learner.temperature)
+  base = _initial_base(config, base_fns, weights.cast(base, base_cfg.weight_dtype), train, tokenizer, workdir)
+  return nnx.merge_state(weights.cast(base, learner.model_cfg.weight_dtype), adapters)
+
+
+def base_source(config, workdir: epath.Path) -> dict:
+  """Where a run's base weights come from, for its LoRA checkpoints' `meta` (`_initial_base`'s order)."""
+  if config.model.init_from:
+    return {"init_from": str(config.model.init_from)}
+  if config.warmstart.steps:
+    return {"warmstart": str(workdir / "warmstart")}
+  return {"random_seed": int(config.seed)}
+
+
+def _initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
+  """HF or Orbax weights from `model.init_from`; else the random init `params`, warm-started on worked solutions
+  (cached) by `fns` (every weight trains, adapters or not)."""
   init = config.model.init_from
-  shardings = learner.fns.param_shardings
+  shardings = fns.param_shardings
   if init:
     if epath.Path(init, "config.json").exists():
       model = hf_io.load_hf(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
@@ -87,7 +113,7 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
       model = orbax_io.load_orbax(init, dtype=config.model.dtype)
     return _place(nnx.state(model, nnx.Param), shardings)
   if not config.warmstart.steps:
-    return learner.params
+    return params
   cache = workdir / "warmstart"
   if (cache / "model_config.json").exists():
     logging.info("warm-start: loading cached %s", cache)
@@ -101,12 +127,36 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
   w = config.warmstart
   logging.info("warm-start: up to %d steps on %d %s", w.steps, len(pairs),
                "demonstrated turns" if demonstration else "worked solutions")
-  params, loss, taken = warmstart.sft(learner.fns, learner.params, pairs, steps=w.steps, batch_size=w.batch_size,
+  params, loss, taken = warmstart.sft(fns, params, pairs, steps=w.steps, batch_size=w.batch_size,
                                       lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
                                       target_loss=w.target_loss, accumulate=w.get("accumulate", False))
-  orbax_io.save_orbax(nnx.merge(learner.fns.graphdef, params), str(cache))
+  orbax_io.save_orbax(nnx.merge(fns.graphdef, params), str(cache))
   logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
   return params
+
+
+def _check_adapters(meta: dict, model_cfg: ModelConfig, *, where: str) -> None:
+  """A checkpoint restores only into a run with the same adapters (or none): else a ConfigError naming both."""
+  saved = meta.get("model_config", {})
+  rank, targets = saved.get("lora_rank", 0), ",".join(saved.get("lora_targets", ()))
+  if rank != model_cfg.lora_rank:
+    what = f"LoRA adapters of learner.lora.rank={rank}" if rank else "full weights (no adapters)"
+    raise config_lib.ConfigError(f"config.learner.lora.rank={model_cfg.lora_rank}: {where} holds {what}; set it "
+                                 "to match, or use another workdir")
+  if rank and targets != ",".join(model_cfg.lora_targets):
+    raise config_lib.ConfigError(f"config.learner.lora.targets={','.join(model_cfg.lora_targets)!r}: {where} holds "
+                                 f"adapters on {targets!r}; set it to match, or use another workdir")
+
+
+def _check_base(meta: dict, base, *, where: str) -> None:
+  """Adapters trained on one base mean nothing on another: the base's fingerprint must match the checkpoint's."""
+  want = meta.get("base", {}).get("fingerprint")
+  if want is None or not all(x.is_fully_addressable for x in jax.tree.leaves(base)):
+    return
+  got = weight_transfer.fingerprint(base)
+  if not np.allclose(got, np.asarray(want, np.float32), rtol=1e-6, atol=1e-6):
+    raise RuntimeError(f"{where}: its adapters were trained on other base weights ({meta['base'].get('source')}) "
+                       "than this run loaded; restore the base they name")
 
 
 class _QuietLibraries(logging.Filter):
@@ -253,7 +303,13 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
   latest = ckpt.latest_step()
   followers = _agree_on_start(layout, control, leader, latest, ckpt.directory)
   if latest is not None:
-    learner.params, learner.opt_state, meta = ckpt.restore(latest, params=learner.params, opt_state=learner.opt_state)
+    _check_adapters(ckpt.read_meta(latest), model_cfg, where=f"checkpoint {latest} in {ckpt.directory}")
+    if model_cfg.lora_rank:  # the checkpoint holds the adapters alone: the base first
+      learner.params = _initial_params(config, learner, train, tokenizer, workdir)
+    trained, frozen = learner.fns.split(learner.params)
+    trained, learner.opt_state, meta = ckpt.restore(latest, params=trained, opt_state=learner.opt_state)
+    learner.params = nnx.merge_state(trained, frozen)
+    _check_base(meta, frozen, where=f"checkpoint {latest} in {ckpt.directory}")
     step, controller_state = meta["step"], meta["controller"]
     learner.restore_counters(version=meta["version"], updates=meta["updates"])
     start_time -= meta.get("elapsed_s", 0.0)  # time/elapsed_s goes on from the checkpoint's
@@ -288,10 +344,17 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
 
+  base = {}  # under LoRA checkpoints hold the adapters alone, and name the base they adapt
+  if st.model_cfg.lora_rank:
+    frozen = learner.fns.split(learner.params)[1]
+    base = {"base": {"source": base_source(config, workdir)}}
+    if all(x.is_fully_addressable for x in jax.tree.leaves(frozen)):
+      base["base"]["fingerprint"] = weight_transfer.fingerprint(frozen).tolist()
+
   def checkpoint(controller_state, force=False):
-    if ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={
+    if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
         "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg)}):
+        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg), **base}):
       faults.reach("checkpoint_write")  # the asynchronous write is in flight
 
   rows = []
@@ -530,7 +593,8 @@ def _follow(leader: Peer, learner: Learner, ckpt: Checkpointer, step: int) -> No
       force = True
     else:
       raise RuntimeError(f"learner follower: unknown message {kind!r}")
-    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, force=force, meta={"step": step})
+    ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force,
+              meta={"step": step})
 
 
 def _log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtered) -> None:
