@@ -40,6 +40,7 @@ setup(
     extras_require={
         # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "torch==2.13.0", "transformers==5.23.0",
+                 "peft==0.21.2", "accelerate==1.15.0",  # PEFT's own LoRA layers check our adapters and their export
                  "gcp-storage-emulator==2026.7.19",
                  # The server and the agent runner are tested with other projects' own clients:
                  # lm-evaluation-harness's `local-completions`, the OpenAI Agents SDK, LangChain.

@@ -43,3 +43,51 @@ def test_run_directory_to_hf(tmp_path):
     logits = hf(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(logits, np.asarray(models[4](jnp.asarray(tokens, jnp.int32))), atol=1e-5)
   assert not np.allclose(logits, np.asarray(models[2](jnp.asarray(tokens, jnp.int32))), atol=1e-3)
+
+
+def test_lora_run_directory_to_merged_hf_and_peft(tmp_path):
+  """A LoRA run's checkpoint holds its adapters alone and names its base (here a policy directory, as the cached
+  warm-start is): --to=hf writes the merged model, --to=peft the adapters that PEFT puts back on the base."""
+  import peft  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.models import lora  # pylint: disable=g-import-not-at-top
+
+  base_cfg = ModelConfig(family="qwen2", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True)
+  cfg = base_cfg.replace(lora_rank=4, lora_alpha=4.0, lora_targets=("q", "k", "up"))
+  base = create(base_cfg, seed=3)
+  orbax_io.save_orbax(base, str(tmp_path / "warmstart"))
+  graphdef, state = nnx.split(create(cfg, seed=0))
+  adapters, _ = lora.split(state)
+  adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(7), x.shape), adapters)
+  base_state = nnx.state(base, nnx.Param)
+  model = nnx.merge(graphdef, nnx.merge_state(base_state, adapters))
+  run = tmp_path / "run"
+  ckpt = Checkpointer(str(run / "checkpoints"), every_steps=2)
+  ckpt.save(2, params=jax.device_put(adapters, jax.devices()[0]), opt_state={"count": jnp.array(2)},
+            meta={"step": 2, "model_config": orbax_io.config_to_json(cfg),
+                  "base": lora.base_meta({"warmstart": str(tmp_path / "warmstart")}, base_state)})
+  ckpt.close()
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  convert = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), *a], env=env,
+                                      capture_output=True, text=True, check=False)
+  for args in ([f"--orbax_dir={run}", f"--hf_dir={tmp_path / 'merged'}", "--to=hf"],
+               [f"--orbax_dir={run}", f"--hf_dir={tmp_path / 'adapters'}", "--to=peft"],
+               [f"--orbax_dir={tmp_path / 'warmstart'}", f"--hf_dir={tmp_path / 'base'}", "--to=hf"]):
+    out = convert(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+  tokens = np.arange(12)[None] % 40
+  want = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+  hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+  adapted = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "adapters"))
+  with torch.no_grad():
+    for hf in (merged, adapted):
+      np.testing.assert_allclose(hf.eval()(torch.tensor(tokens)).logits.numpy(), want, atol=2e-5)
+  assert not np.allclose(want, np.asarray(base(jnp.asarray(tokens, jnp.int32))), atol=1e-3)
+
+  # Another base than the one the adapters were trained on is refused, naming it.
+  orbax_io.save_orbax(create(base_cfg, seed=4), str(tmp_path / "warmstart"))
+  out = convert(f"--orbax_dir={run}", f"--hf_dir={tmp_path / 'other'}", "--to=hf")
+  assert out.returncode != 0 and "adapters were trained on other base weights" in out.stderr

@@ -106,3 +106,32 @@ def test_learner_trains_only_the_adapters_with_the_merged_models_gradient():
     np.testing.assert_array_equal(old, new)
   assert max(float(jnp.abs(o - n).max()) for o, n in zip(jax.tree.leaves(adapters),
                                                           jax.tree.leaves(new_adapters))) > 1e-3
+
+
+def test_adapters_match_peft_on_the_hf_model(tmp_path):
+  """Our unmerged forward against PEFT's own LoRA layers on the HF model: the adapters written by `save_peft`,
+  loaded by `peft.PeftModel.from_pretrained` onto the base written by `save_hf`; the merged export matches too."""
+  import peft  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+
+  cfg = LORA.replace(lora_targets=("q", "v", "o", "gate", "down"))
+  graphdef, state = nnx.split(create(cfg, 0))
+  state = random_adapters(state, scale=0.2)
+  model = nnx.merge(graphdef, state)
+  plain = nnx.graphdef(nnx.eval_shape(lambda: create(cfg.replace(lora_rank=0), 0)))
+  hf_io.save_hf(nnx.merge(plain, lora.split(state)[1]), str(tmp_path / "base"))
+  hf_io.save_peft(model, str(tmp_path / "adapters"), base_model=str(tmp_path / "base"))
+  hf_io.save_hf(model, str(tmp_path / "merged"))
+
+  tokens = np.random.default_rng(2).integers(0, 64, (2, 16)).astype(np.int32)
+  ours = np.asarray(model(jnp.asarray(tokens)))
+  base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="eager")
+  adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapters")).eval()
+  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), attn_implementation="eager")
+  with torch.no_grad():
+    for hf in (adapted, merged.eval()):
+      np.testing.assert_allclose(ours, hf(torch.tensor(tokens)).logits.float().numpy(), atol=2e-5, rtol=0)
+  assert float(np.abs(ours - np.asarray(nnx.merge(plain, lora.split(state)[1])(jnp.asarray(tokens)))).max()) > 1e-2

@@ -37,7 +37,7 @@ from jax.experimental import transfer as jax_transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models import lora, weights
-from areal_jax.models.weights import cast
+from areal_jax.models.weights import cast, fingerprint
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
 
 
@@ -96,21 +96,6 @@ def transfer_mesh(devices: Sequence[jax.Device], tensor: int) -> Mesh:
   if len(devices) < tensor:
     raise ValueError(f"mesh.sampler_tensor={tensor}: needs {tensor} local devices, this process has {len(devices)}")
   return make_mesh(list(devices)[:tensor], {"data": 1, "tensor": tensor})
-
-
-@jax.jit
-def _fingerprint(leaves):
-  def one(x):
-    x = x.astype(jnp.float32).ravel()
-    w = 1.0 + (jnp.arange(x.size, dtype=jnp.int32) % 13).astype(jnp.float32)
-    return jnp.stack([jnp.sum(x), jnp.sum(x * w)])
-
-  return jnp.stack([one(x) for x in leaves])
-
-
-def fingerprint(tree) -> np.ndarray:
-  """[leaves, 2] float32: each leaf's sum and position-weighted sum (same program on both ends: exact match)."""
-  return np.asarray(jax.device_get(_fingerprint(jax.tree.leaves(tree))))
 
 
 def check_fingerprint(got: np.ndarray, want: np.ndarray, *, paths: Sequence[str], what: str) -> None:

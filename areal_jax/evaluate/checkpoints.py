@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from areal_jax.models import orbax_io
+from areal_jax.models import create, hf_io, lora, orbax_io
 from areal_jax.models.config import ModelConfig
 
 ITEMS = ("params", "meta")  # the items evaluation reads from a step
@@ -117,9 +117,33 @@ def read_meta(directory: str | epath.Path, step: int) -> dict[str, Any]:
 
 def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, *, shardings) -> nnx.State:
   """The `params` item of `step` (the learner's NNX parameter state, as the trainer saves it), read straight onto
-  `shardings` (an NNX state of shardings of the same structure, e.g. the sampling engine's)."""
+  `shardings` (an NNX state of shardings of the same structure, e.g. the sampling engine's). A LoRA run's step holds
+  its adapters alone: they are joined to the base its `meta` names (`load_base`)."""
   _, abstract = orbax_io.abstract_params(model_cfg)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  saved, base = lora.split(target) if model_cfg.lora_rank else (target, None)
   where = epath.Path(directory) / str(step) / "params"
   with ocp.StandardCheckpointer() as ckptr:
-    return orbax_io.restore_any_layout(lambda t: ckptr.restore(where, t), target, where=str(where))
+    params = orbax_io.restore_any_layout(lambda t: ckptr.restore(where, t), saved, where=str(where))
+  if base is None:
+    return params
+  meta = read_meta(directory, step)["base"]
+  base = load_base(meta["source"], model_cfg, base)
+  lora.check_base(meta, base, where=f"step {step} of {directory}")
+  return nnx.merge_state(base, params)
+
+
+def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.State:
+  """The base weights a LoRA run's checkpoints name (`trainer.base_source`), onto `target`'s shardings and dtypes:
+  `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its seed."""
+  shardings = jax.tree.map(lambda t: t.sharding, target)
+  if "random_seed" in source:  # the learner's own init: the base part of the adapted model's
+    init = lambda: lora.split(nnx.state(create(model_cfg, source["random_seed"]), nnx.Param))[1]
+    return jax.jit(init, out_shardings=shardings)()
+  path = source.get("init_from") or source["warmstart"]
+  if epath.Path(path, "config.json").exists():
+    model = hf_io.load_hf(str(path), dtype=model_cfg.dtype)
+  else:
+    model = orbax_io.load_orbax(str(path), dtype=model_cfg.dtype)
+  base = jax.tree.map(lambda x, t: x.astype(t.dtype), nnx.state(model, nnx.Param), target)
+  return jax.device_put(base, shardings)

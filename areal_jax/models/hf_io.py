@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from safetensors import numpy as safetensors_numpy
 from safetensors.flax import save_file
 
 from areal_jax import sharding as shd
+from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
 
@@ -135,11 +137,17 @@ def load_hf(path: str, dtype=jnp.float32, *, param_dtype=jnp.float32, mesh: jax.
   return nnx.merge(graphdef, state)
 
 
+# Our LoRA targets as HF module names (PEFT's `target_modules`).
+_HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
 def save_hf(model: Transformer, path: str, *, dtype=None) -> None:
-  """Writes `config.json` and `model.safetensors` that `transformers.AutoModelForCausalLM` loads."""
+  """Writes `config.json` and `model.safetensors` that `transformers.AutoModelForCausalLM` loads; LoRA adapters are
+  merged into the weights they adapt (`lora.merged`; `save_peft` writes them apart)."""
   cfg = model.cfg
   os.makedirs(path, exist_ok=True)
-  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  flat = dict(nnx.to_flat_state(lora.merged(nnx.state(model, nnx.Param), cfg)))
   tensors = {}
   for our_path, hf_names, _, to_hf in _param_map(cfg):
     value = jnp.asarray(jax.device_get(flat[our_path].get_value()))
@@ -153,3 +161,28 @@ def save_hf(model: Transformer, path: str, *, dtype=None) -> None:
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_cfg, f, indent=2)
+
+
+def save_peft(model: Transformer, path: str, *, base_model: str = "") -> None:
+  """Writes a LoRA model's adapters as a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`)
+  that `peft.PeftModel.from_pretrained(hf_base_model, path)` loads onto the base (`base_model` names it)."""
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    raise ValueError("save_peft: the model has no LoRA adapters (learner.lora.rank=0)")
+  os.makedirs(path, exist_ok=True)
+  adapters, _ = lora.split(nnx.state(model, nnx.Param))
+  flat = {path_[-1]: np.asarray(jax.device_get(v.get_value()), np.float32) for path_, v in nnx.to_flat_state(adapters)}
+  tensors = {}
+  for target in cfg.lora_targets:
+    a, b = flat[f"{target}_lora_a"], flat[f"{target}_lora_b"]  # [layers, in..., r], [layers, r, out...]
+    for i in range(cfg.num_layers):
+      name = f"base_model.model.model.layers.{i}.{_HF_MODULES[target]}"
+      tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, cfg.lora_rank).T)  # [r, in]
+      tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(cfg.lora_rank, -1).T)  # [out, r]
+  safetensors_numpy.save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "target_modules": sorted(_HF_MODULES[t].split(".")[1] for t in cfg.lora_targets),
+            "base_model_name_or_path": base_model}
+  with open(os.path.join(path, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)

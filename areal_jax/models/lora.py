@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.models import weights
 from areal_jax.models.config import ModelConfig
 
 ADAPTERS = nnx.LoRAParam
@@ -61,6 +62,25 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, scale_: float) -> jax.Array:
   n_in = a.ndim - 1
   h = jnp.tensordot(x, a.astype(x.dtype), axes=n_in)
   return jnp.tensordot(h, b.astype(x.dtype) * jnp.asarray(scale_, x.dtype), axes=1)
+
+
+def base_meta(source: dict, base: nnx.State) -> dict:
+  """What a LoRA checkpoint records of its base: where it comes from (`source`, e.g. {"init_from": path}) and, when
+  this process can read it whole, its fingerprint."""
+  out = {"source": source}
+  if all(x.is_fully_addressable for x in jax.tree.leaves(base)):
+    out["fingerprint"] = weights.fingerprint(base).tolist()
+  return out
+
+
+def check_base(meta: dict, base: nnx.State, *, where: str) -> None:
+  """Adapters trained on one base mean nothing on another: `base` must match the fingerprint `base_meta` recorded."""
+  want = meta.get("fingerprint")
+  if want is None or not all(x.is_fully_addressable for x in jax.tree.leaves(base)):
+    return
+  if not np.array_equal(weights.fingerprint(base), np.asarray(want, np.float32)):
+    raise ValueError(f"{where}: its adapters were trained on other base weights than the ones loaded from "
+                     f"{meta.get('source')}; restore the base they were trained on")
 
 
 def merged(state: nnx.State, cfg: ModelConfig) -> nnx.State:

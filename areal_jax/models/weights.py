@@ -1,7 +1,8 @@
 """Checks and casts of weight trees, shared by the learner's publisher and the sampler (which sit above this module).
 
 `check_compatible` names the first leaf whose path, shape or dtype differs from a reference; `with_dtype` and `cast`
-give a tree's floating leaves another dtype (the sampler's `sampler.param_dtype`), abstractly or on the devices.
+give a tree's floating leaves another dtype (the sampler's `sampler.param_dtype`), abstractly or on the devices;
+`fingerprint` sums each leaf, to check that two copies of a tree hold the same values.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ def check_compatible(new, reference, *, what: str = "params") -> None:
     v = new_paths[path]
     if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
       raise ValueError(f"{what}: leaf {path} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}")
+
+
+@jax.jit
+def _fingerprint(leaves):
+  def one(x):
+    x = x.astype(jnp.float32).ravel()
+    w = 1.0 + (jnp.arange(x.size, dtype=jnp.int32) % 13).astype(jnp.float32)
+    return jnp.stack([jnp.sum(x), jnp.sum(x * w)])
+
+  return jnp.stack([one(x) for x in leaves])
+
+
+def fingerprint(tree) -> np.ndarray:
+  """[leaves, 2] float32: each leaf's sum and position-weighted sum (same program on both ends: exact match)."""
+  return np.asarray(jax.device_get(_fingerprint(jax.tree.leaves(tree))))
 
 
 def _floating(dtype) -> bool:

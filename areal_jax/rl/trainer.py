@@ -42,7 +42,7 @@ from flax import nnx
 from areal_jax import agents, faults
 from areal_jax import config as config_lib
 from areal_jax.data import build_dataset, warmstart_pairs
-from areal_jax.distributed import sampler_process, weight_transfer
+from areal_jax.distributed import sampler_process
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.sampler_hub import SamplerHub
@@ -146,17 +146,6 @@ def _check_adapters(meta: dict, model_cfg: ModelConfig, *, where: str) -> None:
   if rank and targets != ",".join(model_cfg.lora_targets):
     raise config_lib.ConfigError(f"config.learner.lora.targets={','.join(model_cfg.lora_targets)!r}: {where} holds "
                                  f"adapters on {targets!r}; set it to match, or use another workdir")
-
-
-def _check_base(meta: dict, base, *, where: str) -> None:
-  """Adapters trained on one base mean nothing on another: the base's fingerprint must match the checkpoint's."""
-  want = meta.get("base", {}).get("fingerprint")
-  if want is None or not all(x.is_fully_addressable for x in jax.tree.leaves(base)):
-    return
-  got = weight_transfer.fingerprint(base)
-  if not np.allclose(got, np.asarray(want, np.float32), rtol=1e-6, atol=1e-6):
-    raise RuntimeError(f"{where}: its adapters were trained on other base weights ({meta['base'].get('source')}) "
-                       "than this run loaded; restore the base they name")
 
 
 class _QuietLibraries(logging.Filter):
@@ -309,7 +298,8 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
     trained, frozen = learner.fns.split(learner.params)
     trained, learner.opt_state, meta = ckpt.restore(latest, params=trained, opt_state=learner.opt_state)
     learner.params = nnx.merge_state(trained, frozen)
-    _check_base(meta, frozen, where=f"checkpoint {latest} in {ckpt.directory}")
+    if "base" in meta:
+      lora.check_base(meta["base"], frozen, where=f"checkpoint {latest} in {ckpt.directory}")
     step, controller_state = meta["step"], meta["controller"]
     learner.restore_counters(version=meta["version"], updates=meta["updates"])
     start_time -= meta.get("elapsed_s", 0.0)  # time/elapsed_s goes on from the checkpoint's
@@ -346,10 +336,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
 
   base = {}  # under LoRA checkpoints hold the adapters alone, and name the base they adapt
   if st.model_cfg.lora_rank:
-    frozen = learner.fns.split(learner.params)[1]
-    base = {"base": {"source": base_source(config, workdir)}}
-    if all(x.is_fully_addressable for x in jax.tree.leaves(frozen)):
-      base["base"]["fingerprint"] = weight_transfer.fingerprint(frozen).tolist()
+    base = {"base": lora.base_meta(base_source(config, workdir), learner.fns.split(learner.params)[1])}
 
   def checkpoint(controller_state, force=False):
     if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
