@@ -226,7 +226,7 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
   cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
-  model_cfg = ModelConfig.from_config(config.model)
+  model_cfg = ModelConfig.from_config(config.model).with_lora(config.learner.lora)
   fns = build_step(model_cfg, cfg, mesh, temperature=config.sampler.temperature)
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0
@@ -249,7 +249,8 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   """`prefill`, `decode`, `insert` of the config's sampler on `topology` (mesh data × mesh.sampler_tensor)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
-  model_cfg, cfg = ModelConfig.from_config(config.model), SamplerConfig.from_config(config.sampler)
+  model_cfg = ModelConfig.from_config(config.model).with_lora(config.learner.lora)  # a LoRA sampler holds adapters
+  cfg = SamplerConfig.from_config(config.sampler)
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm)
