@@ -1,5 +1,5 @@
-"""tools/bench_sampler.py, tools/bench_learner.py, tools/bench_agents.py and tools/bench_sandbox.py end to end on small workloads, peers
-included."""
+"""tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py and bench_lora.py end to end on small
+workloads, peers included."""
 
 import os
 import re
@@ -46,3 +46,13 @@ def test_bench_agents_replays_the_recorded_completions():
 def test_bench_sandbox_times_both_modes():
   out = _run("bench_sandbox.py", "--samples=3")
   assert "bwrap    median" in out and "rlimits  median" in out and "jail / rlimits:" in out
+
+
+def test_bench_lora_compares_unmerged_merged_and_update_sizes():
+  out = _run("bench_lora.py", "--slots=4", "--new-tokens=6", "--repeats=1", "--rank=4")
+  rows = dict(re.findall(r"^(unmerged|merged)\s+[\d.]+\s+(\d+)$", out, re.M))
+  assert set(rows) == {"unmerged", "merged"}, out
+  moved = dict(re.findall(r"^(whole model|adapters \(unmerged sampler\)|adapters, merged on the device)\s+(\d+)", out,
+                          re.M))
+  assert len(moved) == 3 and int(moved["whole model"]) > 10 * int(moved["adapters (unmerged sampler)"]), out
+  assert re.search(r"^ratio whole-model / adapter bytes: [\d.]+x", out, re.M), out
