@@ -65,8 +65,9 @@ def main():
   state = nnx.merge_state(base, adapters)
   merged_state = jax.jit(lambda s: lora.merged(s, cfg))(state)
   print(f"model: {args.preset}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{lora.nbytes(base) / 4 / 1e6:.1f}M base parameters; LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)}"
-        f" ({lora.nbytes(adapters) / 4 / 1e6:.2f}M); sampler weights {args.param_dtype}; {jax.devices()[0].device_kind}")
+        f"{lora.nbytes(base) / 4 / 1e6:.1f}M base parameters; LoRA rank {cfg.lora_rank} on "
+        f"{','.join(cfg.lora_targets)} ({lora.nbytes(adapters) / 4 / 1e6:.2f}M); sampler weights {args.param_dtype}; "
+        f"{jax.devices()[0].device_kind}")
 
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, cfg.vocab_size, int(rng.integers(16, 33))).astype(np.int32) for _ in range(args.slots)]
