@@ -13,6 +13,7 @@ import os
 import ml_collections
 
 from areal_jax.agents.agent import AgentConfig
+from areal_jax.learner.config import CRITICS
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward.sandbox import ISOLATIONS
 from areal_jax.tokenizer import CharTokenizer
@@ -41,6 +42,7 @@ _CHOICES = {
     "learner.adv_norm": ("group", "batch", "none"),
     "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "learner.prox_logp_method": ("recompute", "loglinear"),
+    "learner.critic": CRITICS,
     "reward.code_isolation": ISOLATIONS,
 }
 

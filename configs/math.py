@@ -230,6 +230,13 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # quantize_base: "" keeps the base in model.param_dtype, "bfloat16" stores it in bfloat16 (adapters stay float32).
   # dropout must stay 0: a random mask in the learner's forward would make its logprobs noisy against the proximal
   # and behaviour ones that the importance ratios compare.
+  # PPO with a learned critic (learner/critic.py): critic "" = critic-free (the paper's), "copy" = a value model
+  # copied from the policy, advantages from GAE(gae_gamma, gae_lambda) on the shaped, normalised rewards above.
+  c.learner.critic = ""
+  c.learner.gae_gamma = 1.0
+  c.learner.gae_lambda = 1.0
+  c.learner.value_clip = 0.2
+  c.learner.critic_lr = 0.0  # 0 = learner.lr
   c.learner.lora = ml_collections.ConfigDict()
   c.learner.lora.rank = 0
   c.learner.lora.alpha = 16.0

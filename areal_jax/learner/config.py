@@ -15,6 +15,8 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # (recompute), or interpolated from the behaviour and current logprobs by the tokens' versions (loglinear; AReaL's
 # approximation, one forward pass fewer per step; see `ppo.loglinear_alpha`).
 PROX_LOGP_METHODS = ("recompute", "loglinear")
+# learner.critic: "" = critic-free (the paper's), "copy" = a value model copied from the policy (learner/critic.py).
+CRITICS = ("", "copy")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,11 @@ class LearnerConfig:
   filter_uniform_groups: bool = True
   loss_agg: str = "token-mean"
   loss_agg_max_tokens: int = 0  # the constant of seq-mean-token-sum-norm; 0 = the sampler's max_new_tokens
+  critic: str = ""  # CRITICS; with a critic, advantages are GAE's
+  gae_gamma: float = 1.0
+  gae_lambda: float = 1.0
+  value_clip: float = 0.2  # the value loss's clip around the step's starting values
+  critic_lr: float = 0.0  # 0 = lr
 
   def __post_init__(self):
     def bad(field, why):
@@ -77,6 +84,15 @@ class LearnerConfig:
       if not self.use_decoupled_loss:
         raise ValueError("learner.rejection corrects the decoupled loss's behaviour weights; needs "
                          "learner.use_decoupled_loss=True")
+    if self.critic not in CRITICS:
+      bad("critic", f"choose one of {CRITICS}")
+    for f in ("gae_gamma", "gae_lambda"):
+      if not 0 <= getattr(self, f) <= 1:
+        bad(f, "must lie in [0, 1]")
+    if self.value_clip <= 0:
+      bad("value_clip", "must be positive")
+    if self.critic_lr < 0:
+      bad("critic_lr", "must be >= 0 (0 = learner.lr)")
     if self.prox_logp_method not in PROX_LOGP_METHODS:
       bad("prox_logp_method", f"choose one of {PROX_LOGP_METHODS}")
     if self.prox_logp_method == "loglinear" and not self.use_decoupled_loss:

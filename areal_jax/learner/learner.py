@@ -14,6 +14,9 @@ One `train_step` (= one policy version):
    use_decoupled_loss=False) do not report it;
 4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
    then one AdamW update.
+
+With `learner.critic` (learner/critic.py) the step also computes the critic's values beside the proximal pass,
+replaces the advantages by GAE's, and after the policy's updates runs one critic update per minibatch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jax.sharding import Mesh
 
 from areal_jax import faults
 from areal_jax.learner import flops as flops_lib
+from areal_jax.learner import critic as critic_lib
 from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
@@ -117,6 +121,9 @@ class Learner:
       self.params = self.fns.copy_params(jax.device_put(params, self.fns.param_shardings))
     self.opt_state = self.fns.init_opt_state(self.params)
     self.ref_params = None  # the KL reference: a copy of `params` taken at the first step (kl_coef > 0 only)
+    self.critic = None if not config.critic else critic_lib.build_critic(
+        model_cfg, config, mesh, batch_sharding=self.fns.batch_sharding, replicated=self.fns.replicated, rules=rules)
+    self.critic_params = self.critic_opt = None  # `init_critic`, or restored from a checkpoint
     self.version = 0
     self._updates = 0
     self._peak_flops = peak_flops
@@ -134,6 +141,12 @@ class Learner:
   def restore_counters(self, *, version: int, updates: int) -> None:
     """After restoring `params` / `opt_state` from a checkpoint: the counters saved with them."""
     self.version, self._updates = int(version), int(updates)
+
+  def init_critic(self) -> None:
+    """The critic, copied from the current policy parameters (call once they are the run's initial ones)."""
+    if self.critic is not None:
+      self.critic_params = self.critic.from_policy(self.params)
+      self.critic_opt = self.critic.init_opt_state(self.critic_params)
 
   def model(self) -> nnx.Module:
     """A module view of the current parameters (shares their arrays; do not keep it across steps)."""
@@ -210,6 +223,7 @@ class Learner:
                                       jax.device_put(same, fns.batch_sharding)))
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
+    critic_batches, targets = self._critic_targets(microbatches, batches) if self.critic is not None else (None, None)
     faults.reach("learner_step")
     poison = faults.hit("nan_grads")
     sums, grad_norms = [], []
@@ -223,6 +237,7 @@ class Learner:
       self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
       sums.append(stats)
       grad_norms.append(grad_norm)
+    critic_stats = self._critic_update(critic_batches, targets, plan) if self.critic is not None else {}
     sums, grad_norms, gaps, proximal = jax.device_get((sums, grad_norms, gaps, proximal))
     elapsed = time.perf_counter() - start
     lr = float(self._lr(max(self._updates + len(sums) - 1, 0)))
@@ -235,7 +250,49 @@ class Learner:
       stats |= staleness_stats(by_staleness, microbatches, staleness, proximal if cfg.recompute_proximal else None)
     if cfg.recompute_proximal:
       stats |= gap_stats(gaps)
-    return stats
+    return stats | critic_stats
+
+  def _critic_targets(self, microbatches: Sequence[MicroBatch], batches: list[list[dict]]) -> tuple[list, list]:
+    """The critic's values at the step's start, then GAE: each micro-batch's `advantages` replaced (in `batches`).
+    Returns the critic's batches (old values, returns) minibatch by minibatch, and (values, returns, loss mask) on
+    the host per micro-batch."""
+    cfg, fns = self.config, self.fns
+    flat = [b for minibatch in batches for b in minibatch]
+    values = [fns.gather(self.critic.values(self.critic_params, {k: b[k] for k in BATCH_INT_KEYS})) for b in flat]
+    out, host = [], []
+    for mb, b, v in zip(microbatches, flat, jax.device_get(values)):
+      rewards = critic_lib.terminal_rewards(mb.advantages, mb.loss_mask, mb.segment_ids)
+      adv, returns = critic_lib.gae(v, rewards, mb.loss_mask, mb.segment_ids, gamma=cfg.gae_gamma,
+                                    lam=cfg.gae_lambda)
+      b["advantages"] = jax.device_put(adv, fns.batch_sharding)
+      arrays = {k: b[k] for k in BATCH_INT_KEYS + ("loss_mask",)} | jax.device_put(
+          {"old_values": v, "returns": returns}, fns.batch_sharding)
+      out.append(arrays)
+      host.append((v, returns, mb.loss_mask > 0))
+    sizes = [len(minibatch) for minibatch in batches]
+    return [out[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))], host
+
+  def _critic_update(self, critic_batches: list[list[dict]], targets: list, plan: StepPlan) -> dict[str, float]:
+    """One critic update per minibatch (its loss averaged over the minibatch's loss tokens); `critic/*` stats."""
+    c, sums, norms = self.critic, [], []
+    for minibatch, n in zip(critic_batches, plan.loss_tokens):
+      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1)), self.fns.replicated)
+      grads, stats = c.zero_accumulators()
+      for b in minibatch:
+        grads, stats = c.accumulate(self.critic_params, grads, stats, b, inv_tokens)
+      self.critic_params, self.critic_opt, norm = c.apply(self.critic_params, self.critic_opt, grads)
+      sums.append(stats)
+      norms.append(norm)
+    sums, norms = jax.device_get((sums, norms))
+    total = {k: float(sum(s[k] for s in sums)) for k in critic_lib.CRITIC_STATS}
+    n = max(total["tokens"], 1.0)
+    v = np.concatenate([vals[m] for vals, _, m in targets] or [np.zeros(0)])
+    r = np.concatenate([ret[m] for _, ret, m in targets] or [np.zeros(0)])
+    explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
+    return {"critic/value_loss": total["value_loss"] / n, "critic/clip_fraction": total["value_clipped"] / n,
+            "critic/values_mean": total["values"] / n, "critic/returns_mean": total["returns"] / n,
+            "critic/grad_norm": float(np.mean(norms)) if norms else 0.0,
+            "critic/explained_variance": float(explained)}
 
   def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """One learner step (one new policy version) on a batch of scored trajectories; returns `learner/*` stats.

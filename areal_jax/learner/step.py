@@ -183,7 +183,7 @@ class StepFns:
     return {name: getattr(self, name).lower(*args) for name, args in self.abstract_args(length).items()}
 
 
-def _opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicated: NamedSharding):
+def opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicated: NamedSharding):
   """Each optimizer-state leaf that mirrors a parameter (same key path suffix and shape) takes its sharding."""
   by_path = {}
   shapes = dict(jax.tree_util.tree_flatten_with_path(abstract_params)[0])
@@ -211,7 +211,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   trainable = lora.trainable(model_cfg)
   split = lambda state: nnx.split_state(state, trainable, ...)
   abstract_trained, trained_sh = split(abstract_params)[0], split(param_sh)[0]
-  opt_sh = _opt_state_shardings(jax.eval_shape(tx.init, abstract_trained), abstract_trained, trained_sh, replicated)
+  opt_sh = opt_state_shardings(jax.eval_shape(tx.init, abstract_trained), abstract_trained, trained_sh, replicated)
   rows = batch_rows(mesh, rules)
   batch_sh = NamedSharding(mesh, spec((rows, 1), ("batch", None), mesh, rules))
   skeys = stat_keys(cfg)

@@ -1,7 +1,8 @@
 """Orbax checkpoints of a run: named items, asynchronous saves, local or gs://.
 
-Items per step: `params` and `opt_state` (array trees, restored straight onto the learner's shardings) and `meta`
-(JSON: learner step, policy version, data iterator state, RNG, model config, rollout counters).
+Items per step: `params` and `opt_state` (array trees, restored straight onto the learner's shardings), with a critic
+`critic_params` and `critic_opt_state` too, and `meta` (JSON: learner step, policy version, data iterator state, RNG,
+model config, rollout counters).
 
 A save that fails in the background (a full disk, a lost bucket permission) surfaces as `CheckpointError` at the next
 `check`, `save` or `close`, naming the step, the directory and the cause; the failed step's temporary directory is not
@@ -60,9 +61,10 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
 
-  def save(self, step: int, *, params, opt_state, meta: dict[str, Any], force: bool = False) -> bool:
-    """Saves at multiples of `every_steps` (or always with `force`); returns whether a save started. Raises
-    `CheckpointError` if an earlier write failed."""
+  def save(self, step: int, *, params, opt_state, meta: dict[str, Any], force: bool = False,
+           extra: dict[str, Any] | None = None) -> bool:
+    """Saves at multiples of `every_steps` (or always with `force`); returns whether a save started. `extra`: more
+    array trees by item name (the critic's). Raises `CheckpointError` if an earlier write failed."""
     self.check()
     if not force and step % self.every_steps:
       return False
@@ -73,7 +75,8 @@ class Checkpointer:
     try:
       started = self._mngr.save(step, args=ocp.args.Composite(
           params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-          meta=ocp.args.JsonSave(meta)), force=True)
+          meta=ocp.args.JsonSave(meta), **{k: ocp.args.StandardSave(v) for k, v in (extra or {}).items()}),
+          force=True)
     except Exception as e:  # pylint: disable=broad-except
       raise self._failed(e) from e
     if not started:
@@ -91,6 +94,12 @@ class Checkpointer:
     params, opt_state = orbax_io.restore_any_layout(restore, (_abstract(params), _abstract(opt_state)),
                                                     where=f"{self.directory} step {step}")
     return params, opt_state, self.read_meta(step)
+
+  def restore_extra(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+    """The `extra` items of `step` (see `save`), onto the shardings of the given trees."""
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        **{k: ocp.args.StandardRestore(_abstract(v)) for k, v in targets.items()}))
+    return {k: out[k] for k in targets}
 
   def read_meta(self, step: int) -> dict[str, Any]:
     """The JSON `meta` item of `step` alone (no arrays read)."""

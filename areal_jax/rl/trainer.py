@@ -135,6 +135,21 @@ def _initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
   return params
 
 
+def _critic_items(learner: Learner) -> dict:
+  """The critic's checkpoint items ({} without one)."""
+  if learner.critic is None:
+    return {}
+  return {"critic_params": learner.critic_params, "critic_opt_state": learner.critic_opt}
+
+
+def _check_critic(meta: dict, critic: str, *, where: str) -> None:
+  """A checkpoint restores only into a run with the same critic setting: else a ConfigError naming both."""
+  saved = meta.get("critic", "")
+  if saved != critic:
+    raise config_lib.ConfigError(f"config.learner.critic={critic!r}: {where} was written by a run with "
+                                 f"learner.critic={saved!r}; set it to match, or use another workdir")
+
+
 def _check_adapters(meta: dict, model_cfg: ModelConfig, *, where: str) -> None:
   """A checkpoint restores only into a run with the same adapters (or none): else a ConfigError naming both."""
   saved = meta.get("model_config", {})
@@ -292,12 +307,19 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
   latest = ckpt.latest_step()
   followers = _agree_on_start(layout, control, leader, latest, ckpt.directory)
   if latest is not None:
-    _check_adapters(ckpt.read_meta(latest), model_cfg, where=f"checkpoint {latest} in {ckpt.directory}")
+    saved_meta, where = ckpt.read_meta(latest), f"checkpoint {latest} in {ckpt.directory}"
+    if "model_config" in saved_meta:  # the leader's meta (followers' carry the step alone)
+      _check_adapters(saved_meta, model_cfg, where=where)
+      _check_critic(saved_meta, learner_cfg.critic, where=where)
     if model_cfg.lora_rank:  # the checkpoint holds the adapters alone: the base first
       learner.params = _initial_params(config, learner, train, tokenizer, workdir)
     trained, frozen = learner.fns.split(learner.params)
     trained, learner.opt_state, meta = ckpt.restore(latest, params=trained, opt_state=learner.opt_state)
     learner.params = nnx.merge_state(trained, frozen)
+    if learner.critic is not None:
+      learner.init_critic()  # the shapes and shardings to restore onto
+      saved = ckpt.restore_extra(latest, _critic_items(learner))
+      learner.critic_params, learner.critic_opt = saved["critic_params"], saved["critic_opt_state"]
     if "base" in meta:
       lora.check_base(meta["base"], frozen, where=f"checkpoint {latest} in {ckpt.directory}")
     step, controller_state = meta["step"], meta["controller"]
@@ -308,6 +330,7 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
   else:
     learner.params = _initial_params(config, learner, train, tokenizer, workdir)
     learner.opt_state = learner.fns.init_opt_state(learner.params)
+    learner.init_critic()
   return _Start(tokenizer=tokenizer, train=train, evalset=evalset, model_cfg=model_cfg, learner=learner, ckpt=ckpt,
                 latest=latest, step=step, controller_state=controller_state, start_time=start_time,
                 followers=followers)
@@ -341,7 +364,8 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   def checkpoint(controller_state, force=False):
     if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
         "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg), **base}):
+        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg),
+        "critic": learner.config.critic, **base}, extra=_critic_items(learner)):
       faults.reach("checkpoint_write")  # the asynchronous write is in flight
 
   rows = []
@@ -581,7 +605,7 @@ def _follow(leader: Peer, learner: Learner, ckpt: Checkpointer, step: int) -> No
     else:
       raise RuntimeError(f"learner follower: unknown message {kind!r}")
     ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force,
-              meta={"step": step})
+              meta={"step": step}, extra=_critic_items(learner))
 
 
 def _log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtered) -> None:

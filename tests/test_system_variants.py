@@ -1,4 +1,5 @@
-"""A LoRA run end to end: adapters alone cross to the sampler and into checkpoints; resuming needs the same adapters."""
+"""Runs end to end with LoRA (adapters alone cross to the sampler and into checkpoints) and with a critic; resuming
+needs the same settings."""
 
 import os
 
@@ -48,3 +49,18 @@ def test_full_weight_checkpoint_refuses_a_lora_run():
   with pytest.raises(config_lib.ConfigError, match=r"config.learner.lora.rank=8: ckpt holds full weights"):
     trainer._check_adapters(meta, ModelConfig.from_config(load_config(CONFIG).model).replace(lora_rank=8),
                             where="ckpt")  # pylint: disable=protected-access
+
+
+def test_critic_run_trains_checkpoints_and_resumes_its_critic(tmp_path):
+  workdir = str(tmp_path)
+  critic = {"learner.critic": "copy", "learner.gae_lambda": 0.95, "learner.adv_norm": "none"}  # returns != 0
+  rows = trainer.run(load_config(CONFIG, total_steps=2, **FAST, **critic), workdir)
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  for m in read_metrics(workdir)[1:]:
+    assert m["critic/value_loss"] > 0 and -10 < m["critic/explained_variance"] <= 1, m
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "2", "critic_params"))
+  rows = trainer.run(load_config(CONFIG, total_steps=3, **FAST, **critic), workdir)
+  assert [r["step"] for r in rows] == [3]
+  with pytest.raises(config_lib.ConfigError, match=r"config.learner.critic='': checkpoint 3 in .* was written by a "
+                     r"run with learner.critic='copy'"):
+    trainer.run(load_config(CONFIG, total_steps=4, **FAST), workdir)

@@ -1,0 +1,171 @@
+"""PPO with a learned critic (`learner.critic="copy"`): a value model, GAE, and the clipped value loss.
+
+The value model is a copy of the policy (LoRA adapters merged in) with a value head, a zero vector at the start, so
+the first step's values are 0; it trains with its own AdamW (`learner.critic_lr`, default the policy's). Per step:
+
+1. old values V(s_t) at every loss position of every micro-batch, one forward pass with the step's starting critic
+   (beside the proximal pass: computed once per batch);
+2. GAE on the host (`gae`): the answer's reward (as the critic-free path shapes and normalises it) at its last loss
+   token, δ_t = r_t + γ V(s_t+1) - V(s_t) and A_t = Σ_k (γλ)^k δ_t+k over the answer's loss tokens (tokens the policy
+   did not draw, e.g. a tool's output inside a merged multi-turn sequence, are skipped, not steps), returns
+   R_t = A_t + V(s_t). With γ = λ = 1 and a zero critic A_t is the critic-free advantage exactly;
+3. the policy's decoupled-PPO updates use these A_t; then per minibatch one critic update on
+   ½ max((V - R)², (V_old + clip(V - V_old, ±value_clip) - R)²), averaged over the minibatch's loss tokens.
+
+Staleness needs nothing more: old values and returns are computed by the critic at the step's start, like the
+proximal logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.optimizer import make_optimizer
+from areal_jax.learner.step import opt_state_shardings
+from areal_jax.models import lora
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import Transformer
+from areal_jax.sharding import Rules, state_shardings, use_rules
+
+CRITIC_STATS = ("value_loss", "value_clipped", "values", "returns", "tokens")
+
+
+class ValueModel(nnx.Module):
+  """The policy's transformer and a value head: V(s_t) = h_t · w, float32."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.body = Transformer(cfg, rngs=rngs)
+    self.head = nnx.Param(jnp.zeros((cfg.hidden_size,), jnp.float32), logical_axes=("embed",))
+
+  def __call__(self, tokens, positions, segment_ids) -> jax.Array:
+    h = self.body.hidden(tokens, positions=positions, segment_ids=segment_ids)
+    return jnp.einsum("btd,d->bt", h.astype(jnp.float32), self.head[...])
+
+
+def terminal_rewards(advantages: np.ndarray, loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+  """[rows, length]: each answer's (critic-free) advantage at its last loss token, 0 elsewhere."""
+  mask = loss_mask > 0
+  later = np.zeros_like(mask)  # another loss token of the same segment follows
+  for t in range(mask.shape[1] - 2, -1, -1):
+    later[:, t] = (segment_ids[:, t + 1] == segment_ids[:, t]) & (mask[:, t + 1] | later[:, t + 1])
+  return np.where(mask & ~later, advantages, 0.0).astype(np.float32)
+
+
+def gae(values: np.ndarray, rewards: np.ndarray, loss_mask: np.ndarray, segment_ids: np.ndarray, *, gamma: float,
+        lam: float) -> tuple[np.ndarray, np.ndarray]:
+  """(advantages, returns) [rows, length] over packed rows, 0 off the loss tokens. A segment's loss tokens are its
+  steps, in order; the value after its last one is 0."""
+  mask = loss_mask > 0
+  adv = np.zeros(values.shape, np.float32)
+  next_value = np.zeros(values.shape[0], np.float32)
+  running = np.zeros(values.shape[0], np.float32)
+  for t in range(values.shape[1] - 1, -1, -1):
+    if t + 1 < values.shape[1]:  # a new segment starts at t + 1: nothing carries over to t
+      boundary = segment_ids[:, t + 1] != segment_ids[:, t]
+      next_value, running = np.where(boundary, 0.0, next_value), np.where(boundary, 0.0, running)
+    m = mask[:, t]
+    delta = rewards[:, t] + gamma * next_value - values[:, t]
+    running = np.where(m, delta + gamma * lam * running, running)
+    next_value = np.where(m, values[:, t], next_value)
+    adv[:, t] = np.where(m, running, 0.0)
+  return adv, np.where(mask, adv + values, 0.0).astype(np.float32)
+
+
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,
+               clip: float) -> tuple[jax.Array, jax.Array]:
+  """(per-token clipped value loss, whether the clipped term was the larger), 0 off `mask`."""
+  clipped = old_values + jnp.clip(values - old_values, -clip, clip)
+  plain, held = jnp.square(values - returns), jnp.square(clipped - returns)
+  return jnp.where(mask, 0.5 * jnp.maximum(plain, held), 0.0), mask & (held > plain)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticFns:
+  """The critic's programs and shardings (the policy's mesh and rules)."""
+
+  graphdef: Any
+  abstract_params: nnx.State
+  param_shardings: Any
+  opt_shardings: Any
+  optimizer: optax.GradientTransformation
+  from_policy: Callable  # policy params -> critic params (the policy's weights, adapters merged; a zero head)
+  init_opt_state: Callable
+  zero_accumulators: Callable
+  values: Callable  # (critic params, batch) -> [rows, length]
+  accumulate: Callable  # (params, grads, stats, batch, inv_tokens) -> (grads, stats)
+  apply: Callable  # (params, opt_state, grads) -> (params, opt_state, grad_norm)
+
+  def abstract_state(self) -> tuple[Any, Any]:
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
+    return (jax.tree.map(sds, self.abstract_params, self.param_shardings),
+            jax.tree.map(sds, opt, self.opt_shardings))
+
+
+def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batch_sharding: NamedSharding,
+                 replicated: NamedSharding, rules: Rules) -> CriticFns:
+  """The critic's programs on the policy's `mesh`, sharded by the policy's `rules`."""
+  body_cfg = model_cfg.replace(lora_rank=0)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ValueModel(body_cfg, rngs=nnx.Rngs(0))))
+  param_sh = state_shardings(abstract, mesh, rules)
+  tx = make_optimizer(cfg.replace(lr=cfg.critic_lr or cfg.lr))
+  opt_sh = opt_state_shardings(jax.eval_shape(tx.init, abstract), abstract, param_sh, replicated)
+
+  def ruled(fn):
+    def wrapped(*args):
+      with use_rules(mesh, rules):
+        return fn(*args)
+    return wrapped
+
+  def from_policy(policy):
+    body = lora.merged(policy, model_cfg) if model_cfg.lora_rank else policy
+    head = jnp.zeros(abstract["head"].shape, abstract["head"].dtype)
+    return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(body) + [head])  # "body" < "head"
+
+  def values(params, batch):
+    return nnx.merge(graphdef, params)(batch["tokens"], batch["positions"], batch["segment_ids"])
+
+  def zeros():
+    return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract),
+            {k: jnp.zeros((), jnp.float32) for k in CRITIC_STATS})
+
+  def accumulate(params, grads, stats, batch, inv_tokens):
+    mask = batch["loss_mask"] > 0
+
+    def loss_fn(params):
+      v = values(params, batch)
+      loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, cfg.value_clip)
+      return loss.sum() * inv_tokens, (loss, clipped, v)
+
+    (_, (loss, clipped, v)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    step = {"value_loss": loss.sum(), "value_clipped": clipped.sum(), "values": jnp.where(mask, v, 0.0).sum(),
+            "returns": jnp.where(mask, batch["returns"], 0.0).sum(), "tokens": mask.sum().astype(jnp.float32)}
+    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), {k: stats[k] + step[k] for k in stats}
+
+  def apply(params, opt_state, grads):
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, grad_norm
+
+  stats_sh = {k: replicated for k in CRITIC_STATS}
+  return CriticFns(
+      graphdef=graphdef, abstract_params=abstract, param_shardings=param_sh, opt_shardings=opt_sh, optimizer=tx,
+      from_policy=jax.jit(from_policy, out_shardings=param_sh),
+      init_opt_state=jax.jit(tx.init, in_shardings=(param_sh,), out_shardings=opt_sh),
+      zero_accumulators=jax.jit(zeros, out_shardings=(param_sh, stats_sh)),
+      values=jax.jit(ruled(values), in_shardings=(param_sh, batch_sharding), out_shardings=batch_sharding),
+      accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, param_sh, stats_sh, batch_sharding, replicated),
+                         out_shardings=(param_sh, stats_sh), donate_argnums=(1, 2)),
+      apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh), out_shardings=(param_sh, opt_sh,
+                                                                                             replicated),
+                    donate_argnums=(0, 1)))
