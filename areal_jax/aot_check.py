@@ -43,12 +43,13 @@ from jax.extend import core as jax_core
 import numpy as np
 
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.step import build_step
+from areal_jax.learner.critic import build_critic
+from areal_jax.learner.step import BATCH_INT_KEYS, build_step
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.packed_attention import splash_block, splash_blocks_computed
 from areal_jax.sampler.aot import abstract_decode_state, abstract_params, lower_sampler
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sharding import make_mesh
+from areal_jax.sharding import LEARNER_RULES, make_mesh
 
 GIB = 1 << 30
 # HBM per chip by `device_kind`; a chip described as several devices (v4's two cores) splits it between them.
@@ -230,6 +231,10 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   fns = build_step(model_cfg, cfg, mesh, temperature=config.sampler.temperature)
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0
+  critic = None if not cfg.critic else build_critic(model_cfg, cfg, mesh, batch_sharding=fns.batch_sharding,
+                                                    replicated=fns.replicated, rules=LEARNER_RULES)
+  # With a critic each role's state stays in HBM while the other's programs run.
+  ref += device_bytes(critic.abstract_state()) if critic else 0
   resident = {"logprobs": device_bytes(opt) + ref, "accumulate": device_bytes(opt) + ref, "apply": ref}
   seq_len = min(flop_seq_len or config.sampler.max_seq_len, cfg.max_tokens_per_mb, config.sampler.max_seq_len)
   note = f"{fns.rows} rows x {cfg.max_tokens_per_mb} tokens (FLOPs: sequences of {seq_len})"
@@ -238,11 +243,17 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   flops = {"logprobs": forward, "accumulate": 3 * forward, "apply": 0.0}
   executed = learner_flops(fns, model_cfg, cfg.max_tokens_per_mb, seq_len) if flop_seq_len else {}
   lowered = fns.lower(cfg.max_tokens_per_mb)
+  if critic:
+    lowered |= critic.lower(fns.abstract_batch(cfg.max_tokens_per_mb, BATCH_INT_KEYS + ("loss_mask",)))
+    policy, critic_opt = device_bytes((params, opt)), device_bytes(critic.abstract_state()[1])
+    resident |= {"critic_values": policy + critic_opt, "critic_accumulate": policy + critic_opt,
+                 "critic_apply": policy}
+    flops |= {"critic_values": forward, "critic_accumulate": 3 * forward, "critic_apply": 0.0}
   return [_compile(lowered[name], role="learner", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
                    flop_ratio=executed[name] / flops[name] if name in executed else 0.0,
-                   note=note if name != "apply" else "")
-          for name in ("logprobs", "accumulate", "apply")]
+                   note=note if not name.endswith("apply") else "")
+          for name in lowered]
 
 
 def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
@@ -110,6 +110,19 @@ class CriticFns:
     opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
     return (jax.tree.map(sds, self.abstract_params, self.param_shardings),
             jax.tree.map(sds, opt, self.opt_shardings))
+
+  def lower(self, batch: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.stages.Lowered]:
+    """AOT-lowers the critic's programs from abstract shapes: `batch` holds the policy's [rows, length] int arrays
+    and `loss_mask` (the critic's old values and returns take its shape)."""
+    params, opt = self.abstract_state()
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
+    floats = {k: batch["loss_mask"] for k in ("old_values", "returns")}
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(batch["loss_mask"].sharding.mesh, P()))
+    stats = {k: scalar for k in CRITIC_STATS}
+    inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+    return {"critic_values": self.values.lower(params, inputs),
+            "critic_accumulate": self.accumulate.lower(params, grads, stats, batch | floats, scalar),
+            "critic_apply": self.apply.lower(params, opt, grads)}
 
 
 def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batch_sharding: NamedSharding,
