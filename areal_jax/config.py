@@ -164,8 +164,12 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
           f"must lie in [0, rollout.max_head_offpolicyness={r.max_head_offpolicyness}] (None = the bound)")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
+  _check_mesh(c, model, num_devices)
 
-  m = c.mesh
+
+def _check_mesh(c: ml_collections.ConfigDict, model: ModelConfig, num_devices: int | None) -> None:
+  """Tensor parallelism that divides the heads; with `num_devices`, a device split that the meshes divide."""
+  m, s = c.mesh, c.sampler
   for role in ("sampler", "learner"):
     t = m[f"{role}_tensor"]
     if t < 1 or model.num_heads % t:

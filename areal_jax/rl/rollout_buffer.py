@@ -41,6 +41,13 @@ class RolloutBuffer:
     self._closed = False
     self._cond = threading.Condition()
 
+  @classmethod
+  def from_config(cls, r, *, version: int) -> RolloutBuffer:
+    """From the `rollout` config group, resuming at policy `version` (every earlier version took one batch)."""
+    return cls(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
+               max_concurrent=r.max_concurrent_rollouts, accepted=version * r.batch_size,
+               target_staleness=r.target_staleness)
+
   @property
   def running(self) -> int:
     return len(self._out)

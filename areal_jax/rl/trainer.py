@@ -347,27 +347,13 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   rollout = _start_rollout(config, layout, control, sampler_cfg, learner, local, sampler_mesh, learner_local,
                            st.tokenizer)
   rewards = RewardService.from_config(config.reward)
-  buffer = RolloutBuffer(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
-                         max_concurrent=r.max_concurrent_rollouts, accepted=learner.version * r.batch_size,
-                         target_staleness=r.target_staleness)
+  buffer = RolloutBuffer.from_config(r, version=learner.version)
   controller = _controller(config, st, rollout, rewards, buffer)
-  evaluator = (EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
-                                num_samples=config.eval.num_samples) if controller.episodes is not None
-               else _evaluator(config, st, sampler_cfg, learner_local, rewards))
+  evaluator = _evaluator(config, st, controller, sampler_cfg, learner_local, rewards)
   metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
                           start_step=step)
 
-  base = {}  # under LoRA checkpoints hold the adapters alone, and name the base they adapt
-  if st.model_cfg.lora_rank:
-    base = {"base": lora.base_meta(base_source(config, workdir), learner.fns.split(learner.params)[1])}
-
-  def checkpoint(controller_state, force=False):
-    if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
-        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg),
-        "critic": learner.config.critic, **base}, extra=_critic_items(learner)):
-      faults.reach("checkpoint_write")  # the asynchronous write is in flight
-
+  checkpoint = _saver(config, workdir, st)
   rows = []
   followers_done = threading.Event()
   for peer in followers.values():
@@ -412,11 +398,11 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
       controller_state, filtered = controller.snapshot()
       _log_rollouts(workdir, step, learner.version, groups, filtered)
       rows.append({"step": step, **row})
-      checkpoint(controller_state)
+      checkpoint(step, controller_state)
     if step % config.checkpoint.every_steps and controller_state is not None:
       for peer in followers.values():
         peer.send("save", {"step": step})
-      checkpoint(controller_state, force=True)  # the last step, when not on the checkpoint schedule
+      checkpoint(step, controller_state, force=True)  # the last step, when not on the checkpoint schedule
     if stalled is not None:
       raise stalled
   finally:
@@ -430,6 +416,24 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
     ckpt.close()
     metrics.close()
   return rows
+
+
+def _saver(config, workdir: epath.Path, st: _Start) -> Callable[..., None]:
+  """`save(step, controller_state, force=False)`: the leader's checkpoint, on the schedule or forced. Under LoRA it
+  holds the adapters alone and names the base they adapt; a critic's state goes beside the policy's."""
+  learner, ckpt = st.learner, st.ckpt
+  base = {}
+  if st.model_cfg.lora_rank:
+    base = {"base": lora.base_meta(base_source(config, workdir), learner.fns.split(learner.params)[1])}
+
+  def save(step: int, controller_state: dict, force: bool = False) -> None:
+    if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
+        "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
+        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg),
+        "critic": learner.config.critic, **base}, extra=_critic_items(learner)):
+      faults.reach("checkpoint_write")  # the asynchronous write is in flight
+
+  return save
 
 
 def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
@@ -457,8 +461,13 @@ class Stalled(RuntimeError):
   """No prompt group was accepted for `rollout.stall_timeout_s`: the run cannot learn as configured."""
 
 
-def _evaluator(config, st: _Start, sampler_cfg: SamplerConfig, learner_local, rewards: RewardService) -> Evaluator:
-  """Evaluation on the leader's learner devices (a data x tensor mesh), scored by the run's reward workers."""
+def _evaluator(config, st: _Start, controller: RolloutController, sampler_cfg: SamplerConfig, learner_local,
+               rewards: RewardService) -> Evaluator | EpisodeEvaluator:
+  """With an agent, its episodes on the eval problems; else evaluation on the leader's learner devices (a data x
+  tensor mesh), scored by the run's reward workers."""
+  if controller.episodes is not None:
+    return EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
+                            num_samples=config.eval.num_samples)
   return Evaluator(model_cfg=st.model_cfg, records=st.evalset.records,
                    mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
                    sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5), eos_ids=[st.tokenizer.eos_id],

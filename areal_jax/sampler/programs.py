@@ -93,6 +93,24 @@ def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) ->
   return "jax"
 
 
+def _insert(write_chunks, state: DecodeState, prefix: PrefixArrays, first, chunks: Chunks,
+            upd: SlotUpdate) -> DecodeState:
+  """The insert program: prefilled pages copied into the pool (`write_chunks`), slot rows set from `upd`."""
+  ks, vs = [], []
+  for i, (kp, vp) in enumerate(zip(state.k, state.v)):
+    kp, vp = write_chunks(kp, vp, prefix.k[i], prefix.v[i], chunks.src_row, chunks.src_chunk, chunks.dst,
+                          chunks.shard)
+    ks.append(kp)
+    vs.append(vp)
+  pending = jnp.where(upd.override >= 0, upd.override, first[upd.src])
+  put = lambda x, val: x.at[upd.slot].set(val.astype(x.dtype), mode="drop")
+  return state.replace(
+      k=tuple(ks), v=tuple(vs), page_table=put(state.page_table, upd.rows), tokens=put(state.tokens, pending),
+      lengths=put(state.lengths, upd.lengths), index=put(state.index, upd.index), keys=put(state.keys, upd.keys),
+      temperature=put(state.temperature, upd.temperature), top_p=put(state.top_p, upd.top_p),
+      top_k=put(state.top_k, upd.top_k))
+
+
 @functools.lru_cache(maxsize=16)
 def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh) -> Programs:
   """Cached: engines with the same graph, configs and mesh share compiled programs."""
@@ -120,21 +138,6 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
       logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
     pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
     return PrefixArrays(k=pin(k), v=pin(v)), logits
-
-  def insert(state: DecodeState, prefix: PrefixArrays, first, chunks: Chunks, upd: SlotUpdate) -> DecodeState:
-    ks, vs = [], []
-    for i, (kp, vp) in enumerate(zip(state.k, state.v)):
-      kp, vp = write_chunks(kp, vp, prefix.k[i], prefix.v[i], chunks.src_row, chunks.src_chunk, chunks.dst,
-                            chunks.shard)
-      ks.append(kp)
-      vs.append(vp)
-    pending = jnp.where(upd.override >= 0, upd.override, first[upd.src])
-    put = lambda x, val: x.at[upd.slot].set(val.astype(x.dtype), mode="drop")
-    return state.replace(
-        k=tuple(ks), v=tuple(vs), page_table=put(state.page_table, upd.rows), tokens=put(state.tokens, pending),
-        lengths=put(state.lengths, upd.lengths), index=put(state.index, upd.index), keys=put(state.keys, upd.keys),
-        temperature=put(state.temperature, upd.temperature), top_p=put(state.top_p, upd.top_p),
-        top_k=put(state.top_k, upd.top_k))
 
   def decode(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at):
     model = nnx.merge(graphdef, params)
@@ -179,6 +182,6 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
   return Programs(
       prefill=jax.jit(prefill),
       sample=jax.jit(draw),
-      insert=jax.jit(insert, donate_argnums=0, out_shardings=state_sh),
+      insert=jax.jit(functools.partial(_insert, write_chunks), donate_argnums=0, out_shardings=state_sh),
       decode=jax.jit(decode, donate_argnums=1, out_shardings=(state_sh, None)),
       attention=impl)
