@@ -106,15 +106,7 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
 
   if api_key:
     _require_api_key(app, api_key)
-
-  @app.exception_handler(openai_api.ApiError)
-  async def _api_error(_, exc: openai_api.ApiError):
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-  @app.exception_handler(fastapi.exceptions.RequestValidationError)
-  async def _invalid(_, exc: fastapi.exceptions.RequestValidationError):
-    err = _validation_error(exc)
-    return JSONResponse(err.body(), status_code=err.status)
+  _openai_errors(app)
 
   def submit(prepared: openai_api.Prepared, on_tokens=None):
     try:
@@ -183,6 +175,19 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
     return backend.stats()
 
   return app
+
+
+def _openai_errors(app: fastapi.FastAPI) -> None:
+  """Errors answered in OpenAI's shape: ours (`ApiError`) and FastAPI's request validation (400, naming the field)."""
+
+  @app.exception_handler(openai_api.ApiError)
+  async def _api_error(_, exc: openai_api.ApiError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+  @app.exception_handler(fastapi.exceptions.RequestValidationError)
+  async def _invalid(_, exc: fastapi.exceptions.RequestValidationError):
+    err = _validation_error(exc)
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 def _require_api_key(app: fastapi.FastAPI, api_key: str) -> None:
