@@ -92,7 +92,7 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
   return nnx.merge_state(weights.cast(base, learner.model_cfg.weight_dtype), adapters)
 
 
-def base_source(config, workdir: epath.Path) -> dict:
+def _base_source(config, workdir: epath.Path) -> dict:
   """Where a run's base weights come from, for its LoRA checkpoints' `meta` (`_initial_base`'s order)."""
   if config.model.init_from:
     return {"init_from": str(config.model.init_from)}
@@ -317,8 +317,8 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
     trained, learner.opt_state, meta = ckpt.restore(latest, params=trained, opt_state=learner.opt_state)
     learner.params = nnx.merge_state(trained, frozen)
     if learner.critic is not None:
-      learner.init_critic()  # the shapes and shardings to restore onto
-      saved = ckpt.restore_extra(latest, _critic_items(learner))
+      params, opt = learner.critic.abstract_state()
+      saved = ckpt.restore_extra(latest, {"critic_params": params, "critic_opt_state": opt})
       learner.critic_params, learner.critic_opt = saved["critic_params"], saved["critic_opt_state"]
     if "base" in meta:
       lora.check_base(meta["base"], frozen, where=f"checkpoint {latest} in {ckpt.directory}")
@@ -424,7 +424,7 @@ def _saver(config, workdir: epath.Path, st: _Start) -> Callable[..., None]:
   learner, ckpt = st.learner, st.ckpt
   base = {}
   if st.model_cfg.lora_rank:
-    base = {"base": lora.base_meta(base_source(config, workdir), learner.fns.split(learner.params)[1])}
+    base = {"base": lora.base_meta(_base_source(config, workdir), learner.fns.split(learner.params)[1])}
 
   def save(step: int, controller_state: dict, force: bool = False) -> None:
     if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
