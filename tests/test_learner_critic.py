@@ -36,13 +36,13 @@ def test_gae_on_packed_rows_matches_textbook_gae_per_answer(gamma, lam):
   for r in range(2):  # one advantage per answer, as the critic-free path lays them out
     for s in np.unique(segment_ids[r][segment_ids[r] > 0]):
       seq_adv[r, (segment_ids[r] == s) & (loss_mask[r] > 0)] = rng.normal()
-  rewards = critic_lib.terminal_rewards(seq_adv, loss_mask, segment_ids)
-  adv, returns = critic_lib.gae(values, rewards, loss_mask, segment_ids, gamma=gamma, lam=lam)
+  adv, returns = map(np.asarray, critic_lib.gae(values, seq_adv, loss_mask, segment_ids, gamma=gamma, lam=lam))
   for r in range(2):
     for s in np.unique(segment_ids[r][segment_ids[r] > 0]):
       steps = np.flatnonzero((segment_ids[r] == s) & (loss_mask[r] > 0))
-      assert np.count_nonzero(rewards[r, steps]) == 1 and rewards[r, steps[-1]] == seq_adv[r, steps[-1]]
-      want = _reference_gae(values[r], rewards[r], steps, gamma, lam)
+      rewards = np.zeros(segment_ids.shape[1])
+      rewards[steps[-1]] = seq_adv[r, steps[-1]]  # the answer's reward at its last step
+      want = _reference_gae(values[r], rewards, steps, gamma, lam)
       np.testing.assert_allclose(adv[r, steps], want, rtol=1e-5, atol=1e-6)
       np.testing.assert_allclose(returns[r, steps], want + values[r, steps], rtol=1e-5, atol=1e-6)
   assert not adv[loss_mask == 0].any() and not returns[loss_mask == 0].any()

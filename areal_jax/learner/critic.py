@@ -5,7 +5,7 @@ the first step's values are 0; it trains with its own AdamW (`learner.critic_lr`
 
 1. old values V(s_t) at every loss position of every micro-batch, one forward pass with the step's starting critic
    (beside the proximal pass: computed once per batch);
-2. GAE on the host (`gae`): the answer's reward (as the critic-free path shapes and normalises it) at its last loss
+2. GAE on the device (`gae`, associative scans over the packed rows): the answer's reward (as the critic-free path shapes and normalises it) at its last loss
    token, δ_t = r_t + γ V(s_t+1) - V(s_t) and A_t = Σ_k (γλ)^k δ_t+k over the answer's loss tokens (tokens the policy
    did not draw, e.g. a tool's output inside a merged multi-turn sequence, are skipped, not steps), returns
    R_t = A_t + V(s_t). With γ = λ = 1 and a zero critic A_t is the critic-free advantage exactly;
@@ -19,12 +19,12 @@ proximal logprobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -52,33 +52,31 @@ class ValueModel(nnx.Module):
     return jnp.einsum("btd,d->bt", h.astype(jnp.float32), self.head[...])
 
 
-def terminal_rewards(advantages: np.ndarray, loss_mask: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
-  """[rows, length]: each answer's (critic-free) advantage at its last loss token, 0 elsewhere."""
-  mask = loss_mask > 0
-  later = np.zeros_like(mask)  # another loss token of the same segment follows
-  for t in range(mask.shape[1] - 2, -1, -1):
-    later[:, t] = (segment_ids[:, t + 1] == segment_ids[:, t]) & (mask[:, t + 1] | later[:, t + 1])
-  return np.where(mask & ~later, advantages, 0.0).astype(np.float32)
+def _reverse_linear(a: jax.Array, b: jax.Array) -> jax.Array:
+  """x along axis 1 with x_t = a_t x_t+1 + b_t and x_T = 0, as one associative scan (log-depth, on the device)."""
+  def compose(later, earlier):  # the map x -> earlier(later(x))
+    return earlier[0] * later[0], earlier[0] * later[1] + earlier[1]
+
+  return jax.lax.associative_scan(compose, (a, b), reverse=True, axis=1)[1]
 
 
-def gae(values: np.ndarray, rewards: np.ndarray, loss_mask: np.ndarray, segment_ids: np.ndarray, *, gamma: float,
-        lam: float) -> tuple[np.ndarray, np.ndarray]:
-  """(advantages, returns) [rows, length] over packed rows, 0 off the loss tokens. A segment's loss tokens are its
-  steps, in order; the value after its last one is 0."""
-  mask = loss_mask > 0
-  adv = np.zeros(values.shape, np.float32)
-  next_value = np.zeros(values.shape[0], np.float32)
-  running = np.zeros(values.shape[0], np.float32)
-  for t in range(values.shape[1] - 1, -1, -1):
-    if t + 1 < values.shape[1]:  # a new segment starts at t + 1: nothing carries over to t
-      boundary = segment_ids[:, t + 1] != segment_ids[:, t]
-      next_value, running = np.where(boundary, 0.0, next_value), np.where(boundary, 0.0, running)
-    m = mask[:, t]
-    delta = rewards[:, t] + gamma * next_value - values[:, t]
-    running = np.where(m, delta + gamma * lam * running, running)
-    next_value = np.where(m, values[:, t], next_value)
-    adv[:, t] = np.where(m, running, 0.0)
-  return adv, np.where(mask, adv + values, 0.0).astype(np.float32)
+@functools.partial(jax.jit, static_argnames=("gamma", "lam"))
+def gae(values: jax.Array, advantages: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, *, gamma: float,
+        lam: float) -> tuple[jax.Array, jax.Array]:
+  """(advantages, returns) [rows, length] over packed rows, 0 off the loss tokens. `advantages` holds each answer's
+  critic-free advantage on its loss tokens; it becomes the reward at the answer's last loss token. A segment's loss
+  tokens are its steps, in order (tokens between them are skipped); the value after its last one is 0."""
+  m = (loss_mask > 0).astype(jnp.float32)
+  shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)  # x_t+1
+  same = shift(segment_ids) == segment_ids  # t + 1 is in t's segment
+  same = same.at[:, -1].set(False).astype(jnp.float32)
+  carry = (1.0 - m) * same  # off the loss tokens, whatever follows in the segment carries back
+  later = same * shift(_reverse_linear(carry, m))  # another loss token follows in the segment
+  rewards = m * (1.0 - (later > 0)) * advantages
+  next_value = same * shift(_reverse_linear(carry, m * values))
+  delta = rewards + gamma * next_value - values
+  adv = m * _reverse_linear(same * jnp.where(m > 0, gamma * lam, 1.0), m * delta)
+  return adv, m * (adv + values)
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,

@@ -223,7 +223,7 @@ class Learner:
                                       jax.device_put(same, fns.batch_sharding)))
       if cfg.kl_coef:
         b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
-    critic_batches, targets = self._critic_targets(microbatches, batches) if self.critic is not None else (None, None)
+    critic_batches, targets = self._critic_targets(batches) if self.critic is not None else (None, None)
     faults.reach("learner_step")
     poison = faults.hit("nan_grads")
     sums, grad_norms = [], []
@@ -252,25 +252,21 @@ class Learner:
       stats |= gap_stats(gaps)
     return stats | critic_stats
 
-  def _critic_targets(self, microbatches: Sequence[MicroBatch], batches: list[list[dict]]) -> tuple[list, list]:
-    """The critic's values at the step's start, then GAE: each micro-batch's `advantages` replaced (in `batches`).
-    Returns the critic's batches (old values, returns) minibatch by minibatch, and (values, returns, loss mask) on
-    the host per micro-batch."""
+  def _critic_targets(self, batches: list[list[dict]]) -> tuple[list, list]:
+    """The critic's values at the step's start, then GAE, on the devices: each micro-batch's `advantages` replaced
+    (in `batches`). Returns the critic's batches (old values, returns) minibatch by minibatch, and (values, returns)
+    replicated per micro-batch (for explained variance, read with the step's other statistics)."""
     cfg, fns = self.config, self.fns
-    flat = [b for minibatch in batches for b in minibatch]
-    values = [fns.gather(self.critic.values(self.critic_params, {k: b[k] for k in BATCH_INT_KEYS})) for b in flat]
-    out, host = [], []
-    for mb, b, v in zip(microbatches, flat, jax.device_get(values)):
-      rewards = critic_lib.terminal_rewards(mb.advantages, mb.loss_mask, mb.segment_ids)
-      adv, returns = critic_lib.gae(v, rewards, mb.loss_mask, mb.segment_ids, gamma=cfg.gae_gamma,
-                                    lam=cfg.gae_lambda)
-      b["advantages"] = jax.device_put(adv, fns.batch_sharding)
-      arrays = {k: b[k] for k in BATCH_INT_KEYS + ("loss_mask",)} | jax.device_put(
-          {"old_values": v, "returns": returns}, fns.batch_sharding)
-      out.append(arrays)
-      host.append((v, returns, mb.loss_mask > 0))
-    sizes = [len(minibatch) for minibatch in batches]
-    return [out[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))], host
+    out, targets = [], []
+    for minibatch in batches:
+      out.append([])
+      for b in minibatch:
+        v = self.critic.values(self.critic_params, {k: b[k] for k in BATCH_INT_KEYS})
+        b["advantages"], returns = critic_lib.gae(v, b["advantages"], b["loss_mask"], b["segment_ids"],
+                                                  gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
+        out[-1].append({k: b[k] for k in BATCH_INT_KEYS + ("loss_mask",)} | {"old_values": v, "returns": returns})
+        targets.append((fns.gather(v), fns.gather(returns)))
+    return out, targets
 
   def _critic_update(self, critic_batches: list[list[dict]], targets: list, plan: StepPlan) -> dict[str, float]:
     """One critic update per minibatch (its loss averaged over the minibatch's loss tokens); `critic/*` stats."""
@@ -283,11 +279,12 @@ class Learner:
       self.critic_params, self.critic_opt, norm = c.apply(self.critic_params, self.critic_opt, grads)
       sums.append(stats)
       norms.append(norm)
-    sums, norms = jax.device_get((sums, norms))
+    sums, norms, targets = jax.device_get((sums, norms, targets))
     total = {k: float(sum(s[k] for s in sums)) for k in critic_lib.CRITIC_STATS}
     n = max(total["tokens"], 1.0)
-    v = np.concatenate([vals[m] for vals, _, m in targets] or [np.zeros(0)])
-    r = np.concatenate([ret[m] for _, ret, m in targets] or [np.zeros(0)])
+    masks = [mb.loss_mask > 0 for minibatch in plan.minibatches for mb in minibatch]
+    v = np.concatenate([vals[m] for (vals, _), m in zip(targets, masks)] or [np.zeros(0)])
+    r = np.concatenate([ret[m] for (_, ret), m in zip(targets, masks)] or [np.zeros(0)])
     explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
     return {"critic/value_loss": total["value_loss"] / n, "critic/clip_fraction": total["value_clipped"] / n,
             "critic/values_mean": total["values"] / n, "critic/returns_mean": total["returns"] / n,
