@@ -9,13 +9,13 @@ from abstract shapes (`StepFns.lower`) for a topology that is not attached. The 
   `Σ m·w·loss / D` (token weights w and the minibatch's denominator D from `loss_agg`, so the sum over micro-batches
   and data shards is the minibatch's loss exactly) and its statistic sums.
 * `apply(params, opt_state, grads) -> (params, opt_state, grad_norm)`: one optimizer update.
+* `logprob_gap(proximal, behavior, mask) -> [sum, count, max]` of |proximal - behaviour| over the masked tokens
+  where both are finite: how far the sampler's logprobs are from the learner's under the same weights.
+* `gather(x) -> x` replicated: a [rows, length] array whole on every device, so each process's host can read it.
 
 `params` is always the whole parameter state. What trains is `lora.trainable(model_cfg)`: every parameter, or under
 LoRA only the adapters (`nnx.LoRAParam`); gradients and optimizer state cover that part alone, and the frozen base
 passes through `apply` untouched.
-* `logprob_gap(proximal, behavior, mask) -> [sum, count, max]` of |proximal - behaviour| over the masked tokens
-  where both are finite: how far the sampler's logprobs are from the learner's under the same weights.
-* `gather(x) -> x` replicated: a [rows, length] array whole on every device, so each process's host can read it.
 
 Each compiles once per row length (bucket); `apply` and the initialisers compile once.
 """
