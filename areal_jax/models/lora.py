@@ -7,7 +7,7 @@ learner's gradient never forms a full-size weight gradient, and a sampler keeps 
 takes new adapters each version (a few MB) instead of the whole model.
 
 The adapters are `nnx.LoRAParam`s (a subclass of `nnx.Param`), so NNX's filters separate them: `split(state)` gives
-(adapters, base), `nnx.merge_state` joins them again, and `TRAINABLE` / `trainable(cfg)` is what the learner
+(adapters, base), `nnx.merge_state` joins them again, and `trainable(cfg)` is the filter of what the learner
 differentiates. `merged(state, cfg)` folds the adapters into the base weights (export to HF, a merged sampler).
 """
 
@@ -22,7 +22,6 @@ from areal_jax.models import weights
 from areal_jax.models.config import ModelConfig
 
 ADAPTERS = nnx.LoRAParam
-BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
 def trainable(cfg: ModelConfig):
