@@ -31,11 +31,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
-from areal_jax.learner.step import opt_state_shardings
+from areal_jax.learner.step import opt_state_shardings, with_rules
 from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
-from areal_jax.sharding import Rules, state_shardings, use_rules
+from areal_jax.sharding import Rules, state_shardings
 
 CRITIC_STATS = ("value_loss", "value_clipped", "values", "returns", "tokens")
 
@@ -132,11 +132,7 @@ def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batc
   tx = make_optimizer(cfg.replace(lr=cfg.critic_lr or cfg.lr))
   opt_sh = opt_state_shardings(jax.eval_shape(tx.init, abstract), abstract, param_sh, replicated)
 
-  def ruled(fn):
-    def wrapped(*args):
-      with use_rules(mesh, rules):
-        return fn(*args)
-    return wrapped
+  ruled = lambda fn: with_rules(fn, mesh, rules)
 
   def from_policy(policy):
     body = lora.merged(policy, model_cfg) if model_cfg.lora_rank else policy

@@ -183,6 +183,14 @@ class StepFns:
     return {name: getattr(self, name).lower(*args) for name, args in self.abstract_args(length).items()}
 
 
+def with_rules(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
+  """`fn` traced under the logical-axis `rules` on `mesh` (its `constrain` calls resolve to them)."""
+  def wrapped(*args):
+    with use_rules(mesh, rules):
+      return fn(*args)
+  return wrapped
+
+
 def opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicated: NamedSharding):
   """Each optimizer-state leaf that mirrors a parameter (same key path suffix and shape) takes its sharding."""
   by_path = {}
@@ -216,11 +224,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   batch_sh = NamedSharding(mesh, spec((rows, 1), ("batch", None), mesh, rules))
   skeys = stat_keys(cfg)
 
-  def ruled(fn):
-    def wrapped(*args):
-      with use_rules(mesh, rules):
-        return fn(*args)
-    return wrapped
+  ruled = lambda fn: with_rules(fn, mesh, rules)
 
   def init_params(seed: int):
     return jax.jit(lambda: nnx.split(create(model_cfg, seed))[1], out_shardings=param_sh)()
