@@ -13,6 +13,7 @@ setup(
         "jaxlib==0.10.2",
         "flax==0.12.8",
         "optax==0.2.8",
+        "qwix==0.1.8",  # quantized arrays for QLoRA bases (models/lora.py)
         "orbax-checkpoint==0.12.8",
         "ml-collections==1.1.0",
         "absl-py==2.5.1",

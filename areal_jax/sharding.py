@@ -105,8 +105,9 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
   def one(v):
     if isinstance(v, nnx.Variable):
       ax = v.get_metadata().get("logical_axes")
-      shape = v.get_value().shape
-      return v.replace(NamedSharding(mesh, spec(shape, ax, mesh, rules) if ax else P()))
+      # A quantized weight (qwix QArray) shards its values and its block scales by the same names.
+      return v.replace(jax.tree.map(lambda x: NamedSharding(mesh, spec(x.shape, ax, mesh, rules) if ax else P()),
+                                    v.get_value()))
     return NamedSharding(mesh, P())
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -87,6 +87,22 @@ def test_lora_run_directory_to_merged_hf_and_peft(tmp_path):
       np.testing.assert_allclose(hf.eval()(torch.tensor(tokens)).logits.numpy(), want, atol=2e-5)
   assert not np.allclose(want, np.asarray(base(jnp.asarray(tokens, jnp.int32))), atol=1e-3)
 
+  # QLoRA: adapters trained on the int8-quantized base merge into that base's dequantized weights.
+  qcfg = cfg.replace(lora_base_quant="int8")
+  qgraph, _ = nnx.split(create(qcfg, seed=0))
+  qbase = lora.quantize_base(base_state, qcfg)
+  ckpt = Checkpointer(str(tmp_path / "qrun" / "checkpoints"), every_steps=2)
+  ckpt.save(2, params=jax.device_put(adapters, jax.devices()[0]), opt_state={"count": jnp.array(2)},
+            meta={"step": 2, "model_config": orbax_io.config_to_json(qcfg),
+                  "base": lora.base_meta({"warmstart": str(tmp_path / "warmstart")}, qbase)})
+  ckpt.close()
+  out = convert(f"--orbax_dir={tmp_path / 'qrun'}", f"--hf_dir={tmp_path / 'qmerged'}", "--to=hf")
+  assert out.returncode == 0, out.stderr[-3000:]
+  want = np.asarray(nnx.merge(qgraph, nnx.merge_state(qbase, adapters))(jnp.asarray(tokens, jnp.int32)))
+  with torch.no_grad():
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qmerged").eval()(torch.tensor(tokens)).logits
+  np.testing.assert_allclose(got.numpy(), want, atol=2e-5)
+
   # Another base than the one the adapters were trained on is refused, naming it.
   orbax_io.save_orbax(create(base_cfg, seed=4), str(tmp_path / "warmstart"))
   out = convert(f"--orbax_dir={run}", f"--hf_dir={tmp_path / 'other'}", "--to=hf")

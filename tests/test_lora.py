@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import qwix
 from flax import nnx
 
 from areal_jax.learner.config import LearnerConfig
@@ -11,6 +12,7 @@ from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import plan_packed
 from areal_jax.learner.step import build_step, make_learner_mesh
 from areal_jax.models import create, lora
+from areal_jax.models.config import LORA_TARGETS
 from helpers import TINY
 from test_learner_step import accumulate_packed, make_trajectories
 
@@ -54,20 +56,26 @@ def test_targets_limit_the_adapted_projections():
     ("lora_targets", (), "learner.lora.targets=[]: names no projection"),
     ("lora_rank", 40, "learner.lora.rank=40: exceeds the q projection's 32"),
     ("lora_alpha", 0.0, "learner.lora.alpha=0.0: must be positive"),
+    ("lora_base_quant", "fp3", "learner.lora.quantize_base='fp3': choose one of"),
 ])
 def test_bad_lora_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
     LORA.replace(**{field: value})
 
 
+def _scored_batch(rows: int):
+  """8 trajectories, their per-token advantages, and their packed layouts in `rows` rows of 64 tokens."""
+  trajs = make_trajectories(0, n=8)
+  adv = np.random.default_rng(1).normal(size=len(trajs)).astype(np.float32)
+  tok_adv = [np.full(len(t.response_ids), a, np.float32) for t, a in zip(trajs, adv)]
+  return trajs, tok_adv, plan_packed([t.num_tokens for t in trajs], max_tokens=64, rows=rows, min_bucket=64)
+
+
 def test_learner_trains_only_the_adapters_with_the_merged_models_gradient():
   cfg = LearnerConfig(lr=1e-2, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=1)
   fns = build_step(LORA, cfg, make_learner_mesh(jax.devices()[:1]))
   params = random_adapters(fns.init_params(3))
-  trajs = make_trajectories(0, n=8)
-  adv = np.random.default_rng(1).normal(size=len(trajs)).astype(np.float32)
-  tok_adv = [np.full(len(t.response_ids), a, np.float32) for t, a in zip(trajs, adv)]
-  layouts = plan_packed([t.num_tokens for t in trajs], max_tokens=64, rows=1, min_bucket=64)
+  trajs, tok_adv, layouts = _scored_batch(rows=1)
   grads, _ = accumulate_packed(fns, params, layouts, trajs, tok_adv, 1.0)
   adapters, base = lora.split(params)
   assert jax.tree.structure(grads) == jax.tree.structure(adapters)
@@ -106,6 +114,62 @@ def test_learner_trains_only_the_adapters_with_the_merged_models_gradient():
     np.testing.assert_array_equal(old, new)
   assert max(float(jnp.abs(o - n).max()) for o, n in zip(jax.tree.leaves(adapters),
                                                           jax.tree.leaves(new_adapters))) > 1e-3
+
+
+def _quantized(state) -> dict:
+  return {path[-1]: v.get_value() for path, v in nnx.to_flat_state(state) if isinstance(v.get_value(), qwix.QArray)}
+
+
+# Worst |W - dequantized| per block, as a fraction of the block's absmax: half an int8 step (1/127.5 of it), half of
+# NF4's widest gap between code points (-1 and -0.696).
+@pytest.mark.parametrize("qtype, bits, max_error", [("int8", 8, 0.5 / 127.5), ("nf4", 4, 0.153)])
+def test_qlora_base_is_stored_quantized_and_dequantized_where_used(qtype, bits, max_error):
+  cfg = LORA.replace(lora_base_quant=qtype)
+  graphdef, state = nnx.split(create(cfg, 0))
+  float_base = lora.split(nnx.state(create(LORA, 0), nnx.Param))[1]  # the same init before quantization
+  quantized = _quantized(state)
+  assert set(quantized) == set(LORA_TARGETS)
+  for name, q in quantized.items():
+    assert jax.dtypes.itemsize_bits(q.qvalue.dtype) == bits, name
+  # `quantize_base` turns the float weights into exactly what the QLoRA model holds (a warm-start, HF weights).
+  for got, want in zip(jax.tree.leaves(lora.quantize_base(float_base, cfg)), jax.tree.leaves(lora.split(state)[1])):
+    np.testing.assert_array_equal(got, want)
+  for path, w in nnx.to_flat_state(float_base):
+    if path[-1] in quantized:  # blocks span the whole input axis in the tiny model: absmax over it
+      w, q = w.get_value(), quantized[path[-1]]
+      axis = 2 if path[-1] == "o" else 1
+      absmax = jnp.max(jnp.abs(w), axis=axis, keepdims=True)
+      assert float(jnp.max(jnp.abs(w - lora.dequantized(q)) / absmax)) <= max_error + 1e-6, path
+  # The forward: the LoRA model holding the dequantized weights, adapters included.
+  adapted = random_adapters(state)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
+  plain = nnx.graphdef(nnx.eval_shape(lambda: create(LORA, 0)))
+  dequantized = lora.dequantize_base(adapted)
+  np.testing.assert_allclose(nnx.merge(graphdef, adapted)(tokens), nnx.merge(plain, dequantized)(tokens), atol=1e-6)
+  merged = nnx.graphdef(nnx.eval_shape(lambda: create(cfg.without_lora(), 0)))
+  np.testing.assert_allclose(nnx.merge(merged, lora.merged(adapted, cfg))(tokens),
+                             nnx.merge(graphdef, adapted)(tokens), atol=2e-5)
+
+
+def test_qlora_learner_step_on_eight_devices_is_the_lora_step_on_the_dequantized_base():
+  """The 4-bit values and their block scales shard over the learner mesh; the adapters' gradients and update are the
+  ones a float base holding the dequantized weights gives."""
+  cfg = LearnerConfig(lr=1e-2, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=1)
+  mesh = make_learner_mesh(jax.devices())
+  qfns = build_step(LORA.replace(lora_base_quant="nf4"), cfg, mesh)
+  params = random_adapters(qfns.init_params(3))
+  trajs, tok_adv, layouts = _scored_batch(rows=8)
+  got, _ = accumulate_packed(qfns, params, layouts, trajs, tok_adv, 1.0)
+  fns = build_step(LORA, cfg, mesh)
+  reference = lora.dequantize_base(params)
+  want, _ = accumulate_packed(fns, jax.device_put(reference, fns.param_shardings), layouts, trajs, tok_adv, 1.0)
+  assert jax.tree.structure(got) == jax.tree.structure(lora.split(params)[0])
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * float(jnp.abs(w).max()))
+  learner = Learner(model_cfg=LORA.replace(lora_base_quant="nf4"), config=cfg, mesh=mesh, params=params)
+  learner.train_step(trajs)
+  for old, new in zip(jax.tree.leaves(lora.split(params)[1]), jax.tree.leaves(lora.split(learner.params)[1])):
+    np.testing.assert_array_equal(old, new)  # the quantized base is frozen, bit for bit
 
 
 def test_adapters_match_peft_on_the_hf_model(tmp_path):

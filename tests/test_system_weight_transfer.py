@@ -118,17 +118,19 @@ def test_a_pull_that_never_arrives_times_out():
 
 
 def test_under_lora_a_version_can_be_published_as_its_adapters_alone():
+  """A QLoRA model: its nf4 base (4-bit values and their scales) crosses once, then the adapters alone."""
   devices = jax.devices()
-  cfg = TINY.replace(lora_rank=2)
+  cfg = TINY.replace(lora_rank=2, lora_base_quant="nf4")
   params = nnx.state(create(cfg, 0), nnx.Param)
   pub = WeightPublisher(abstract_params=params, tensor=1, devices=devices[:1], host="127.0.0.1")
   puller = WeightPuller(address=pub.address, abstract_params=params, tensor=1, devices=devices[4:5], host="127.0.0.1")
-  assert set(pub.parts) == {"all", "adapters"} and pub.nbytes("adapters") * 5 < pub.nbytes("all")
-  staged = pub.stage(jax.device_put(params, devices[0]), "adapters")
-  uuids, published_fp = pub.offer(staged, version=2, pullers=[0])
-  pulled, fp = puller.pull(uuids[0], part="adapters", timeout_s=60)
-  check_fingerprint(fp, published_fp, paths=puller.paths["adapters"], what="test")
-  want = lora.split(params)[0]
-  assert jax.tree.structure(pulled) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(pulled), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(g, w)
+  assert set(pub.parts) == {"all", "adapters"} and pub.nbytes("adapters") * 3 < pub.nbytes("all")
+  for version, part, want in [(1, "all", params), (2, "adapters", lora.split(params)[0])]:
+    staged = pub.stage(jax.device_put(params, devices[0]), part)
+    uuids, published_fp = pub.offer(staged, version=version, pullers=[0])
+    pulled, fp = puller.pull(uuids[0], part=part, timeout_s=60)
+    check_fingerprint(fp, published_fp, paths=puller.paths[part], what="test")
+    assert jax.tree.structure(pulled) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(pulled), jax.tree.leaves(want)):
+      assert g.dtype == w.dtype
+      np.testing.assert_array_equal(g, w)

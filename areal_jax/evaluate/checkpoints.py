@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from areal_jax.models import create, hf_io, lora, orbax_io
+from areal_jax.models import create, hf_io, lora, orbax_io, weights
 from areal_jax.models.config import ModelConfig
 
 ITEMS = ("params", "meta")  # the items evaluation reads from a step
@@ -135,7 +135,8 @@ def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, 
 
 def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.State:
   """The base weights a LoRA run's checkpoints name (`trainer._base_source`), onto `target`'s shardings and dtypes:
-  `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its seed."""
+  `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its seed;
+  quantized as the learner stored it under QLoRA."""
   shardings = jax.tree.map(lambda t: t.sharding, target)
   if "random_seed" in source:  # the learner's own init: the base part of the adapted model's
     init = lambda: lora.split(nnx.state(create(model_cfg, source["random_seed"]), nnx.Param))[1]
@@ -145,5 +146,6 @@ def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.St
     model = hf_io.load_hf(str(path), dtype=model_cfg.dtype)
   else:
     model = orbax_io.load_orbax(str(path), dtype=model_cfg.dtype)
-  base = jax.tree.map(lambda x, t: x.astype(t.dtype), nnx.state(model, nnx.Param), target)
+  base = lora.quantize_base(weights.cast(nnx.state(model, nnx.Param), model_cfg.weight_dtype), model_cfg)
+  base = jax.tree.map(lambda x, t: x.astype(t.dtype), base, target)
   return jax.device_put(base, shardings)

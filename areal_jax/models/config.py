@@ -19,7 +19,9 @@ ATTENTION_IMPLS = ("auto", "flash", "splash", "dense")  # see models/packed_atte
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The projections LoRA adapters can sit on (models/lora.py); configured as `learner.lora.targets`.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-LORA_BASE_DTYPES = ("", "bfloat16")  # learner.lora.quantize_base: "" = model.param_dtype
+# learner.lora.quantize_base: "" = model.param_dtype; "int8" and "nf4" quantize the base projections (QLoRA).
+LORA_QUANT_TYPES = ("int8", "nf4")
+LORA_BASE_DTYPES = ("", "bfloat16", *LORA_QUANT_TYPES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +51,7 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  lora_base_quant: str = ""  # "" | "int8" | "nf4": the frozen base projections stored quantized (models/lora.py)
 
   def __post_init__(self):
     def bad(field, why):
@@ -100,6 +103,8 @@ class ModelConfig:
       bad("targets", list(self.lora_targets), f"{unknown} name no projection; choose from {list(LORA_TARGETS)}")
     if self.lora_alpha <= 0:
       bad("alpha", self.lora_alpha, "must be positive")
+    if self.lora_base_quant not in ("", *LORA_QUANT_TYPES):
+      bad("quantize_base", self.lora_base_quant, f"choose one of {['', *LORA_QUANT_TYPES]}")
     shapes = self.lora_shapes()
     for t in self.lora_targets:
       if self.lora_rank > min(shapes[t]):
@@ -125,6 +130,10 @@ class ModelConfig:
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
+  def without_lora(self) -> ModelConfig:
+    """The config of the plain model this one's weights merge into (`lora.merged`): no adapters, a float base."""
+    return self.replace(lora_rank=0, lora_base_quant="")
+
   def with_lora(self, c) -> ModelConfig:
     """This config with the adapters of a `learner.lora` config group (rank 0: none)."""
     if c.dropout:
@@ -132,10 +141,14 @@ class ModelConfig:
                        "make its logprobs noisy against the proximal and behaviour logprobs the ratios compare")
     if c.quantize_base not in LORA_BASE_DTYPES:
       raise ValueError(f"learner.lora.quantize_base={c.quantize_base!r}: choose one of {LORA_BASE_DTYPES}")
+    if c.quantize_base and not c.rank:
+      raise ValueError(f"learner.lora.quantize_base={c.quantize_base!r}: needs learner.lora.rank > 0 (only a LoRA "
+                       "run's base is frozen)")
     if not c.rank:
-      return self.replace(lora_rank=0)
+      return self.without_lora()
     targets = tuple(t.strip() for t in c.targets.split(",") if t.strip())
-    out = self.replace(lora_rank=c.rank, lora_alpha=float(c.alpha), lora_targets=targets)
+    out = self.replace(lora_rank=c.rank, lora_alpha=float(c.alpha), lora_targets=targets,
+                       lora_base_quant=c.quantize_base if c.quantize_base in LORA_QUANT_TYPES else "")
     return out.replace(param_dtype="bfloat16") if c.quantize_base == "bfloat16" else out
 
   @classmethod
@@ -144,7 +157,7 @@ class ModelConfig:
     rope = {}
     if c.rope_scaling.rope_type:
       rope = dict(c.rope_scaling)
-    names = {f.name for f in dataclasses.fields(cls)} - {"lora_rank", "lora_alpha", "lora_targets"}
+    names = {f.name for f in dataclasses.fields(cls)} - {"lora_rank", "lora_alpha", "lora_targets", "lora_base_quant"}
     kw = {k: v for k, v in c.items() if k in names and k != "rope_scaling"}
     return cls(rope_scaling=tuple(sorted(rope.items())), **kw)
 

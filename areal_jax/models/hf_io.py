@@ -169,6 +169,10 @@ def save_peft(model: Transformer, path: str, *, base_model: str = "") -> None:
   cfg = model.cfg
   if not cfg.lora_rank:
     raise ValueError("save_peft: the model has no LoRA adapters (learner.lora.rank=0)")
+  if cfg.lora_base_quant:
+    logging.warning("save_peft: these adapters were trained on a %s-quantized base; on the float base %r they compute "
+                    "a slightly different function (save_hf merges them into the base they were trained on)",
+                    cfg.lora_base_quant, base_model)
   os.makedirs(path, exist_ok=True)
   adapters, _ = lora.split(nnx.state(model, nnx.Param))
   flat = {path_[-1]: np.asarray(jax.device_get(v.get_value()), np.float32) for path_, v in nnx.to_flat_state(adapters)}

@@ -9,6 +9,13 @@ takes new adapters each version (a few MB) instead of the whole model.
 The adapters are `nnx.LoRAParam`s (a subclass of `nnx.Param`), so NNX's filters separate them: `split(state)` gives
 (adapters, base), `nnx.merge_state` joins them again, and `trainable(cfg)` is the filter of what the learner
 differentiates. `merged(state, cfg)` folds the adapters into the base weights (export to HF, a merged sampler).
+
+QLoRA (`cfg.lora_base_quant` "int8" or "nf4", Dettmers et al., 2023): the base projections are stored as `qwix`
+QArrays, quantized with one absmax scale per block of `QUANT_BLOCK` inputs (per output channel and layer), and
+dequantized where they are used (`dequantized`), one layer at a time inside the layer scan. The model is then the
+quantized base plus the adapters, in the learner and the sampler alike: both compute with the same dequantized
+values, so the behaviour and the learner's logprobs agree as without quantization, and the adapters learn to
+correct the quantization's error. `quantize_base` turns a float base (a warm-start, HF weights) into that form.
 """
 
 from __future__ import annotations
@@ -16,12 +23,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 
 from areal_jax.models import weights
 from areal_jax.models.config import ModelConfig
 
 ADAPTERS = nnx.LoRAParam
+QUANT_BLOCK = 64  # inputs per quantization scale (QLoRA's block size)
+# The input axis each projection's blocks run along (its last contracted axis), by logical name.
+_BLOCK_AXIS = {"q": "embed", "k": "embed", "v": "embed", "o": "head_dim", "gate": "embed", "up": "embed",
+               "down": "mlp"}
 
 
 def trainable(cfg: ModelConfig):
@@ -39,7 +51,37 @@ def has_adapters(state) -> bool:
 
 
 def nbytes(tree) -> int:
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  """Bytes of a tree's arrays, 4-bit ones at half a byte per value."""
+  return sum(int(np.prod(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
+
+
+def dequantized(w) -> jax.Array:
+  """A weight as a plain array: a QLoRA base's QArray dequantized (in its scale's dtype), anything else as it is."""
+  return qwix.dequantize(w) if isinstance(w, qwix.QArray) else w
+
+
+def _quantize(w: jax.Array, axis: int, qtype: str, stacked: bool) -> qwix.QArray:
+  """`w` quantized to `qtype` in blocks of QUANT_BLOCK along `axis` (one scale for the whole axis when it is shorter
+  or does not divide), a scale per index of every other axis; layer by layer when `stacked` (memory)."""
+  tiles = {axis - stacked: QUANT_BLOCK} if w.shape[axis] % QUANT_BLOCK == 0 else {}
+  channels = [i for i in range(w.ndim - stacked) if i != axis - stacked]
+  one = lambda x: qwix.quantize(x, qtype, channelwise_axes=channels, tiled_axes=tiles)
+  return jax.lax.map(one, w) if stacked else one(w)
+
+
+def quantize_base(state: nnx.State, cfg: ModelConfig) -> nnx.State:
+  """`state` with its float base projections quantized as `cfg.lora_base_quant` says (the state itself when it says
+  nothing); adapters, embeddings, norms and biases stay as they are."""
+  if not cfg.lora_base_quant:
+    return state
+  flat = []
+  for path, v in nnx.to_flat_state(state):
+    if path[-1] in _BLOCK_AXIS and type(v) is nnx.Param and not isinstance(v.get_value(), qwix.QArray):
+      names = v.get_metadata()["logical_axes"]
+      v = v.replace(_quantize(v.get_value(), names.index(_BLOCK_AXIS[path[-1]]), cfg.lora_base_quant,
+                              stacked=names[0] == "layers"))
+    flat.append((path, v))
+  return nnx.from_flat_state(flat)
 
 
 def scale(cfg: ModelConfig) -> float:
@@ -82,10 +124,16 @@ def check_base(meta: dict, base: nnx.State, *, where: str) -> None:
                      f"{meta.get('source')}; restore the base they were trained on")
 
 
+def dequantize_base(state: nnx.State) -> nnx.State:
+  """`state` with every quantized weight dequantized (the inverse of `quantize_base`, up to its rounding)."""
+  return jax.tree.map(dequantized, state, is_leaf=lambda x: isinstance(x, qwix.QArray))
+
+
 def merged(state: nnx.State, cfg: ModelConfig) -> nnx.State:
-  """`state` without adapters, each adapted weight W replaced by W + scale·A·B (in W's dtype): the weights of a model
-  with `lora_rank=0` that computes the same function."""
+  """`state` without adapters, each adapted weight W replaced by W + scale·A·B (in W's dtype) and a quantized base
+  dequantized: the weights of a model with `lora_rank=0` (`cfg.without_lora()`) that computes the same function."""
   adapters, base = split(state)
+  base = dequantize_base(base)
   if not jax.tree.leaves(adapters):
     return base
   flat = dict(nnx.to_flat_state(base))

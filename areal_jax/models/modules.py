@@ -137,6 +137,11 @@ def dense_attention(segment_ids: jax.Array, *, query_chunk: int = 0) -> Attend:
   return lambda q, k, v: (blockwise_attention(q, k, v, block_mask, query_chunk=query_chunk), None)
 
 
+def _weight(p: nnx.Param, dtype) -> jax.Array:
+  """A projection's weight in `dtype`: a QLoRA base's is dequantized here, where it is used (models/lora.py)."""
+  return lora.dequantized(p.get_value()).astype(dtype)
+
+
 class _Adapted(nnx.Module):
   """A module whose projections may carry LoRA adapters (`cfg.lora_targets`, models/lora.py)."""
 
@@ -180,9 +185,9 @@ class Attention(_Adapted):
   def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Projected q [B, T, H, D] and k, v [B, T, K, D], RoPE applied."""
     dt, inv_freq = x.dtype, rope_inv_freq(self.cfg)
-    q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt)))
-    k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dt)))
-    v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dt)))
+    q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, _weight(self.q, dt)))
+    k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, _weight(self.k, dt)))
+    v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, _weight(self.v, dt)))
     if self.cfg.attention_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
@@ -195,7 +200,7 @@ class Attention(_Adapted):
   def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
     q, k, v = self.qkv(x, positions)
     out, aux = attend(q, k, v)
-    return self._adapted("o", out, jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(x.dtype))), aux
+    return self._adapted("o", out, jnp.einsum("bthk,hkd->btd", out, _weight(self.o, x.dtype))), aux
 
 
 class MLP(_Adapted):
@@ -212,10 +217,10 @@ class MLP(_Adapted):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = x.dtype
-    g = jax.nn.silu(self._adapted("gate", x, x @ self.gate[...].astype(dt))) * self._adapted(
-        "up", x, x @ self.up[...].astype(dt))
+    g = jax.nn.silu(self._adapted("gate", x, x @ _weight(self.gate, dt))) * self._adapted(
+        "up", x, x @ _weight(self.up, dt))
     g = constrain(g, ("batch", "seq", "act_mlp"))
-    return self._adapted("down", g, g @ self.down[...].astype(dt))
+    return self._adapted("down", g, g @ _weight(self.down, dt))
 
 
 class Block(nnx.Module):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.modules import Block, RMSNorm, _param
 from areal_jax.models.packed_attention import packed_attention
@@ -42,7 +43,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
   state = jax.vmap(lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(params=key))))(keys)
   state = jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return nnx.merge(graphdef, state)
+  return nnx.merge(graphdef, lora.quantize_base(state, cfg))
 
 
 class Transformer(nnx.Module):
@@ -86,7 +87,10 @@ class Transformer(nnx.Module):
     if unroll:
       auxes = []
       for i in range(self.cfg.num_layers):
-        x, aux = checkpoint(functools.partial(run, i))(x, jax.tree.map(lambda a, i=i: a[i], state))
+        layer_state = jax.tree.map(lambda a, i=i: a[i], state)
+        if self.cfg.lora_base_quant:  # dequantize a layer once the one before is done: XLA may hoist them all
+          x, layer_state = jax.lax.optimization_barrier((x, layer_state))
+        x, aux = checkpoint(functools.partial(run, i))(x, layer_state)
         auxes.append(aux)
       return self.final_norm(x), auxes
     body = checkpoint(lambda x, layer: run(layer[0], x, layer[1]))

@@ -84,12 +84,17 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
   """The initial weights: the base model (`_initial_base`), with the learner's fresh adapters under LoRA."""
   if not learner.model_cfg.lora_rank:
     return _initial_base(config, learner.fns, learner.params, train, tokenizer, workdir)
+  if not config.model.init_from and not config.warmstart.steps:
+    return learner.params  # the random init, as `evaluate.checkpoints.load_base` rebuilds it
   adapters, base = lora.split(learner.params)
   # The base is loaded or warm-started in model.param_dtype, then stored as learner.lora.quantize_base says.
-  base_cfg = learner.model_cfg.replace(lora_rank=0, param_dtype=config.model.param_dtype)
+  base_cfg = learner.model_cfg.without_lora().replace(param_dtype=config.model.param_dtype)
   base_fns = build_step(base_cfg, learner.config, learner.mesh, temperature=learner.temperature)
-  base = _initial_base(config, base_fns, weights.cast(base, base_cfg.weight_dtype), train, tokenizer, workdir)
-  return nnx.merge_state(weights.cast(base, learner.model_cfg.weight_dtype), adapters)
+  start = weights.cast(lora.dequantize_base(base), base_cfg.weight_dtype)
+  base = _initial_base(config, base_fns, start, train, tokenizer, workdir)
+  quantize = jax.jit(functools.partial(lora.quantize_base, cfg=learner.model_cfg),
+                     out_shardings=lora.split(learner.fns.param_shardings)[1])
+  return nnx.merge_state(quantize(weights.cast(base, learner.model_cfg.weight_dtype)), adapters)
 
 
 def _base_source(config, workdir: epath.Path) -> dict:
@@ -161,6 +166,11 @@ def _check_adapters(meta: dict, model_cfg: ModelConfig, *, where: str) -> None:
   if rank and targets != ",".join(model_cfg.lora_targets):
     raise config_lib.ConfigError(f"config.learner.lora.targets={','.join(model_cfg.lora_targets)!r}: {where} holds "
                                  f"adapters on {targets!r}; set it to match, or use another workdir")
+  quant = saved.get("lora_base_quant", "")
+  if rank and quant != model_cfg.lora_base_quant:
+    raise config_lib.ConfigError(f"config.learner.lora.quantize_base={model_cfg.lora_base_quant!r}: {where} holds "
+                                 f"adapters trained on a base quantized as {quant!r}; set it to match, or use "
+                                 "another workdir")
 
 
 class _QuietLibraries(logging.Filter):
