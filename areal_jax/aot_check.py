@@ -117,7 +117,8 @@ def hbm_bytes(devices, hbm_gib: float = 0.0) -> int:
 
 def device_bytes(tree) -> int:
   """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s (the largest shard: the worst device)."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8
+             for x in jax.tree.leaves(tree))
 
 
 def _model_flops(model_cfg: ModelConfig, tokens: int, seq_len: int, devices: int) -> float:
@@ -245,7 +246,9 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   lowered = fns.lower(cfg.max_tokens_per_mb)
   if critic:
     lowered |= critic.lower(fns.abstract_batch(cfg.max_tokens_per_mb, BATCH_INT_KEYS + ("loss_mask",)))
-    policy, critic_opt = device_bytes((params, opt)), device_bytes(critic.abstract_state()[1])
+    # The policy's state stays resident, less the base a LoRA-branch critic takes as an argument.
+    policy = device_bytes((params, opt)) - device_bytes(critic.abstract_shared())
+    critic_opt = device_bytes(critic.abstract_state()[1])
     resident |= {"critic_values": policy + critic_opt, "critic_accumulate": policy + critic_opt,
                  "critic_apply": policy}
     flops |= {"critic_values": forward, "critic_accumulate": 3 * forward, "critic_apply": 0.0}

@@ -108,6 +108,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     model = ModelConfig.from_config(c.model).with_lora(c.learner.lora)  # heads, dims, dtypes, rope type, adapters
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
+  if c.learner.critic == "lora" and not model.lora_rank:
+    _fail("learner.critic", "lora", "a LoRA branch needs the policy's adapters: set learner.lora.rank > 0, or use "
+          "critic='copy'")
   if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
     _fail("model.vocab_size", model.vocab_size, f"smaller than the char tokenizer's {CharTokenizer().vocab_size} ids")
 

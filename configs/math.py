@@ -227,11 +227,13 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.loss_agg_max_tokens = 0
   # LoRA (models/lora.py): rank > 0 freezes the base weights and trains adapters (alpha / rank scales them) on the
   # projections named in targets (q, k, v, o, gate, up, down); the sampler then takes only the adapters each version.
-  # quantize_base: "" keeps the base in model.param_dtype, "bfloat16" stores it in bfloat16 (adapters stay float32).
+  # quantize_base: "" keeps the base in model.param_dtype, "bfloat16" stores it in bfloat16, "int8" and "nf4" store
+  # its projections quantized in blocks of 64 (QLoRA; dequantized on use). The adapters stay float32.
   # dropout must stay 0: a random mask in the learner's forward would make its logprobs noisy against the proximal
   # and behaviour ones that the importance ratios compare.
   # PPO with a learned critic (learner/critic.py): critic "" = critic-free (the paper's), "copy" = a value model
-  # copied from the policy, advantages from GAE(gae_gamma, gae_lambda) on the shaped, normalised rewards above.
+  # copied from the policy, "lora" = a LoRA branch on the policy's frozen base (LoRA runs); advantages from
+  # GAE(gae_gamma, gae_lambda) on the shaped, normalised rewards above.
   c.learner.critic = ""
   c.learner.gae_gamma = 1.0
   c.learner.gae_lambda = 1.0

@@ -123,16 +123,18 @@ def test_cli_exits_nonzero_when_a_program_does_not_fit():
   assert "does not fit: sampler/decode on v5e:2x2" in proc.stderr and "0.00 GiB HBM" in proc.stderr
 
 
-def test_lora_and_critic_programs_compile_with_each_others_state_resident():
+def test_qlora_and_critic_programs_compile_with_each_others_state_resident():
   config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL, **{
-      "learner.lora.rank": 4, "learner.critic": "copy"})
+      "learner.lora.rank": 4, "learner.lora.quantize_base": "nf4", "learner.critic": "lora"})
   by_name = {r.program: r for r in aot_check.check_learner(config, "v5e:2x2", flop_seq_len=None)}
   assert list(by_name) == ["logprobs", "accumulate", "apply", "critic_values", "critic_accumulate", "critic_apply"]
   assert all(r.fits for r in by_name.values()), [r.verdict() for r in by_name.values()]
   plain = {r.program: r for r in aot_check.check_learner(load_config(os.path.join(ROOT, "configs/math.py:tiny"),
                                                                      **SMALL), "v5e:2x2", flop_seq_len=None)}
-  # LoRA: the optimizer state and the update cover the adapters alone; the critic's state is resident beside them.
+  # LoRA: the optimizer state and the update cover the adapters alone (the base in 4 bits); the critic's state (a
+  # LoRA branch: adapters and a head) is resident beside them.
   assert by_name["apply"].argument_bytes < plain["apply"].argument_bytes / 2
+  assert by_name["critic_apply"].argument_bytes < plain["apply"].argument_bytes / 2
   assert by_name["accumulate"].resident_bytes > by_name["apply"].resident_bytes > 0
   assert by_name["critic_accumulate"].flops == 3 * by_name["critic_values"].flops > 0
   assert by_name["critic_accumulate"].resident_bytes > 0

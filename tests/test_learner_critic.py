@@ -3,11 +3,14 @@
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from areal_jax.learner import critic as critic_lib
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
-from areal_jax.learner.step import make_learner_mesh
+from areal_jax.learner.microbatch import assemble, plan_packed
+from areal_jax.learner.step import BATCH_INT_KEYS, make_learner_mesh
+from areal_jax.models import lora
 from test_learner_step import CFG, make_trajectories
 
 
@@ -59,9 +62,9 @@ def test_value_loss_matches_numpy():
   np.testing.assert_array_equal(clipped, mask & ((held - ret) ** 2 > (v - ret) ** 2))
 
 
-def _learner(critic, **kw):
+def _learner(critic, model_cfg=CFG, **kw):
   cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=2, critic=critic, **kw)
-  learner = Learner(model_cfg=CFG, config=cfg, mesh=make_learner_mesh(jax.devices()[:1]), seed=4)
+  learner = Learner(model_cfg=model_cfg, config=cfg, mesh=make_learner_mesh(jax.devices()[:1]), seed=4)
   learner.init_critic()
   return learner
 
@@ -86,8 +89,38 @@ def test_the_critic_learns_the_returns():
   assert losses[-1] < 0.5 * losses[0], losses
 
 
+def _batch(trajs) -> dict:
+  """The int arrays of the first packed micro-batch of `trajs`."""
+  layout = plan_packed([t.num_tokens for t in trajs], max_tokens=64, rows=1, min_bucket=64)[0]
+  mb = assemble(layout, trajs, [np.zeros(len(t.response_ids), np.float32) for t in trajs])
+  return {k: getattr(mb, k) for k in BATCH_INT_KEYS}
+
+
+def test_a_lora_branch_critic_shares_the_policys_quantized_base_and_learns():
+  trajs = make_trajectories(5)
+  qlora = CFG.replace(lora_rank=4, lora_alpha=8.0, lora_base_quant="nf4")
+  learner = _learner("lora", qlora, gae_lambda=0.95, critic_lr=3e-3)
+  names = {path[-1] for path, _ in nnx.to_flat_state(learner.critic_params)}
+  assert names == {"head"} | {f"{t}_lora_{ab}" for t in qlora.lora_targets for ab in "ab"}
+  before = jax.tree.map(np.asarray, lora.split(learner.params)[1])  # (the policy's update donates its arrays)
+  losses = [learner.train_step(trajs)["critic/value_loss"] for _ in range(8)]
+  assert losses[-1] < 0.5 * losses[0], losses
+  base = lora.split(learner.params)[1]
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(a, b)
+  # Its values are those of a full value model whose body is the base with the critic's adapters merged in.
+  critic, c = learner.critic, learner.critic_params
+  full = critic_lib.ValueModel(qlora.without_lora(), rngs=nnx.Rngs(0))
+  body = lora.merged(nnx.merge_state(base, c["body"]), qlora)
+  nnx.update(full, nnx.State({"body": body, "head": c["head"]}))
+  b = _batch(trajs)
+  want = full(b["tokens"], b["positions"], b["segment_ids"])
+  got = critic.values(c, critic.base_of(learner.params), b)
+  np.testing.assert_allclose(got, want, atol=1e-5 * float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("field, value, message", [
-    ("critic", "lora", r"learner.critic='lora': choose one of \('', 'copy'\)"),
+    ("critic", "value", r"learner.critic='value': choose one of \('', 'copy', 'lora'\)"),
     ("gae_lambda", 1.5, r"learner.gae_lambda=1.5: must lie in \[0, 1\]"),
     ("value_clip", 0.0, "learner.value_clip=0.0: must be positive"),
 ])

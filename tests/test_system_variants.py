@@ -1,4 +1,4 @@
-"""A run end to end with LoRA and a critic: adapters alone cross to the sampler and into checkpoints, the critic is
+"""A run end to end with QLoRA (an nf4 base) and a critic on a LoRA branch: adapters alone cross to the sampler and into checkpoints, the critic is
 trained and checkpointed beside them; resuming needs the same settings."""
 
 import os
@@ -15,7 +15,8 @@ from helpers import FAST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
-VARIANT = {"learner.lora.rank": 4, "learner.lora.alpha": 8.0, "learner.lr": 1e-3, "learner.critic": "copy",
+VARIANT = {"learner.lora.rank": 4, "learner.lora.alpha": 8.0, "learner.lora.quantize_base": "nf4", "learner.lr": 1e-3,
+           "learner.critic": "lora",
            "learner.gae_lambda": 0.95, "learner.adv_norm": "none"}  # unnormalised rewards: returns != 0
 
 
@@ -32,19 +33,22 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
   meta = ckpt.read_meta(2)
   ckpt.close()
   assert meta["base"]["source"] == {"warmstart": os.path.join(workdir, "warmstart")} and meta["base"]["fingerprint"]
-  assert meta["model_config"]["lora_rank"] == 4 and meta["critic"] == "copy"
+  assert meta["model_config"]["lora_rank"] == 4 and meta["model_config"]["lora_base_quant"] == "nf4"
+  assert meta["critic"] == "lora"
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2", "critic_params"))
 
   rows = trainer.run(load_config(CONFIG, total_steps=3, **FAST, **VARIANT), workdir)
   assert [r["step"] for r in rows] == [3]  # resumed: adapters on the cached warm-started base, and the critic
 
   for change, message in [
-      ({"learner.lora.rank": 0}, r"config.learner.lora.rank=0: checkpoint 3 in .* holds LoRA adapters of "
-                                 r"learner.lora.rank=4"),
+      ({"learner.lora.rank": 0, "learner.lora.quantize_base": "", "learner.critic": "copy"},
+       r"config.learner.lora.rank=0: checkpoint 3 in .* holds LoRA adapters of learner.lora.rank=4"),
       ({"learner.lora.targets": "q,v"}, r"config.learner.lora.targets='q,v': checkpoint 3 .* holds adapters on "
                                         r"'q,k,v,o,gate,up,down'"),
+      ({"learner.lora.quantize_base": "int8"}, r"config.learner.lora.quantize_base='int8': checkpoint 3 .* holds "
+                                               r"adapters trained on a base quantized as 'nf4'"),
       ({"learner.critic": ""}, r"config.learner.critic='': checkpoint 3 in .* was written by a run with "
-                               r"learner.critic='copy'")]:
+                               r"learner.critic='lora'")]:
     with pytest.raises(config_lib.ConfigError, match=message):
       trainer.run(load_config(CONFIG, total_steps=4, **FAST, **dict(VARIANT, **change)), workdir)
 
@@ -54,3 +58,9 @@ def test_full_weight_checkpoint_refuses_a_lora_run():
   with pytest.raises(config_lib.ConfigError, match=r"config.learner.lora.rank=8: ckpt holds full weights"):
     trainer._check_adapters(meta, ModelConfig.from_config(load_config(CONFIG).model).replace(lora_rank=8),
                             where="ckpt")  # pylint: disable=protected-access
+
+
+def test_a_lora_branch_critic_needs_lora():
+  with pytest.raises(config_lib.ConfigError, match=r"config.learner.critic='lora': a LoRA branch needs the policy's "
+                                                   r"adapters: set learner.lora.rank > 0"):
+    config_lib.validate(load_config(CONFIG, **{"learner.critic": "lora"}))

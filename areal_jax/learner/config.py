@@ -15,8 +15,9 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # (recompute), or interpolated from the behaviour and current logprobs by the tokens' versions (loglinear; AReaL's
 # approximation, one forward pass fewer per step; see `ppo.loglinear_alpha`).
 PROX_LOGP_METHODS = ("recompute", "loglinear")
-# learner.critic: "" = critic-free (the paper's), "copy" = a value model copied from the policy (learner/critic.py).
-CRITICS = ("", "copy")
+# learner.critic: "" = critic-free (the paper's), "copy" = a value model copied from the policy, "lora" = a LoRA
+# branch of a LoRA policy (its base shared) with a value head (learner/critic.py).
+CRITICS = ("", "copy", "lora")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

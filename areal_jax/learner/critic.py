@@ -1,7 +1,14 @@
-"""PPO with a learned critic (`learner.critic="copy"`): a value model, GAE, and the clipped value loss.
+"""PPO with a learned critic (`learner.critic`): a value model, GAE, and the clipped value loss.
 
-The value model is a copy of the policy (LoRA adapters merged in) with a value head, a zero vector at the start, so
-the first step's values are 0; it trains with its own AdamW (`learner.critic_lr`, default the policy's). Per step:
+The value model is the policy's transformer with a value head, a zero vector at the start, so the first step's values
+are 0; it trains with its own AdamW (`learner.critic_lr`, default the policy's). Two kinds:
+
+- "copy": a copy of the policy's weights (LoRA adapters merged in), every weight trained;
+- "lora" (a LoRA run's): a LoRA branch of the policy. The critic's programs take the policy's frozen base (quantized
+  under QLoRA) as an argument, and the critic owns only its adapters (copied from the policy's at the start) and the
+  head: no second copy of the model in memory, and only those are trained, updated and checkpointed.
+
+Per step:
 
 1. old values V(s_t) at every loss position of every micro-batch, one forward pass with the step's starting critic
    (beside the proximal pass: computed once per batch);
@@ -87,70 +94,95 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
   return jnp.where(mask, 0.5 * jnp.maximum(plain, held), 0.0), mask & (held > plain)
 
 
+def _sds(tree, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
 @dataclasses.dataclass(frozen=True)
 class CriticFns:
-  """The critic's programs and shardings (the policy's mesh and rules)."""
+  """The critic's programs and shardings (the policy's mesh and rules). `base` is what the critic shares with the
+  policy (`base_of(policy params)`: its frozen base under "lora", else nothing)."""
 
   graphdef: Any
   abstract_params: nnx.State
   param_shardings: Any
+  abstract_base: nnx.State
+  base_shardings: Any
   opt_shardings: Any
   optimizer: optax.GradientTransformation
-  from_policy: Callable  # policy params -> critic params (the policy's weights, adapters merged; a zero head)
+  from_policy: Callable  # policy params -> critic params (policy weights or adapters; a zero head)
+  base_of: Callable  # policy params -> base
   init_opt_state: Callable
   zero_accumulators: Callable
-  values: Callable  # (critic params, batch) -> [rows, length]
-  accumulate: Callable  # (params, grads, stats, batch, inv_tokens) -> (grads, stats)
+  values: Callable  # (critic params, base, batch) -> [rows, length]
+  accumulate: Callable  # (params, base, grads, stats, batch, inv_tokens) -> (grads, stats)
   apply: Callable  # (params, opt_state, grads) -> (params, opt_state, grad_norm)
 
   def abstract_state(self) -> tuple[Any, Any]:
-    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
-    return (jax.tree.map(sds, self.abstract_params, self.param_shardings),
-            jax.tree.map(sds, opt, self.opt_shardings))
+    return _sds(self.abstract_params, self.param_shardings), _sds(opt, self.opt_shardings)
+
+  def abstract_shared(self) -> nnx.State:
+    """The (sharded, abstract) base the critic's programs take from the policy."""
+    return _sds(self.abstract_base, self.base_shardings)
 
   def lower(self, batch: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.stages.Lowered]:
     """AOT-lowers the critic's programs from abstract shapes: `batch` holds the policy's [rows, length] int arrays
     and `loss_mask` (the critic's old values and returns take its shape)."""
     params, opt = self.abstract_state()
+    base = self.abstract_shared()
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
     floats = {k: batch["loss_mask"] for k in ("old_values", "returns")}
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(batch["loss_mask"].sharding.mesh, P()))
     stats = {k: scalar for k in CRITIC_STATS}
     inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
-    return {"critic_values": self.values.lower(params, inputs),
-            "critic_accumulate": self.accumulate.lower(params, grads, stats, batch | floats, scalar),
+    return {"critic_values": self.values.lower(params, base, inputs),
+            "critic_accumulate": self.accumulate.lower(params, base, grads, stats, batch | floats, scalar),
             "critic_apply": self.apply.lower(params, opt, grads)}
 
 
 def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batch_sharding: NamedSharding,
                  replicated: NamedSharding, rules: Rules) -> CriticFns:
   """The critic's programs on the policy's `mesh`, sharded by the policy's `rules`."""
-  body_cfg = model_cfg.replace(lora_rank=0)
+  branch = cfg.critic == "lora"
+  if branch and not model_cfg.lora_rank:
+    raise ValueError("learner.critic='lora': a LoRA branch needs the policy's adapters (learner.lora.rank > 0)")
+  body_cfg = model_cfg if branch else model_cfg.without_lora()
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ValueModel(body_cfg, rngs=nnx.Rngs(0))))
-  param_sh = state_shardings(abstract, mesh, rules)
+  # Under "lora" the critic trains its adapters and head; the base is the policy's (nested under "body").
+  abstract, abstract_base = (nnx.split_state(abstract, nnx.Any(lora.ADAPTERS, nnx.PathContains("head")), ...)
+                             if branch else (abstract, nnx.State({})))
+  param_sh, base_sh = state_shardings(abstract, mesh, rules), state_shardings(abstract_base, mesh, rules)
   tx = make_optimizer(cfg.replace(lr=cfg.critic_lr or cfg.lr))
   opt_sh = opt_state_shardings(jax.eval_shape(tx.init, abstract), abstract, param_sh, replicated)
 
   ruled = lambda fn: with_rules(fn, mesh, rules)
 
   def from_policy(policy):
-    body = lora.merged(policy, model_cfg) if model_cfg.lora_rank else policy
+    if branch:
+      body = lora.split(policy)[0]
+    else:
+      body = lora.merged(policy, model_cfg) if model_cfg.lora_rank else policy
     head = jnp.zeros(abstract["head"].shape, abstract["head"].dtype)
     return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(body) + [head])  # "body" < "head"
 
-  def values(params, batch):
-    return nnx.merge(graphdef, params)(batch["tokens"], batch["positions"], batch["segment_ids"])
+  def base_of(policy):
+    if not branch:
+      return nnx.State({})
+    return nnx.from_flat_state([(("body", *path), v) for path, v in nnx.to_flat_state(lora.split(policy)[1])])
+
+  def values(params, base, batch):
+    return nnx.merge(graphdef, params, base)(batch["tokens"], batch["positions"], batch["segment_ids"])
 
   def zeros():
     return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract),
             {k: jnp.zeros((), jnp.float32) for k in CRITIC_STATS})
 
-  def accumulate(params, grads, stats, batch, inv_tokens):
+  def accumulate(params, base, grads, stats, batch, inv_tokens):
     mask = batch["loss_mask"] > 0
 
     def loss_fn(params):
-      v = values(params, batch)
+      v = values(params, base, batch)
       loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, cfg.value_clip)
       return loss.sum() * inv_tokens, (loss, clipped, v)
 
@@ -166,13 +198,15 @@ def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batc
 
   stats_sh = {k: replicated for k in CRITIC_STATS}
   return CriticFns(
-      graphdef=graphdef, abstract_params=abstract, param_shardings=param_sh, opt_shardings=opt_sh, optimizer=tx,
+      graphdef=graphdef, abstract_params=abstract, param_shardings=param_sh, abstract_base=abstract_base,
+      base_shardings=base_sh, opt_shardings=opt_sh, optimizer=tx, base_of=base_of,
       from_policy=jax.jit(from_policy, out_shardings=param_sh),
       init_opt_state=jax.jit(tx.init, in_shardings=(param_sh,), out_shardings=opt_sh),
       zero_accumulators=jax.jit(zeros, out_shardings=(param_sh, stats_sh)),
-      values=jax.jit(ruled(values), in_shardings=(param_sh, batch_sharding), out_shardings=batch_sharding),
-      accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, param_sh, stats_sh, batch_sharding, replicated),
-                         out_shardings=(param_sh, stats_sh), donate_argnums=(1, 2)),
+      values=jax.jit(ruled(values), in_shardings=(param_sh, base_sh, batch_sharding), out_shardings=batch_sharding),
+      accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, base_sh, param_sh, stats_sh, batch_sharding,
+                                                          replicated),
+                         out_shardings=(param_sh, stats_sh), donate_argnums=(2, 3)),
       apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh), out_shardings=(param_sh, opt_sh,
                                                                                              replicated),
                     donate_argnums=(0, 1)))

@@ -256,12 +256,12 @@ class Learner:
     """The critic's values at the step's start, then GAE, on the devices: each micro-batch's `advantages` replaced
     (in `batches`). Returns the critic's batches (old values, returns) minibatch by minibatch, and (values, returns)
     replicated per micro-batch (for explained variance, read with the step's other statistics)."""
-    cfg, fns = self.config, self.fns
+    cfg, fns, base = self.config, self.fns, self.critic.base_of(self.params)
     out, targets = [], []
     for minibatch in batches:
       out.append([])
       for b in minibatch:
-        v = self.critic.values(self.critic_params, {k: b[k] for k in BATCH_INT_KEYS})
+        v = self.critic.values(self.critic_params, base, {k: b[k] for k in BATCH_INT_KEYS})
         b["advantages"], returns = critic_lib.gae(v, b["advantages"], b["loss_mask"], b["segment_ids"],
                                                   gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
         out[-1].append({k: b[k] for k in BATCH_INT_KEYS + ("loss_mask",)} | {"old_values": v, "returns": returns})
@@ -270,12 +270,12 @@ class Learner:
 
   def _critic_update(self, critic_batches: list[list[dict]], targets: list, plan: StepPlan) -> dict[str, float]:
     """One critic update per minibatch (its loss averaged over the minibatch's loss tokens); `critic/*` stats."""
-    c, sums, norms = self.critic, [], []
+    c, sums, norms, base = self.critic, [], [], self.critic.base_of(self.params)
     for minibatch, n in zip(critic_batches, plan.loss_tokens):
       inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1)), self.fns.replicated)
       grads, stats = c.zero_accumulators()
       for b in minibatch:
-        grads, stats = c.accumulate(self.critic_params, grads, stats, b, inv_tokens)
+        grads, stats = c.accumulate(self.critic_params, base, grads, stats, b, inv_tokens)
       self.critic_params, self.critic_opt, norm = c.apply(self.critic_params, self.critic_opt, grads)
       sums.append(stats)
       norms.append(norm)
