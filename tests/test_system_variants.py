@@ -1,6 +1,7 @@
 """A run end to end with QLoRA (an nf4 base) and a critic on a LoRA branch: adapters alone cross to the sampler and into checkpoints, the critic is
 trained and checkpointed beside them; resuming needs the same settings."""
 
+import json
 import os
 
 import pytest
@@ -51,6 +52,9 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
                                r"learner.critic='lora'")]:
     with pytest.raises(config_lib.ConfigError, match=message):
       trainer.run(load_config(CONFIG, total_steps=4, **FAST, **dict(VARIANT, **change)), workdir)
+  with open(os.path.join(workdir, "config.json")) as f:  # the refused settings did not replace the run's
+    saved = json.load(f)
+  assert saved["total_steps"] == 3 and saved["learner"]["critic"] == "lora", saved
 
 
 def test_full_weight_checkpoint_refuses_a_lora_run():

@@ -308,9 +308,6 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
   learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
                     seed=config.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
-  if layout.is_leader:  # the settings, data and model are sound: the run's directory
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
                       max_to_keep=config.checkpoint.max_to_keep)
   step, controller_state = 0, None
@@ -321,6 +318,10 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
     if "model_config" in saved_meta:  # the leader's meta (followers' carry the step alone)
       _check_adapters(saved_meta, model_cfg, where=where)
       _check_critic(saved_meta, learner_cfg.critic, where=where)
+  if layout.is_leader:  # the settings, data, model and checkpoints agree: the run's settings (a refusal keeps the old)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  if latest is not None:
     if model_cfg.lora_rank:  # the checkpoint holds the adapters alone: the base first
       learner.params = _initial_params(config, learner, train, tokenizer, workdir)
     trained, frozen = learner.fns.split(learner.params)
