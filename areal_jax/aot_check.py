@@ -42,13 +42,12 @@ import ml_collections
 from jax.extend import core as jax_core
 import numpy as np
 
-from areal_jax.learner.config import LearnerConfig
+from areal_jax.config import validate
 from areal_jax.learner.critic import build_critic
 from areal_jax.learner.step import BATCH_INT_KEYS, build_step
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.packed_attention import splash_block, splash_blocks_computed
 from areal_jax.sampler.aot import abstract_decode_state, abstract_params, lower_sampler
-from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sharding import LEARNER_RULES, make_mesh
 
 GIB = 1 << 30
@@ -227,8 +226,8 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
-  cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
-  model_cfg = ModelConfig.from_config(config.model).with_lora(config.learner.lora)
+  settings = validate(config)
+  cfg, model_cfg = settings.learner, settings.model
   fns = build_step(model_cfg, cfg, mesh, temperature=config.sampler.temperature)
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0
@@ -263,8 +262,8 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   """`prefill`, `decode`, `insert` of the config's sampler on `topology` (mesh data × mesh.sampler_tensor)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
-  model_cfg = ModelConfig.from_config(config.model).with_lora(config.learner.lora)  # a LoRA sampler holds adapters
-  cfg = SamplerConfig.from_config(config.sampler)
+  settings = validate(config)
+  model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm)

@@ -1,21 +1,28 @@
 """Loading and validating run configs (`configs/*.py` files with `get_config(preset)`).
 
-Unknown keys are caught by the locked ConfigDict itself; `validate` checks what depends on several fields and names
-the field at fault.
+Unknown keys are caught by the locked ConfigDict itself. `validate` builds a run's typed `Settings` once: the model,
+learner, sampler and agent records each check their own fields and own their choice lists; `validate` adds what
+depends on several groups, and every error names the field at fault as `config.FIELD=VALUE: why`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 
 import ml_collections
+from etils import epath
 
 from areal_jax.agents.agent import AgentConfig
-from areal_jax.learner.config import CRITICS
+from areal_jax.data import prompts, synthetic
+from areal_jax.data.dataset import SOURCES
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.models import hf_io
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward.sandbox import ISOLATIONS
+from areal_jax.sampler.config import SamplerConfig
 from areal_jax.tokenizer import CharTokenizer
 
 # Overrides of configs/math.py (tiny) for a small, fast run with every mechanism on: end-to-end tests and
@@ -32,19 +39,23 @@ FAST_OVERRIDES = {
     "metrics.tensorboard": False, "learner.filter_uniform_groups": False,
 }
 
+# Choices of the groups without a typed record of their own (the records check theirs).
 _CHOICES = {
-    "data.source": ("synthetic", "jsonl", "tfds"),
-    "data.prompt_template": ("plain", "chat"),
-    "data.synthetic_task": ("arithmetic", "products"),
-    "sampler.attention": ("auto", "jax", "pallas_tpu"),
-    "sampler.param_dtype": ("float32", "bfloat16"),
-    "learner.kl_estimator": ("k1", "k2", "k3"),
-    "learner.adv_norm": ("group", "batch", "none"),
-    "learner.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "learner.prox_logp_method": ("recompute", "loglinear"),
-    "learner.critic": CRITICS,
+    "data.source": SOURCES,
+    "data.prompt_template": prompts.TEMPLATES,
+    "data.synthetic_task": synthetic.TASKS,
     "reward.code_isolation": ISOLATIONS,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """A run's typed settings, built and checked once (`validate`)."""
+
+  model: ModelConfig  # the architecture (a HF `model.init_from`'s own), with `learner.lora`'s adapters
+  learner: LearnerConfig
+  sampler: SamplerConfig
+  agent: AgentConfig
 
 
 def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
@@ -97,18 +108,32 @@ def split_devices(num_devices: int, sampler_devices: int | float) -> tuple[int, 
   return n, num_devices - n
 
 
-def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
-  """Raises ConfigError (a ValueError) naming the first inconsistent field. With `num_devices`, also checks the
-  device split."""
+def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+  """The run's model: `model.init_from`'s architecture when it is a HF directory, else the `model` group's; with
+  `learner.lora`'s adapters."""
+  init = c.model.init_from
+  if init and epath.Path(init, "config.json").exists():
+    model = hf_io.read_config(init, dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
+  else:
+    model = ModelConfig.from_config(c.model)
+  return model.with_lora(c.learner.lora)
+
+
+def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> Settings:
+  """The run's `Settings`; raises ConfigError (a ValueError) naming the first inconsistent field. With
+  `num_devices`, also checks the device split."""
   for field, choices in _CHOICES.items():
     group, name = field.split(".")
     if c[group][name] not in choices:
       _fail(field, c[group][name], f"choose one of {choices}")
   try:
-    model = ModelConfig.from_config(c.model).with_lora(c.learner.lora)  # heads, dims, dtypes, rope type, adapters
+    settings = Settings(model=model_config(c),
+                        learner=LearnerConfig.from_config(c.learner, max_new_tokens=c.sampler.max_new_tokens),
+                        sampler=SamplerConfig.from_config(c.sampler), agent=AgentConfig.from_config(c.agent))
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
-  if c.learner.critic == "lora" and not model.lora_rank:
+  model = settings.model
+  if settings.learner.critic == "lora" and not model.lora_rank:
     _fail("learner.critic", "lora", "a LoRA branch needs the policy's adapters: set learner.lora.rank > 0, or use "
           "critic='copy'")
   if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
@@ -118,13 +143,11 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("data.path", c.data.path, "data.source='jsonl' needs a path to a .jsonl file")
   if c.data.source == "tfds" and not c.data.tfds_name:
     _fail("data.tfds_name", c.data.tfds_name, "data.source='tfds' needs a dataset name")
-  _positive(c, "data.max_prompt_len", "sampler.num_slots", "sampler.page_size", "sampler.max_seq_len",
-            "sampler.max_new_tokens", "learner.lr", "learner.ppo_n_minibatches", "learner.max_tokens_per_mb",
-            "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts", "rollout.stall_timeout_s",
-            "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps", "eval.every_steps",
-            "eval.num_samples")
+  _positive(c, "data.max_prompt_len", "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts",
+            "rollout.stall_timeout_s", "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps",
+            "eval.every_steps", "eval.num_samples")
 
-  s = c.sampler
+  s, lr = settings.sampler, settings.learner
   if c.data.max_prompt_len + s.max_new_tokens > s.max_seq_len:
     _fail("sampler.max_seq_len", s.max_seq_len,
           f"must hold data.max_prompt_len={c.data.max_prompt_len} + sampler.max_new_tokens={s.max_new_tokens}")
@@ -133,25 +156,6 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
           f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
   if s.num_pages and s.num_pages < math.ceil(s.max_seq_len / s.page_size):
     _fail("sampler.num_pages", s.num_pages, f"cannot hold one sequence of sampler.max_seq_len={s.max_seq_len}")
-  if s.temperature < 0:
-    _fail("sampler.temperature", s.temperature, "must be >= 0 (0 = greedy)")
-  if not 0 < s.top_p <= 1:
-    _fail("sampler.top_p", s.top_p, "must lie in (0, 1]")
-  if not 0 < s.memory_fraction <= 1:
-    _fail("sampler.memory_fraction", s.memory_fraction, "must lie in (0, 1]")
-
-  try:
-    AgentConfig.from_config(c.agent)
-  except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
-
-  lr = c.learner
-  if not 0 < lr.eps_clip < 1:
-    _fail("learner.eps_clip", lr.eps_clip, "must lie in (0, 1)")
-  if lr.c_clip and lr.c_clip <= 1:
-    _fail("learner.c_clip", lr.c_clip, "the dual clip must be > 1 (or 0 to disable)")
-  if lr.vocab_chunk < 0:
-    _fail("learner.vocab_chunk", lr.vocab_chunk, "must be >= 0 (0 = the whole vocabulary at once)")
   if lr.max_tokens_per_mb < s.max_seq_len:
     _fail("learner.max_tokens_per_mb", lr.max_tokens_per_mb,
           f"must hold one whole sequence (sampler.max_seq_len={s.max_seq_len})")
@@ -168,6 +172,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
   _check_mesh(c, model, num_devices)
+  return settings
 
 
 def _check_mesh(c: ml_collections.ConfigDict, model: ModelConfig, num_devices: int | None) -> None:

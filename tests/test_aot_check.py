@@ -73,9 +73,8 @@ def _learner(attention: str, length: int = 384):
   config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **{
       "model.num_layers": 2, "learner.max_tokens_per_mb": length, "model.attention": attention})
   mesh = aot_check.make_mesh(aot_check.topology_devices("v5e:2x2"), {"fsdp": -1, "tensor": 1})
-  cfg = aot_check.LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
-  model_cfg = aot_check.ModelConfig.from_config(config.model)
-  return aot_check.build_step(model_cfg, cfg, mesh), model_cfg
+  settings = aot_check.validate(config)
+  return aot_check.build_step(settings.model, settings.learner, mesh), settings.model
 
 
 def test_executed_flops_show_the_attention_no_segment_needs():

@@ -95,6 +95,9 @@ def _hold_out(problems: list[Problem], n: int, seed: int, where: str) -> tuple[l
   return ([p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held])
 
 
+SOURCES = ("synthetic", "jsonl", "tfds")  # data.source
+
+
 def load_problems(data, *, split: str) -> tuple[list[Problem], dict[str, int]]:
   """The problems of `split` ("train" | "eval") for the `data` config group, and counts of what was skipped."""
   if split not in SPLITS:
@@ -125,7 +128,7 @@ def load_problems(data, *, split: str) -> tuple[list[Problem], dict[str, int]]:
                                                     skip_bad_rows=data.skip_bad_rows)
     where = f"tfds {data.tfds_name}/{data.split}"
   else:
-    raise ValueError(f"data.source={data.source!r}: choose one of ('synthetic', 'jsonl', 'tfds')")
+    raise ValueError(f"data.source={data.source!r}: choose one of {SOURCES}")
   held_out_elsewhere = data.eval_path if data.source == "jsonl" else data.eval_split
   if held_out_elsewhere or data.eval_size == 0:
     return problems, stats

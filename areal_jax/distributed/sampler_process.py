@@ -31,7 +31,6 @@ from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
 from areal_jax.models import create, lora
-from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sharding import make_mesh
@@ -40,12 +39,12 @@ from areal_jax.tokenizer import load_tokenizer
 PULL_TIMEOUT_S = 600.0
 
 
-def run_sampler(config, workdir: str, layout: ProcessLayout, *, model_cfg) -> None:
+def run_sampler(config, settings, workdir: str, layout: ProcessLayout) -> None:
+  """A sampler process: `settings` are the run's typed settings (`config.validate`)."""
   tokenizer = load_tokenizer(config.model.tokenizer)
   mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": config.mesh.sampler_tensor})
-  abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
-  engine = Engine(model=abstract_model, config=SamplerConfig.from_config(config.sampler).for_tokenizer(
-      tokenizer.vocab_size), mesh=mesh)
+  abstract_model = nnx.eval_shape(lambda: create(settings.model, 0))
+  engine = Engine(model=abstract_model, config=settings.sampler.for_tokenizer(tokenizer.vocab_size), mesh=mesh)
   abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
   leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)

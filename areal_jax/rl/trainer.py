@@ -48,7 +48,6 @@ from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.sampler_hub import SamplerHub
 from areal_jax.distributed.slices import build_slices
 from areal_jax.distributed.weight_transfer import WeightPublisher, local_copy
-from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.step import build_step
 from areal_jax.models import hf_io, lora, orbax_io, weights
@@ -67,17 +66,6 @@ from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import load_tokenizer
-
-
-def _model_config(config) -> ModelConfig:
-  """The model (with `learner.lora`'s adapters, if any)."""
-  init = config.model.init_from
-  if init and epath.Path(init, "config.json").exists():  # a HF directory: its architecture wins
-    cfg = hf_io.read_config(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                            remat=config.model.remat)
-  else:
-    cfg = ModelConfig.from_config(config.model)
-  return cfg.with_lora(config.learner.lora)
 
 
 def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.Path):
@@ -217,24 +205,25 @@ def entry_point(layout: ProcessLayout) -> Callable[..., list[dict]]:
   return lead if layout.is_leader else follow
 
 
-def _start(config, workdir: str, layout: ProcessLayout) -> tuple[float, epath.Path]:
-  """(start time, workdir): the library log filter installed and the config checked, before anything is written."""
+def _start(config, workdir: str, layout: ProcessLayout) -> tuple[float, epath.Path, config_lib.Settings]:
+  """(start time, workdir, the typed settings): the library log filter installed and the config checked, before
+  anything is written."""
   start_time = time.time()
   for handler in logging.getLogger().handlers:
     handler.addFilter(_QuietLibraries())
-  config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())
-  return start_time, epath.Path(workdir)
+  settings = config_lib.validate(config, num_devices=None if layout.multi_process else jax.device_count())
+  return start_time, epath.Path(workdir), settings
 
 
 def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   """The leader: data, the rollout controller, reward workers, checkpoints and metrics, and the learner loop (in one
   process, the sampler too)."""
-  start_time, workdir = _start(config, workdir, layout)
+  start_time, workdir, settings = _start(config, workdir, layout)
   # It listens at once, so the other processes can connect while it compiles.
   control = ControlServer(layout, authkey()) if layout.multi_process else None
   try:
     learner_mesh, sampler_mesh = _learner_mesh(config, layout)
-    st = _prepare(config, workdir, layout, learner_mesh, start_time, control, None)
+    st = _prepare(config, settings, workdir, layout, learner_mesh, start_time, control, None)
     cut_logs(workdir, st.step if st.latest is not None else None)  # no checkpoint: the killed attempts' rows go too
     return _lead(config, workdir, layout, control, st, learner_mesh, sampler_mesh)
   finally:
@@ -244,11 +233,11 @@ def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
 
 def follow(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   """A learner process other than the leader: the leader's steps on this process's shards (`_follow`)."""
-  start_time, workdir = _start(config, workdir, layout)
+  start_time, workdir, settings = _start(config, workdir, layout)
   leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S)
   try:
     learner_mesh, _ = _learner_mesh(config, layout)
-    st = _prepare(config, workdir, layout, learner_mesh, start_time, None, leader)
+    st = _prepare(config, settings, workdir, layout, learner_mesh, start_time, None, leader)
     try:
       _follow(leader, st.learner, st.ckpt, st.step)
     finally:
@@ -260,8 +249,8 @@ def follow(config, workdir: str, layout: ProcessLayout) -> list[dict]:
 
 def sample(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   """A sampler process: the engine on this process's devices, serving the leader (`sampler_process.run_sampler`)."""
-  _, workdir = _start(config, workdir, layout)
-  sampler_process.run_sampler(config, str(workdir), layout, model_cfg=_model_config(config))
+  _, workdir, settings = _start(config, workdir, layout)
+  sampler_process.run_sampler(config, settings, str(workdir), layout)
   return []
 
 
@@ -272,7 +261,7 @@ class _Start:
   tokenizer: Any
   train: Any
   evalset: Any
-  model_cfg: ModelConfig
+  settings: config_lib.Settings
   learner: Learner
   ckpt: Checkpointer
   latest: int | None  # the checkpoint resumed, or None
@@ -292,7 +281,7 @@ def _check_code_sandbox(reward, datasets) -> None:
       raise config_lib.ConfigError(f"config.reward.code_isolation={isolation!r}: {e}") from None
 
 
-def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, start_time: float,
+def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout: ProcessLayout, learner_mesh, start_time: float,
              control: ControlServer | None, leader: Peer | None) -> _Start:
   """Data, model and learner; the run's directory (leader); the latest checkpoint restored, or the initial weights."""
   tokenizer = load_tokenizer(config.model.tokenizer)
@@ -300,11 +289,10 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
   evalset = build_dataset(config.data, tokenizer, split="eval")
   logging.info("data: %d train prompts %s, %d eval prompts", len(train), train.stats, len(evalset))
   _check_code_sandbox(config.reward, [train, evalset])
-  model_cfg = _model_config(config)
+  model_cfg, learner_cfg = settings.model, settings.learner
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise config_lib.ConfigError(f"config.model.vocab_size={model_cfg.vocab_size}: smaller than the tokenizer's "
                                  f"{tokenizer.vocab_size} ids")
-  learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
   learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
                     seed=config.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
@@ -342,7 +330,7 @@ def _prepare(config, workdir: epath.Path, layout: ProcessLayout, learner_mesh, s
     learner.params = _initial_params(config, learner, train, tokenizer, workdir)
     learner.opt_state = learner.fns.init_opt_state(learner.params)
     learner.init_critic()
-  return _Start(tokenizer=tokenizer, train=train, evalset=evalset, model_cfg=model_cfg, learner=learner, ckpt=ckpt,
+  return _Start(tokenizer=tokenizer, train=train, evalset=evalset, settings=settings, learner=learner, ckpt=ckpt,
                 latest=latest, step=step, controller_state=controller_state, start_time=start_time,
                 followers=followers)
 
@@ -354,7 +342,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   learner, ckpt, followers, step, r = st.learner, st.ckpt, st.followers, st.step, config.rollout
   local = local_copy(learner.params, learner_mesh)  # a collective when the learner spans processes
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
-  sampler_cfg = SamplerConfig.from_config(config.sampler).for_tokenizer(st.tokenizer.vocab_size)
+  sampler_cfg = st.settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
   rollout = _start_rollout(config, layout, control, sampler_cfg, learner, local, sampler_mesh, learner_local,
                            st.tokenizer)
   rewards = RewardService.from_config(config.reward)
@@ -434,13 +422,13 @@ def _saver(config, workdir: epath.Path, st: _Start) -> Callable[..., None]:
   holds the adapters alone and names the base they adapt; a critic's state goes beside the policy's."""
   learner, ckpt = st.learner, st.ckpt
   base = {}
-  if st.model_cfg.lora_rank:
+  if st.settings.model.lora_rank:
     base = {"base": lora.base_meta(_base_source(config, workdir), learner.fns.split(learner.params)[1])}
 
   def save(step: int, controller_state: dict, force: bool = False) -> None:
     if ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force, meta={
         "step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.model_cfg),
+        "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.settings.model),
         "critic": learner.config.critic, **base}, extra=_critic_items(learner)):
       faults.reach("checkpoint_write")  # the asynchronous write is in flight
 
@@ -457,9 +445,9 @@ def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
   episodes = None
   if config.agent.path:
     episodes = agents.EpisodeRunner(
-        agent=agents.load(config.agent.path), config=agents.AgentConfig.from_config(config.agent), rollout=rollout,
+        agent=agents.load(config.agent.path), config=st.settings.agent, rollout=rollout,
         tokenizer=st.tokenizer, sampling=sampling,
-        limits={"max_seq_len": s.max_seq_len, "vocab_size": st.model_cfg.vocab_size},
+        limits={"max_seq_len": s.max_seq_len, "vocab_size": st.settings.model.vocab_size},
         version=lambda: st.learner.version)
   return RolloutController(
       dataset=st.train, loop=rollout, rewards=rewards, buffer=buffer, version=lambda: st.learner.version,
@@ -479,7 +467,7 @@ def _evaluator(config, st: _Start, controller: RolloutController, sampler_cfg: S
   if controller.episodes is not None:
     return EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
                             num_samples=config.eval.num_samples)
-  return Evaluator(model_cfg=st.model_cfg, records=st.evalset.records,
+  return Evaluator(model_cfg=st.settings.model, records=st.evalset.records,
                    mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
                    sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5), eos_ids=[st.tokenizer.eos_id],
                    detokenize=st.tokenizer.decode, score=functools.partial(score_all, rewards),
