@@ -36,6 +36,8 @@ def test_adapters_start_as_identity_and_merge_exactly():
   assert names == {f"{t}_lora_{ab}" for t in ("q", "k", "v", "o", "gate", "up", "down") for ab in "ab"}
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(adapters))
   plain = nnx.graphdef(nnx.eval_shape(lambda: create(TINY, 0)))
+  for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(nnx.state(create(TINY, 0), nnx.Param))):
+    np.testing.assert_array_equal(got, want)  # the base is the plain model of the same seed (a run's warm-start too)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
   np.testing.assert_array_equal(model(tokens), nnx.merge(plain, base)(tokens))  # B = 0: the base model
   adapted = random_adapters(state)

@@ -91,9 +91,10 @@ def scale(cfg: ModelConfig) -> float:
 def create(rngs: nnx.Rngs, in_shape: tuple[int, ...], out_shape: tuple[int, ...], in_names, out_names,
            rank: int) -> tuple[nnx.LoRAParam, nnx.LoRAParam]:
   """A (in_shape + (rank,)) and B ((rank,) + out_shape), float32 whatever the base weights' dtype (the adapters
-  are the learner's master weights)."""
+  are the learner's master weights). A is drawn from the "lora" stream of `rngs` (its default stream where it has
+  none), so adding adapters leaves the base weights' random init as it was."""
   bound = 1.0 / np.sqrt(np.prod(in_shape))
-  a = jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound)
+  a = jax.random.uniform(rngs.lora(), (*in_shape, rank), jnp.float32, -bound, bound)
   return (nnx.LoRAParam(a, logical_axes=(*in_names, None)),
           nnx.LoRAParam(jnp.zeros((rank, *out_shape), jnp.float32), logical_axes=(None, *out_names)))
 

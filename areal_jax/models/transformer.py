@@ -40,7 +40,9 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
   """`cfg.num_layers` independently initialised Blocks as one Block with a leading `layers` axis on every parameter."""
   keys = jax.random.split(rngs.params(), cfg.num_layers)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
-  state = jax.vmap(lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(params=key))))(keys)
+  # Adapters draw from a stream of their own: a LoRA model's base starts as the plain model of the same seed.
+  rngs_of = lambda key: nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1))
+  state = jax.vmap(lambda key: nnx.state(Block(cfg, rngs=rngs_of(key))))(keys)
   state = jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, lora.quantize_base(state, cfg))
