@@ -12,10 +12,11 @@ Per step:
 
 1. old values V(s_t) at every loss position of every micro-batch, one forward pass with the step's starting critic
    (beside the proximal pass: computed once per batch);
-2. GAE on the device (`gae`, associative scans over the packed rows): the answer's reward (as the critic-free path shapes and normalises it) at its last loss
-   token, δ_t = r_t + γ V(s_t+1) - V(s_t) and A_t = Σ_k (γλ)^k δ_t+k over the answer's loss tokens (tokens the policy
-   did not draw, e.g. a tool's output inside a merged multi-turn sequence, are skipped, not steps), returns
-   R_t = A_t + V(s_t). With γ = λ = 1 and a zero critic A_t is the critic-free advantage exactly;
+2. GAE on the device (`gae`, associative scans over the packed rows): the answer's reward (as the critic-free path
+   shapes and normalises it) at its last loss token, δ_t = r_t + γ V(s_t+1) - V(s_t) and A_t = Σ_k (γλ)^k δ_t+k over
+   the answer's loss tokens (tokens the policy did not draw, e.g. a tool's output inside a merged multi-turn
+   sequence, are skipped, not steps), returns R_t = A_t + V(s_t). With γ = λ = 1 and a zero critic A_t is the
+   critic-free advantage exactly;
 3. the policy's decoupled-PPO updates use these A_t; then per minibatch one critic update on
    ½ max((V - R)², (V_old + clip(V - V_old, ±value_clip) - R)²), averaged over the minibatch's loss tokens.
 

@@ -281,9 +281,10 @@ def _check_code_sandbox(reward, datasets) -> None:
       raise config_lib.ConfigError(f"config.reward.code_isolation={isolation!r}: {e}") from None
 
 
-def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout: ProcessLayout, learner_mesh, start_time: float,
-             control: ControlServer | None, leader: Peer | None) -> _Start:
-  """Data, model and learner; the run's directory (leader); the latest checkpoint restored, or the initial weights."""
+def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout: ProcessLayout, learner_mesh,
+             start_time: float, control: ControlServer | None, leader: Peer | None) -> _Start:
+  """Data, model and learner; the run's directory (leader); the latest checkpoint restored, or the initial weights.
+  A checkpoint the settings cannot resume is refused before the learner is built or anything is written."""
   tokenizer = load_tokenizer(config.model.tokenizer)
   train = build_dataset(config.data, tokenizer, split="train")
   evalset = build_dataset(config.data, tokenizer, split="eval")
@@ -293,9 +294,6 @@ def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout:
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise config_lib.ConfigError(f"config.model.vocab_size={model_cfg.vocab_size}: smaller than the tokenizer's "
                                  f"{tokenizer.vocab_size} ids")
-  learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
-                    seed=config.seed)
-  logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
   ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
                       max_to_keep=config.checkpoint.max_to_keep)
   step, controller_state = 0, None
@@ -306,6 +304,9 @@ def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout:
     if "model_config" in saved_meta:  # the leader's meta (followers' carry the step alone)
       _check_adapters(saved_meta, model_cfg, where=where)
       _check_critic(saved_meta, learner_cfg.critic, where=where)
+  learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
+                    seed=config.seed)
+  logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
   if layout.is_leader:  # the settings, data, model and checkpoints agree: the run's settings (a refusal keeps the old)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
