@@ -146,6 +146,5 @@ def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.St
     model = hf_io.load_hf(str(path), dtype=model_cfg.dtype)
   else:
     model = orbax_io.load_orbax(str(path), dtype=model_cfg.dtype)
-  base = lora.quantize_base(weights.cast(nnx.state(model, nnx.Param), model_cfg.weight_dtype), model_cfg)
-  base = jax.tree.map(lambda x, t: x.astype(t.dtype), base, target)
-  return jax.device_put(base, shardings)
+  base = weights.cast(nnx.state(model, nnx.Param), model_cfg.weight_dtype)  # `target`'s dtypes
+  return lora.quantized_onto(base, model_cfg, shardings)

@@ -20,6 +20,8 @@ correct the quantization's error. `quantize_base` turns a float base (a warm-sta
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +125,12 @@ def check_base(meta: dict, base: nnx.State, *, where: str) -> None:
   if not np.array_equal(weights.fingerprint(base), np.asarray(want, np.float32)):
     raise ValueError(f"{where}: its adapters were trained on other base weights than the ones loaded from "
                      f"{meta.get('source')}; restore the base they were trained on")
+
+
+def quantized_onto(state: nnx.State, cfg: ModelConfig, shardings) -> nnx.State:
+  """`quantize_base` as one program whose result lands on `shardings`: sharded, layer by layer, never a whole
+  model's quantization temporaries on one device."""
+  return jax.jit(functools.partial(quantize_base, cfg=cfg), out_shardings=shardings)(state)
 
 
 def dequantize_base(state: nnx.State) -> nnx.State:

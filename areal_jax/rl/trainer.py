@@ -80,9 +80,9 @@ def _initial_params(config, learner: Learner, train, tokenizer, workdir: epath.P
   base_fns = build_step(base_cfg, learner.config, learner.mesh, temperature=learner.temperature)
   start = weights.cast(lora.dequantize_base(base), base_cfg.weight_dtype)
   base = _initial_base(config, base_fns, start, train, tokenizer, workdir)
-  quantize = jax.jit(functools.partial(lora.quantize_base, cfg=learner.model_cfg),
-                     out_shardings=lora.split(learner.fns.param_shardings)[1])
-  return nnx.merge_state(quantize(weights.cast(base, learner.model_cfg.weight_dtype)), adapters)
+  base = lora.quantized_onto(weights.cast(base, learner.model_cfg.weight_dtype), learner.model_cfg,
+                             lora.split(learner.fns.param_shardings)[1])
+  return nnx.merge_state(base, adapters)
 
 
 def _base_source(config, workdir: epath.Path) -> dict:
