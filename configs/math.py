@@ -240,7 +240,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.value_clip = 0.2
   c.learner.critic_lr = 0.0  # 0 = learner.lr
   c.learner.lora = ml_collections.ConfigDict()
-  c.learner.lora.rank = 0
+  c.learner.lora.rank = 0  # tiny, rank 8: learner.lr=7e-4 suggested (README "LoRA")
   c.learner.lora.alpha = 16.0
   c.learner.lora.targets = "q,k,v,o,gate,up,down"
   c.learner.lora.dropout = 0.0
