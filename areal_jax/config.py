@@ -31,7 +31,8 @@ from areal_jax.tokenizer import CharTokenizer
 FAST_OVERRIDES = {
     "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,
     "model.num_kv_heads": 1, "model.head_dim": 32,
-    "warmstart.steps": 30, "warmstart.batch_size": 32, "data.eval_size": 8, "data.synthetic_size": 2000,
+    "warmstart.steps": 30, "warmstart.batch_size": 32, "warmstart.target_match": 0.0, "data.eval_size": 8,
+    "data.synthetic_size": 2000,
     "rollout.batch_size": 4, "rollout.group_size": 4, "rollout.max_concurrent_rollouts": 8,
     "learner.ppo_n_minibatches": 2, "learner.max_tokens_per_mb": 256, "learner.min_bucket": 64,
     "sampler.num_slots": 32, "sampler.num_pages": 256, "sampler.max_new_tokens": 40, "sampler.max_seq_len": 96,

@@ -118,11 +118,18 @@ def _initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
   else:
     pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
   w = config.warmstart
+  heldout = []
+  if w.target_match > 0:  # the last `heldout` pairs are not trained on: they measure the match
+    if not 0 < w.heldout < len(pairs):
+      raise config_lib.ConfigError(f"config.warmstart.heldout={w.heldout}: must be in [1, {len(pairs) - 1}] "
+                                   f"({len(pairs)} warm-start pairs) when warmstart.target_match > 0")
+    pairs, heldout = pairs[:-w.heldout], pairs[-w.heldout:]
   logging.info("warm-start: up to %d steps on %d %s", w.steps, len(pairs),
                "demonstrated turns" if demonstration else "worked solutions")
   params, loss, taken = warmstart.sft(fns, params, pairs, steps=w.steps, batch_size=w.batch_size,
                                       lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
-                                      target_loss=w.target_loss, accumulate=w.get("accumulate", False))
+                                      target_loss=w.target_loss, accumulate=w.accumulate, heldout=heldout,
+                                      target_match=w.target_match)
   orbax_io.save_orbax(nnx.merge(fns.graphdef, params), str(cache))
   logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
   return params

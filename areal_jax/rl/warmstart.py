@@ -24,15 +24,44 @@ from areal_jax.types import Trajectory
 _WINDOW = 10  # steps averaged for `target_loss`
 
 
+def _logprobs_fn(fns: StepFns):
+  def logprobs(p, batch):
+    model = nnx.merge(fns.graphdef, p)
+    return packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature=1.0)[0]
+  return jax.jit(logprobs)
+
+
 def _examples(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Trajectory]:
   return [Trajectory(prompt_ids=np.asarray(p, np.int32), response_ids=np.asarray(r, np.int32),
                      logprobs=np.zeros(len(r), np.float32), versions=np.zeros(len(r), np.int32), finish_reason="eos")
           for p, r in pairs]
 
 
+def match_probability(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                      max_tokens: int) -> float:
+  """The mean over `pairs` of the probability that sampling at temperature 1 draws the response token for token.
+
+  On the tiny default's held-out problems it tracks the sampled accuracy from below (0.49, 0.48, 0.32 for
+  warm-starts whose pass@1 was 0.54, 0.56, 0.36): a worked solution is nearly the only way to the answer."""
+  return _match(_logprobs_fn(fns), fns, params, _examples(pairs), max_tokens)
+
+
+def _match(logprobs, fns: StepFns, params: nnx.State, examples: list[Trajectory], max_tokens: int) -> float:
+  probs = []
+  for layout in plan_packed([t.num_tokens for t in examples], max_tokens=max_tokens, rows=fns.rows):
+    mb = assemble(layout, examples, [np.ones(len(t.response_ids), np.float32) for t in examples])
+    arrays = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS}, fns.batch_sharding)
+    lp = np.asarray(logprobs(params, arrays)) * mb.loss_mask
+    for r, row in enumerate(layout.rows):
+      sums = np.bincount(mb.segment_ids[r], weights=lp[r], minlength=len(row) + 1)
+      probs.extend(np.exp(sums[1:len(row) + 1]))
+  return float(np.mean(probs))
+
+
 def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, steps: int,
         batch_size: int, lr: float, max_tokens: int, seed: int = 0, target_loss: float = 0.0,
-        log_every: int = 50, accumulate: bool = False) -> tuple[nnx.State, float, int]:
+        log_every: int = 50, accumulate: bool = False, heldout: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+        target_match: float = 0.0) -> tuple[nnx.State, float, int]:
   """Trains `params` (on `fns.mesh`) to predict each pair's response from its prompt; returns (params, last loss,
   steps taken).
 
@@ -40,6 +69,8 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
   `target_loss` > 0 stops early once the mean loss of the last `_WINDOW` steps is at or below it: a model trained
   from scratch learns arithmetic in a sudden drop whose timing varies with the seed, so a loss target gives RL a
   starting competence closer across seeds than a step count does (only if the drop comes within `steps`).
+  `target_match` > 0 stops once the `heldout` pairs' `match_probability` (checked every `_WINDOW` steps) is at or
+  above it: closer still, since equal losses left seeds 0.2 apart in held-out accuracy.
 
   A batch too long for one packed micro-batch is split. By default each piece is an update of its own, and the
   cosine counts updates (the math preset's measured warm-starts ran so: ~2 pieces per step); with `accumulate` the
@@ -74,7 +105,10 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
   apply = jax.jit(apply, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None))
 
-  examples = _examples(pairs)
+  examples, held = _examples(pairs), _examples(heldout)
+  if target_match > 0 and not held:
+    raise ValueError("warm-start: target_match needs held-out pairs")
+  logprobs = _logprobs_fn(fns)
   rng = np.random.default_rng(seed)
   order, pos = rng.permutation(len(examples)), 0
   loss, start, recent = float("nan"), time.time(), []
@@ -100,12 +134,18 @@ def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Se
       params, opt_state = apply(params, opt_state, grads, tokens)
       loss_arr = total / tokens
     recent = recent[-(_WINDOW - 1):] + [loss_arr]
+    check = (i + 1) % _WINDOW == 0
+    match = _match(logprobs, fns, params, held, max_tokens) if check and target_match > 0 else None
     if (i + 1) % log_every == 0 or i + 1 == steps:
       loss = float(loss_arr)
-      logging.info("warm-start step %d/%d: loss %.4f (%.0fs)", i + 1, steps, loss, time.time() - start)
-    if target_loss > 0 and (i + 1) % _WINDOW == 0 and float(jnp.mean(jnp.stack(recent))) <= target_loss:
-      loss = float(loss_arr)
+      logging.info("warm-start step %d/%d: loss %.4f%s (%.0fs)", i + 1, steps, loss,
+                   "" if match is None else f", held-out match {match:.3f}", time.time() - start)
+    if check and target_loss > 0 and float(jnp.mean(jnp.stack(recent))) <= target_loss:
       logging.info("warm-start: mean loss of the last %d steps <= target %.4g at step %d (%.0fs)", _WINDOW,
                    target_loss, i + 1, time.time() - start)
-      return params, loss, i + 1
+      return params, float(loss_arr), i + 1
+    if match is not None and match >= target_match:
+      logging.info("warm-start: held-out match %.3f >= target %.4g at step %d (%.0fs)", match, target_match, i + 1,
+                   time.time() - start)
+      return params, float(loss_arr), i + 1
   return params, loss, steps
