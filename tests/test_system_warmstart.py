@@ -1,7 +1,9 @@
-"""The supervised warm-start: it learns, and with a loss target it stops once the recent mean loss reaches it."""
+"""The supervised warm-start: it learns, and it stops once the recent mean loss or the held-out match probability
+reaches its target."""
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from areal_jax.learner.config import LearnerConfig
@@ -31,3 +33,38 @@ def test_warmstart_learns_and_stops_at_the_target_loss():
   assert 10 < taken < 60 and taken % 10 == 0 and loss < first  # reached midway
   _, _, taken = sft(steps=60, target_loss=1e-9)
   assert taken == 60  # never reached
+
+
+def test_match_probability_is_the_mean_probability_of_each_response_from_a_dense_forward():
+  fns, pairs = _setup()
+  model = tiny_model(seed=1)
+  params = jax.device_put(nnx.state(model, nnx.Param), fns.param_shardings)
+  pairs = pairs[:9] + [(np.asarray([3, 4]), np.asarray([5, 1])), (np.asarray([7]), np.asarray([7, 7, 7, 1]))]
+  expected = []
+  for prompt, response in pairs:  # one unpacked sequence at a time, numpy log-softmax
+    tokens = np.concatenate([prompt, response])[None]
+    logits = np.asarray(model(tokens), np.float64)[0]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    p = len(prompt)
+    expected.append(np.exp(sum(logp[p - 1 + j, t] for j, t in enumerate(response))))
+  got = warmstart.match_probability(fns, params, pairs, max_tokens=64)
+  np.testing.assert_allclose(got, np.mean(expected), rtol=1e-4)
+
+
+def test_warmstart_stops_at_the_target_match():
+  fns, pairs = _setup()
+  params = jax.device_put(nnx.state(tiny_model(), nnx.Param), fns.param_shardings)
+  sft = lambda **kw: warmstart.sft(fns, fns.copy_params(params), pairs[:48], batch_size=8, lr=3e-3, max_tokens=64,
+                                   heldout=pairs[48:], **kw)
+  trained, _, taken = sft(steps=60, target_match=1.0 + 1e-9)
+  assert taken == 60  # never reached
+  reached = warmstart.match_probability(fns, trained, pairs[48:], max_tokens=64)
+  start = warmstart.match_probability(fns, params, pairs[48:], max_tokens=64)
+  assert reached > 1e3 * start  # held-out copies got likelier (60 steps: far from likely yet)
+  target = np.sqrt(start * reached)
+  stopped, _, taken = sft(steps=60, target_match=target)
+  assert 10 <= taken < 60 and taken % 10 == 0
+  assert warmstart.match_probability(fns, stopped, pairs[48:], max_tokens=64) >= target
+  with pytest.raises(ValueError, match="held-out"):
+    warmstart.sft(fns, params, pairs, steps=10, batch_size=8, lr=3e-3, max_tokens=64, target_match=0.5)
