@@ -4,6 +4,7 @@ reaches its target."""
 import jax
 import numpy as np
 import pytest
+import scipy.special
 from flax import nnx
 
 from areal_jax.learner.config import LearnerConfig
@@ -41,11 +42,10 @@ def test_match_probability_is_the_mean_probability_of_each_response_from_a_dense
   params = jax.device_put(nnx.state(model, nnx.Param), fns.param_shardings)
   pairs = pairs[:9] + [(np.asarray([3, 4]), np.asarray([5, 1])), (np.asarray([7]), np.asarray([7, 7, 7, 1]))]
   expected = []
-  for prompt, response in pairs:  # one unpacked sequence at a time, numpy log-softmax
+  for prompt, response in pairs:  # one unpacked sequence at a time, scipy's log-softmax in float64
     tokens = np.concatenate([prompt, response])[None]
     logits = np.asarray(model(tokens), np.float64)[0]
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-        -1, keepdims=True)
+    logp = scipy.special.log_softmax(logits, axis=-1)
     p = len(prompt)
     expected.append(np.exp(sum(logp[p - 1 + j, t] for j, t in enumerate(response))))
   got = warmstart.match_probability(fns, params, pairs, max_tokens=64)
