@@ -5,11 +5,12 @@ import os
 import shutil
 import tempfile
 
-# One XLA compilation cache for the session, shared with the runs the tests start as subprocesses (they compile the
-# same tiny programs again and again). Empty at the start of every session: nothing carries over between runs.
-_CACHE = tempfile.mkdtemp(prefix="areal_jax_test_xla_cache_")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+# One XLA compilation cache for the session, made by the first process (pytest-xdist's workers inherit it) and
+# shared with the runs the tests start as subprocesses (they compile the same tiny programs again and again). Empty
+# at the start of every session: nothing carries over between runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="areal_jax_test_xla_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 os.environ["XLA_FLAGS"] = (
