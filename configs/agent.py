@@ -52,9 +52,12 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # A solved episode: a 39-token prompt, a 68-token tool call, the result, a 13-token answer (137 tokens in all).
   c.sampler.max_seq_len = 224
   c.sampler.max_new_tokens = 80
-  c.warmstart.steps = 700
-  c.warmstart.target_loss = 0.015  # ~0.1 nats per copied digit (not reached in 700 steps with seed 0)
-  c.warmstart.target_match = 0.0  # the loss target instead (a match target for turns is not measured here)
+  c.learner.max_tokens_per_mb = 512  # three episodes a row (at 256, one: half of each row was padding)
+  c.warmstart.steps = 1000  # at most
+  c.warmstart.lr = 5e-4
+  c.warmstart.target_loss = 0.0
+  c.warmstart.target_match = 0.5
+  c.warmstart.heldout = 64
   c.warmstart.accumulate = True
   c.eval.every_steps = 10
   c.eval.num_samples = 2

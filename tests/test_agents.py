@@ -217,6 +217,13 @@ def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
   np.testing.assert_array_equal(t.prompt_ids, pairs[0][0])
   np.testing.assert_array_equal(t.response_ids[t.loss_mask == 1], np.concatenate([pairs[0][1], pairs[1][1]]))
   assert TOK.decode(t.response_ids[t.loss_mask == 0]) == "\nresult: 1776\nA: " and t.reward == 1.0
+  # The warm-start's merged demonstration is the recorded episode, token for token and mask for mask.
+  demo, one_turn = agents.demonstration_episodes([demos[0], demos[2]], TOK)
+  for got, want in ((demo.prompt_ids, t.prompt_ids), (demo.response_ids, t.response_ids), (demo.loss_mask, t.loss_mask),
+                    (one_turn.prompt_ids, pairs[4][0]), (one_turn.response_ids, pairs[4][1])):
+    np.testing.assert_array_equal(got, want)
+  assert one_turn.loss_mask is None
+  assert len(agents.demonstration_episodes(demos, TOK, max_response_len=67)) == 1  # the call turns are 68 tokens
   assert (wrong.failure, wrong.turns, wrong.reward) == (None, 1, 0.0)
   np.testing.assert_array_equal(evaluation.correct, [[1, 1], [1, 1], [0, 0]])
   assert evaluation.accuracy == pytest.approx(2 / 3) and evaluation.turns == pytest.approx(5 / 3)

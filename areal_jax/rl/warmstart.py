@@ -31,15 +31,19 @@ def _logprobs_fn(fns: StepFns):
   return jax.jit(logprobs)
 
 
-def _examples(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Trajectory]:
-  return [Trajectory(prompt_ids=np.asarray(p, np.int32), response_ids=np.asarray(r, np.int32),
-                     logprobs=np.zeros(len(r), np.float32), versions=np.zeros(len(r), np.int32), finish_reason="eos")
-          for p, r in pairs]
+Examples = Sequence[tuple[Sequence[int], Sequence[int]] | Trajectory]
 
 
-def match_probability(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-                      max_tokens: int) -> float:
-  """The mean over `pairs` of the probability that sampling at temperature 1 draws the response token for token.
+def _examples(pairs: Examples) -> list[Trajectory]:
+  return [pair if isinstance(pair, Trajectory) else Trajectory(
+      prompt_ids=np.asarray(pair[0], np.int32), response_ids=np.asarray(pair[1], np.int32),
+      logprobs=np.zeros(len(pair[1]), np.float32), versions=np.zeros(len(pair[1]), np.int32), finish_reason="eos")
+          for pair in pairs]
+
+
+def match_probability(fns: StepFns, params: nnx.State, pairs: Examples, *, max_tokens: int) -> float:
+  """The mean over `pairs` of the probability that sampling at temperature 1 draws the response token for token
+  (a merged transcript's: its assistant tokens, given the context between them).
 
   On the tiny default it stays close to pass@1 at temperature 1, a worked solution being nearly the only way to the
   answer: 0.49, 0.48, 0.32, 0.52, 0.65, 0.61 on held-out solutions for warm-starts whose eval accuracy was 0.54,
@@ -59,14 +63,15 @@ def _match(logprobs, fns: StepFns, params: nnx.State, examples: list[Trajectory]
   return float(np.mean(probs))
 
 
-def sft(fns: StepFns, params: nnx.State, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, steps: int,
-        batch_size: int, lr: float, max_tokens: int, seed: int = 0, target_loss: float = 0.0,
-        log_every: int = 50, accumulate: bool = False, heldout: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
-        target_match: float = 0.0) -> tuple[nnx.State, float, int]:
+def sft(fns: StepFns, params: nnx.State, pairs: Examples, *, steps: int, batch_size: int, lr: float, max_tokens: int,
+        seed: int = 0, target_loss: float = 0.0, log_every: int = 50, accumulate: bool = False,
+        heldout: Examples = (), target_match: float = 0.0) -> tuple[nnx.State, float, int]:
   """Trains `params` (on `fns.mesh`) to predict each pair's response from its prompt; returns (params, last loss,
   steps taken).
 
-  `pairs` are (prompt ids, response ids incl. eos); batches are drawn with a seeded shuffle, epoch after epoch.
+  `pairs` are (prompt ids, response ids incl. eos), or trajectories whose `loss_mask` leaves out the context inside
+  the response (an agent's merged transcripts, `agents.demonstration_episodes`); batches are drawn with a seeded
+  shuffle, epoch after epoch.
   `target_loss` > 0 stops early once the mean loss of the last `_WINDOW` steps is at or below it: a model trained
   from scratch learns arithmetic in a sudden drop whose timing varies with the seed, so a loss target gives RL a
   starting competence closer across seeds than a step count does (only if the drop comes within `steps`).
