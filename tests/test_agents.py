@@ -172,7 +172,7 @@ def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evalu
                        **{**FAST, "sampler.max_seq_len": 224, "sampler.max_new_tokens": 80})
   with caplog.at_level(logging.INFO):
     rows = trainer.run(config, str(tmp_path))
-  assert "demonstrated turns" in caplog.text and "HTTP Request" not in caplog.text
+  assert "demonstrated episodes" in caplog.text and "HTTP Request" not in caplog.text
   assert [r["step"] for r in rows] == [0, 1, 2]
   metrics = read_metrics(str(tmp_path))
   for m in metrics[1:]:

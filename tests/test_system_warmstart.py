@@ -10,6 +10,7 @@ from flax import nnx
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.step import build_step, make_learner_mesh
 from areal_jax.rl import warmstart
+from areal_jax.types import Trajectory
 from helpers import TINY, tiny_model
 
 
@@ -37,18 +38,24 @@ def test_warmstart_learns_and_stops_at_the_target_loss():
 
 
 def test_match_probability_is_the_mean_probability_of_each_response_from_a_dense_forward():
+  """(prompt, response) pairs, and a merged transcript whose loss mask leaves out the context between its answers."""
   fns, pairs = _setup()
   model = tiny_model(seed=1)
   params = jax.device_put(nnx.state(model, nnx.Param), fns.param_shardings)
   pairs = pairs[:9] + [(np.asarray([3, 4]), np.asarray([5, 1])), (np.asarray([7]), np.asarray([7, 7, 7, 1]))]
+  # A merged transcript: two answers with context between them, which the match leaves out.
+  merged = Trajectory(prompt_ids=np.asarray([3, 4], np.int32), response_ids=np.asarray([5, 1, 8, 9, 6, 1], np.int32),
+                      logprobs=np.zeros(6, np.float32), versions=np.zeros(6, np.int32), finish_reason="eos",
+                      loss_mask=np.asarray([1, 1, 0, 0, 1, 1], np.float32))
   expected = []
-  for prompt, response in pairs:  # one unpacked sequence at a time, scipy's log-softmax in float64
+  for prompt, response, mask in [(p, r, np.ones(len(r))) for p, r in pairs] + [
+      (merged.prompt_ids, merged.response_ids, merged.loss_mask)]:  # one unpacked sequence at a time, in float64
     tokens = np.concatenate([prompt, response])[None]
     logits = np.asarray(model(tokens), np.float64)[0]
     logp = scipy.special.log_softmax(logits, axis=-1)
     p = len(prompt)
-    expected.append(np.exp(sum(logp[p - 1 + j, t] for j, t in enumerate(response))))
-  got = warmstart.match_probability(fns, params, pairs, max_tokens=64)
+    expected.append(np.exp(sum(logp[p - 1 + j, t] * m for j, (t, m) in enumerate(zip(response, mask)))))
+  got = warmstart.match_probability(fns, params, pairs + [merged], max_tokens=64)
   np.testing.assert_allclose(got, np.mean(expected), rtol=1e-4)
 
 
