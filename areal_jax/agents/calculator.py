@@ -17,7 +17,8 @@ when its last answer is `\boxed{N}` with N the product. A solved episode is two 
 (`{"messages": [...], "tools": [...]}`). With `demo_tool_share` < 1, that share of them use the tool and the rest
 answer in one turn without it (a habit RL would have to unlearn). On the tiny model (configs/agent.py) half of them
 answering in one turn kept the warm-start from learning to copy the operands into the call in 1000 steps (both kinds
-of answer share the `\boxed{` context); all with the tool, it learned in 700 (README "Agents").
+of answer share the `\boxed{` context); all with the tool, it learned in 700 (both measured with the warm-start of
+the time: one example per turn, lr 2e-3).
 """
 
 from __future__ import annotations
