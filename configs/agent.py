@@ -20,7 +20,8 @@ at step 260, held-out match 0.363, after 7.5 minutes):
     min              8.8   12.3   15.8   19.4
 
 +19.5 points by step 20 (15.8 minutes), then a fall: between steps 20 and 30 more tool calls stopped parsing (fewer
-turns). Seed 1, to step 20: warm-start 200 steps (match 0.276), success 0.246, 0.305, 0.414 at 7.0, 10.8, 14.6 min. With target_match 0.5 the warm-start ran to step 280 (match 0.602) and RL went 0.598, 0.645, 0.703, 0.699
+turns). Seed 1, to step 20: warm-start 200 steps (match 0.276), success 0.246, 0.305, 0.414 at 7.0, 10.8, 14.6
+min. With target_match 0.5 the warm-start ran to step 280 (match 0.602) and RL went 0.598, 0.645, 0.703, 0.699
 (9.3, 13.1, 16.2, 19.5 min): steadier, less room. The copy of the operands into the call is learned in a sudden
 drop after a plateau (loss ~0.2 per token), and the learning rate decides when: on the turn-per-example warm-start of
 earlier versions, measured on a GPU for seeds 0/1/2 (first check of 50 with >= 0.3 match on the call), 5e-4
