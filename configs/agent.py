@@ -62,7 +62,6 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.max_tokens_per_mb = 512  # three episodes a row (at 256, one: half of each row was padding)
   c.warmstart.steps = 1000  # at most
   c.warmstart.lr = 5e-4
-  c.warmstart.target_loss = 0.0
   c.warmstart.target_match = 0.2
   c.warmstart.heldout = 64
   c.warmstart.accumulate = True

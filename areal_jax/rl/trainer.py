@@ -113,20 +113,20 @@ def _initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
     return _place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
   demonstration = agents.demonstrator(agents.load(config.agent.path)) if config.agent.path else None
   if demonstration is not None:  # the agent's transcripts, turns merged as in its recorded episodes
-    pairs = agents.demonstration_episodes([demonstration(problem(r)) for r in train.records], tokenizer,
-                                          max_response_len=config.sampler.max_new_tokens)
+    examples = agents.demonstration_episodes([demonstration(problem(r)) for r in train.records], tokenizer,
+                                             max_response_len=config.sampler.max_new_tokens)
   else:
-    pairs = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
+    examples = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
   w = config.warmstart
   heldout = []
   if w.target_match > 0:  # the last `heldout` examples are not trained on: they measure the match
-    if not 0 < w.heldout < len(pairs):
-      raise config_lib.ConfigError(f"config.warmstart.heldout={w.heldout}: must be in [1, {len(pairs) - 1}] "
-                                   f"({len(pairs)} warm-start examples) when warmstart.target_match > 0")
-    pairs, heldout = pairs[:-w.heldout], pairs[-w.heldout:]
-  logging.info("warm-start: up to %d steps on %d %s", w.steps, len(pairs),
+    if not 0 < w.heldout < len(examples):
+      raise config_lib.ConfigError(f"config.warmstart.heldout={w.heldout}: must be in [1, {len(examples) - 1}] "
+                                   f"({len(examples)} warm-start examples) when warmstart.target_match > 0")
+    examples, heldout = examples[:-w.heldout], examples[-w.heldout:]
+  logging.info("warm-start: up to %d steps on %d %s", w.steps, len(examples),
                "demonstrated episodes" if demonstration else "worked solutions")
-  params, loss, taken = warmstart.sft(fns, params, pairs, steps=w.steps, batch_size=w.batch_size,
+  params, loss, taken = warmstart.sft(fns, params, examples, steps=w.steps, batch_size=w.batch_size,
                                       lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
                                       target_loss=w.target_loss, accumulate=w.accumulate, heldout=heldout,
                                       target_match=w.target_match)

@@ -34,11 +34,17 @@ def _logprobs_fn(fns: StepFns):
 Examples = Sequence[tuple[Sequence[int], Sequence[int]] | Trajectory]
 
 
+def _example(pair) -> Trajectory:
+  if isinstance(pair, Trajectory):
+    return pair
+  prompt, response = pair
+  return Trajectory(prompt_ids=np.asarray(prompt, np.int32), response_ids=np.asarray(response, np.int32),
+                    logprobs=np.zeros(len(response), np.float32), versions=np.zeros(len(response), np.int32),
+                    finish_reason="eos")
+
+
 def _examples(pairs: Examples) -> list[Trajectory]:
-  return [pair if isinstance(pair, Trajectory) else Trajectory(
-      prompt_ids=np.asarray(pair[0], np.int32), response_ids=np.asarray(pair[1], np.int32),
-      logprobs=np.zeros(len(pair[1]), np.float32), versions=np.zeros(len(pair[1]), np.int32), finish_reason="eos")
-          for pair in pairs]
+  return [_example(pair) for pair in pairs]
 
 
 def match_probability(fns: StepFns, params: nnx.State, pairs: Examples, *, max_tokens: int) -> float:
