@@ -272,6 +272,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # returned reward replaces the reward service's. "module:attribute", importable from where the job runs.
   c.agent = ml_collections.ConfigDict()
   c.agent.path = ""  # "" = single-turn answers
+  c.agent.options = ml_collections.ConfigDict()  # keyword arguments for a class at agent.path
   c.agent.max_turns = 8  # completions per episode; one more fails the episode
   c.agent.timeout_s = 600.0  # per episode; past it the episode fails (scored 0)
   c.agent.turn_discount = 1.0  # each earlier completion adds the next one's reward times this (AReaL's rule)

@@ -163,6 +163,12 @@ def test_agent_config_and_loading_name_what_is_wrong():
       agents.load(path) if ":" in path else agents.AgentConfig(path=path)
   with pytest.raises(ValueError, match="agent.turn_discount=1.5"):
     agents.AgentConfig(turn_discount=1.5)
+  calculator = "areal_jax.agents.calculator:Calculator"
+  assert agents.load(calculator, {"demo_tool_share": 0.5}).__self__.demo_tool_share == 0.5
+  with pytest.raises(ValueError, match=r"agent.options=\{'tool_share': 0.5\}: .* does not take them"):
+    agents.load(calculator, {"tool_share": 0.5})
+  with pytest.raises(ValueError, match="only a class at agent.path takes options"):
+    agents.load("agent_examples:two_turn", {"turns": 2})
 
 
 def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evaluates_episodes(tmp_path, caplog):

@@ -9,8 +9,8 @@ function runs against `tools/serve.py` or any OpenAI endpoint for evaluation. An
 `demonstration(data)`: a chat transcript (`{"messages": [...], "tools": [...]}`) the supervised warm-start trains on
 (`demonstrations.py`; `calculator.py` is the bundled example).
 
-Configured by import path (`--config.agent.path=my_agents:MathAgent`), with `agent.max_turns` (completions per
-episode), `agent.timeout_s` (per episode) and `agent.turn_discount`.
+Configured by import path (`--config.agent.path=my_agents:MathAgent`), with `agent.options` (keyword arguments for a
+class there), `agent.max_turns` (completions per episode), `agent.timeout_s` (per episode) and `agent.turn_discount`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 AgentFn = Callable[[dict[str, Any], Any], Awaitable[Any]]
@@ -49,9 +49,10 @@ class AgentConfig:
     return cls(path=c.path, max_turns=c.max_turns, timeout_s=float(c.timeout_s), turn_discount=float(c.turn_discount))
 
 
-def load(path: str) -> AgentFn:
+def load(path: str, options: Mapping[str, Any] | None = None) -> AgentFn:
   """The agent at `path` ("module:attribute"): an async function, an object with an async `run`, or a class whose
-  instances have one (instantiated once, with no arguments). Raises ValueError naming what is wrong."""
+  instances have one (instantiated once, with `options` as keyword arguments). Raises ValueError naming what is
+  wrong."""
   module_name, _, attr = path.partition(":")
   try:
     module = importlib.import_module(module_name)
@@ -60,8 +61,15 @@ def load(path: str) -> AgentFn:
   if not hasattr(module, attr):
     raise ValueError(f"agent.path={path!r}: module {module_name!r} has no {attr!r}")
   obj = getattr(module, attr)
+  options = dict(options or {})
   if inspect.isclass(obj):
-    obj = obj()
+    try:
+      inspect.signature(obj).bind(**options)
+    except TypeError as e:
+      raise ValueError(f"agent.options={options!r}: {path!r} does not take them ({e})") from None
+    obj = obj(**options)
+  elif options:
+    raise ValueError(f"agent.options={options!r}: only a class at agent.path takes options, and {path!r} is not one")
   fn = obj if inspect.iscoroutinefunction(obj) else getattr(obj, "run", None)
   if not inspect.iscoroutinefunction(fn):
     raise ValueError(f"agent.path={path!r}: {obj!r} is neither an async function nor has an async `run(data, "

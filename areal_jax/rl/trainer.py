@@ -111,7 +111,8 @@ def _initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
   if (cache / "model_config.json").exists():
     logging.info("warm-start: loading cached %s", cache)
     return _place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
-  demonstration = agents.demonstrator(agents.load(config.agent.path)) if config.agent.path else None
+  agent = agents.load(config.agent.path, config.agent.options) if config.agent.path else None
+  demonstration = agents.demonstrator(agent) if agent else None
   if demonstration is not None:  # the agent's transcripts, turns merged as in its recorded episodes
     examples = agents.demonstration_episodes([demonstration(problem(r)) for r in train.records], tokenizer,
                                              max_response_len=config.sampler.max_new_tokens)
@@ -453,7 +454,7 @@ def _controller(config, st: _Start, rollout: Rollout, rewards: RewardService,
   episodes = None
   if config.agent.path:
     episodes = agents.EpisodeRunner(
-        agent=agents.load(config.agent.path), config=st.settings.agent, rollout=rollout,
+        agent=agents.load(config.agent.path, config.agent.options), config=st.settings.agent, rollout=rollout,
         tokenizer=st.tokenizer, sampling=sampling,
         limits={"max_seq_len": s.max_seq_len, "vocab_size": st.settings.model.vocab_size},
         version=lambda: st.learner.version)
