@@ -53,6 +53,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.preset = "agent"
   c.total_steps = 30
   c.agent.path = "areal_jax.agents.calculator:Calculator"
+  c.agent.options.demo_tool_share = 0.75  # a quarter of the demonstrations answer in their head: RL unlearns it
   c.agent.max_turns = 4
   c.agent.timeout_s = 300.0
   c.data.synthetic_task = "products"
