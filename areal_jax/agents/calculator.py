@@ -15,10 +15,10 @@ when its last answer is `\boxed{N}` with N the product. A solved episode is two 
 
 `demonstration(data)` is the supervised warm-start's example for a problem, in OpenAI's chat fine-tuning format
 (`{"messages": [...], "tools": [...]}`). With `demo_tool_share` < 1, that share of them use the tool and the rest
-answer in one turn without it (a habit RL would have to unlearn). On the tiny model (configs/agent.py) half of them
-answering in one turn kept the warm-start from learning to copy the operands into the call in 1000 steps (both kinds
-of answer share the `\boxed{` context); all with the tool, it learned in 700 (both measured with the warm-start of
-the time: one example per turn, lr 2e-3).
+answer in one turn without it, a habit the tiny model cannot make work (it cannot multiply in its head) and RL
+unlearns: configs/agent.py sets 0.75 (`agent.options.demo_tool_share`), and RL's gains come from calling the tool
+more often as well as from calling it more exactly. Half answering in one turn kept an earlier warm-start (one
+example per turn, lr 2e-3) from learning to copy the operands into the call within 1000 steps.
 """
 
 from __future__ import annotations
