@@ -32,8 +32,9 @@ def test_bench_async_compares_sync_and_async_runs(tmp_path):
   for run, (r,) in results.items():
     assert r["steps"] == 2 and r["seconds"] > 0 and r["samples_per_s"] > 0 and r["tokens_per_s"] > r["samples_per_s"]
     assert r["staleness_max"] <= run.eta and 0 <= r["accuracy"] <= 1, (run, r)
-    assert 0 < r["sampler_busy"] <= 1.05 and 0 < r["learner_busy"] <= 1.05, (run, r)
-  assert results[runs[0]][0]["staleness_max"] == 0
+    assert 0 <= r["sampler_busy"] <= 1.05 and 0 < r["learner_busy"] <= 1.05, (run, r)
+  # Sync generates every measured batch after the step before it; η=2 may have made them all during step 1.
+  assert results[runs[0]][0]["staleness_max"] == 0 and results[runs[0]][0]["sampler_busy"] > 0
   # Both runs started from the one cached warm-start: the same weights give the same step-0 evaluation.
   assert results[runs[0]][0]["initial_accuracy"] == results[runs[1]][0]["initial_accuracy"]
   for name, eta in (("eta0", 0), ("eta2", 2), ("eta2_lr", 2)):
