@@ -146,7 +146,7 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
     response = await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name, score=scored)
     if episode is not None:
       episodes.record(episode, prepared, seqs, response["id"])
-    return response
+    return JSONResponse(response)  # already plain JSON types: FastAPI's encoder would only walk it again
 
   @app.post("/v1/completions")
   async def completions(body: openai_api.CompletionRequest, request: fastapi.Request):
