@@ -37,10 +37,14 @@ def test_bench_learner_with_torch_peer():
 
 def test_bench_agents_replays_the_recorded_completions():
   out = _run("bench_agents.py", "--episodes=4", "--turns=2", "--max-tokens=4", "--repeats=1")
-  rows = re.findall(r"^  (episodes \(recorded\)|plain requests)\s+(\d+) completions, (\d+) tokens", out, re.M)
-  assert [r[0] for r in rows] == ["episodes (recorded)", "plain requests"], out
-  assert {r[1:] for r in rows} == {("8", "32")}, out  # the same work: 4 episodes x 2 turns x 4 tokens
+  rows = re.findall(r"^  (episodes \(recorded\)|same agent, unrecorded|plain requests)\s+(\d+) completions, "
+                    r"(\d+) tokens", out, re.M)
+  assert [r[0] for r in rows] == ["episodes (recorded)", "same agent, unrecorded", "plain requests"], out
+  assert {r[1:] for r in rows} == {("8", "32")}, out  # 4 episodes x 2 turns x 4 tokens
+  drawn = re.findall(r"prefill rows, (\d+) tokens drawn$", out, re.M)
+  assert len(drawn) == 3 and len(set(drawn)) == 1, out  # the sampler did the same work in each
   assert re.search(r"^recording overhead: [+-]\d+\.\d% time", out, re.M), out
+  assert re.search(r"^agents' overhead \(client, routes and recording\): [+-]\d+\.\d% time", out, re.M), out
 
 
 def test_bench_sandbox_times_both_modes():

@@ -3,12 +3,15 @@ and recording every answer costs.
 
 `--episodes` concurrent episodes of a multi-turn chat agent (`--turns` answers each, `--max-tokens` per answer, EOS
 ignored) run through `agents.EpisodeRunner` on a `LocalRollout` (the tiny preset's shape, random weights, the char
-tokenizer; `--shape=100m` for a longer decode step). Then exactly the recorded completions (the same prompt token
-ids, each answer its recorded length) are replayed as plain `Rollout.submit` requests: the same episodes
-concurrently, each episode's turns in order. Rounds alternate between the two after one untimed round of each, every
-sampler program compiled first; the best round of each counts. Prints completions/s and tokens/s of both, the
-sampler's work in each (busy seconds, decode calls, steps, prefill rows) and the overhead. About a minute on a 2-core
-CPU (`--shape=100m`: about 3 minutes):
+tokenizer; `--shape=100m` for a longer decode step). Two baselines do the same sampler work:
+- the same agent, unrecorded: the same episodes through the same OpenAI client and routes, their requests without
+  the episode tag, so nothing is recorded (what the recording itself adds);
+- plain requests: exactly the recorded completions (the same prompt token ids, each answer its recorded length)
+  replayed as `Rollout.submit` requests, the same episodes concurrently, each episode's turns in order (what the
+  client, the routes and the recording add together).
+Rounds alternate between the three after one untimed round of each, every sampler program compiled first; the best
+round of each counts. Prints completions/s and tokens/s of each, the sampler's work in each (busy seconds, decode
+calls, steps, prefill rows) and both overheads. About a minute on a 2-core CPU (`--shape=100m`: about 4 minutes):
 
     python tools/bench_agents.py [--episodes 64] [--turns 2] [--max-tokens 24] [--repeats 3] [--shape tiny]
 """
@@ -19,6 +22,9 @@ import argparse
 import asyncio
 import itertools
 import time
+
+import httpx2
+import openai
 
 
 def parse_args():
@@ -91,6 +97,16 @@ def main():
       raise RuntimeError(f"{len(failed)} episodes failed, e.g. {failed[0]}")
     return [r.completions for r in results]
 
+  async def unrecorded_all():  # the same agent and client, its requests without the episode tag: nothing recorded
+    agent = make_agent(args.turns, args.max_tokens)
+
+    async def one(problem):
+      async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=runner.app), base_url="http://policy",
+                                    timeout=None) as http:
+        await agent(problem, openai.AsyncOpenAI(base_url="http://policy/v1", api_key="bench", http_client=http,
+                                                max_retries=0))
+    await asyncio.gather(*(one(p) for p in problems))
+
   async def replay_all(recorded):
     async def one(completions):
       for c in completions:
@@ -100,7 +116,7 @@ def main():
     await asyncio.gather(*(one(cs) for cs in recorded))
 
   work = {}  # the best round's sampler work: seconds busy, decode calls, prefilled rows
-  keys = ("busy_s", "decode_calls", "decode_steps", "prefill_rows")
+  keys = ("busy_s", "decode_calls", "decode_steps", "prefill_rows", "tokens")
 
   def timed(fn, name=None):
     start, before = time.perf_counter(), rollout.stats()
@@ -111,12 +127,16 @@ def main():
     return seconds, out
 
   try:
-    best = {"episodes (recorded)": float("inf"), "plain requests": float("inf")}
+    best = {"episodes (recorded)": float("inf"), "same agent, unrecorded": float("inf"),
+            "plain requests": float("inf")}
     _, recorded = timed(episodes)  # compiles
+    timed(lambda: asyncio.run(unrecorded_all()))
     timed(lambda: asyncio.run(replay_all(recorded)))
     for _ in range(args.repeats):
       seconds, recorded = timed(episodes, "episodes (recorded)")
       best["episodes (recorded)"] = min(best["episodes (recorded)"], seconds)
+      seconds, _ = timed(lambda: asyncio.run(unrecorded_all()), "same agent, unrecorded")
+      best["same agent, unrecorded"] = min(best["same agent, unrecorded"], seconds)
       seconds, _ = timed(lambda: asyncio.run(replay_all(recorded)), "plain requests")
       best["plain requests"] = min(best["plain requests"], seconds)
   finally:
@@ -128,12 +148,17 @@ def main():
         f"{args.shape} shape, {args.decode_steps} decode steps per call ({jax.devices()[0].platform}, best of "
         f"{args.repeats}):")
   for name, seconds in best.items():
-    print(f"  {name:20s} {completions} completions, {tokens} tokens in {seconds:6.2f} s: "
+    print(f"  {name:22s} {completions} completions, {tokens} tokens in {seconds:6.2f} s: "
           f"{completions / seconds:7.1f} completions/s, {tokens / seconds:8.1f} tokens/s; the sampler: busy "
           f"{work[name]['busy_s']:.2f} s, {work[name]['decode_calls']} decode calls of "
-          f"{work[name]['decode_steps']} steps, {work[name]['prefill_rows']} prefill rows")
+          f"{work[name]['decode_steps']} steps, {work[name]['prefill_rows']} prefill rows, "
+          f"{work[name]['tokens']} tokens drawn")
+  recording = best["episodes (recorded)"] / best["same agent, unrecorded"]
   ratio = best["episodes (recorded)"] / best["plain requests"]
-  print(f"recording overhead: {100 * (ratio - 1):+.1f}% time (episodes / plain requests = {ratio:.3f})")
+  print(f"recording overhead: {100 * (recording - 1):+.1f}% time (episodes / the same agent unrecorded = "
+        f"{recording:.3f})")
+  print(f"agents' overhead (client, routes and recording): {100 * (ratio - 1):+.1f}% time (episodes / plain "
+        f"requests = {ratio:.3f})")
 
 
 if __name__ == "__main__":
