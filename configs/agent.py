@@ -20,14 +20,14 @@ process started):
     seed 1 (270 steps)              0.336  0.480  0.348  0.570   (6.4  9.5 12.9 15.6)
     seed 2 (310 steps)              0.273  0.480  0.516  0.500   (7.7 10.8 13.8 18.1)
 
-Seed 1's dip at step 20 is tool calls that stopped parsing (1.58 completions per episode); `learner.kl_coef=0.05`
-removed it (from the same warm-starts: 0.313/0.535/0.633, 0.340/0.477/0.543, 0.250/0.410/0.523 at steps 0/10/20,
-minutes not measured quietly). RL breaks the call format
-easily (at learner.lr 2e-4 success fell 11 points in 10 steps; kl_coef=0.1 kept it but gained only +12.5 in 30
-steps, both with every demonstration using the tool). With every demonstration using the tool RL gained +19.5,
-+16.8 and +6.7 by step 20 (seeds 0, 1 and a repeat of 0). The warm-start learns to copy the operands into the call
-after a loss plateau, and the learning rate decides when: on a GPU, seeds 0/1/2, steps 300/200/350 at 5e-4 and
-none/750/none in 1000 at 2e-3 (the math preset's); README "Agents" has the rest.
+Seed 1's dip at step 20 is tool calls that stopped parsing (1.58 completions per episode). `learner.kl_coef=0.05`
+removed it from the same warm-starts (0.313/0.535/0.633, 0.340/0.477/0.543, 0.250/0.410/0.523 at steps 0/10/20), but a
+fresh repeat of seed 0 with it dipped at step 10 instead (0.332/0.273/0.562/0.645 at steps 0-30). RL breaks the call
+format easily (at learner.lr 2e-4 success fell 11 points in 10 steps; kl_coef=0.1 kept it but gained only +12.5 in 30
+steps, both with every demonstration using the tool). With every demonstration using the tool RL gained +19.5, +16.8
+and +6.7 by step 20 (seeds 0, 1 and a repeat of 0). The warm-start learns to copy the operands into the call after a
+loss plateau, and the learning rate decides when: on a GPU, seeds 0/1/2, steps 300/200/350 at 5e-4 and none/750/none
+in 1000 at 2e-3 (the math preset's); README "Agents" has the rest.
 
 Any field can be overridden, as in configs/math.py: `--config.agent.turn_discount=0.9`.
 """
