@@ -11,7 +11,8 @@ tokenizer; `--shape=100m` for a longer decode step). Two baselines do the same s
   client, the routes and the recording add together).
 Rounds alternate between the three after one untimed round of each, every sampler program compiled first; the best
 round of each counts. Prints completions/s and tokens/s of each, the sampler's work in each (busy seconds, decode
-calls, steps, prefill rows) and both overheads. About a minute on a 2-core CPU (`--shape=100m`: about 4 minutes):
+calls, steps, prefill rows, tokens drawn) and both overheads. About a minute on a 2-core CPU (`--shape=100m`: about
+4 minutes):
 
     python tools/bench_agents.py [--episodes 64] [--turns 2] [--max-tokens 24] [--repeats 3] [--shape tiny]
 """
