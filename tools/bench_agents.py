@@ -11,8 +11,7 @@ tokenizer; `--shape=100m` for a longer decode step). Two baselines do the same s
   client, the routes and the recording add together).
 Rounds alternate between the three after one untimed round of each, every sampler program compiled first; the best
 round of each counts. Prints completions/s and tokens/s of each, the sampler's work in each (busy seconds, decode
-calls, steps, prefill rows, tokens drawn) and both overheads. About a minute on a 2-core CPU (`--shape=100m`: about
-4 minutes):
+calls, steps, prefill rows, tokens drawn) and both overheads. 1-3 minutes on a 2-core CPU (`--shape=100m`: 5-12):
 
     python tools/bench_agents.py [--episodes 64] [--turns 2] [--max-tokens 24] [--repeats 3] [--shape tiny]
 """
