@@ -23,9 +23,6 @@ import asyncio
 import itertools
 import time
 
-import httpx2
-import openai
-
 
 def parse_args():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -101,10 +98,11 @@ def main():
     agent = make_agent(args.turns, args.max_tokens)
 
     async def one(problem):
-      async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=runner.app), base_url="http://policy",
-                                    timeout=None) as http:
-        await agent(problem, openai.AsyncOpenAI(base_url="http://policy/v1", api_key="bench", http_client=http,
-                                                max_retries=0))
+      client = runner.client()
+      try:
+        await agent(problem, client)
+      finally:
+        await client.close()
     await asyncio.gather(*(one(p) for p in problems))
 
   async def replay_all(recorded):

@@ -159,6 +159,13 @@ class EpisodeRunner:
     faults; see the module docstring)."""
     return asyncio.run_coroutine_threadsafe(self._run(data, group_id, index, min_version), self._loop)
 
+  def client(self, episode: str | None = None) -> openai.AsyncOpenAI:
+    """An OpenAI client whose transport calls the routes in process; with `episode`, its requests are that running
+    episode's (recorded), without, plain requests to the same sampler. `await client.close()` when done."""
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://policy", timeout=None)
+    return openai.AsyncOpenAI(base_url="http://policy/v1", api_key="training", http_client=http, max_retries=0,
+                              default_headers={EPISODE_HEADER: episode} if episode is not None else None)
+
   def stop(self) -> None:
     """Cancels the episodes in flight and ends the loop's thread."""
     def cancel_all():
@@ -177,9 +184,7 @@ class EpisodeRunner:
     episode = _Episode(min_version=min_version)
     with self._lock:
       self._episodes[key] = episode
-    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://policy", timeout=None)
-    client = openai.AsyncOpenAI(base_url="http://policy/v1", api_key="training", http_client=http, max_retries=0,
-                                default_headers={EPISODE_HEADER: key})
+    client = self.client(key)
     failure = None
     try:
       reward = await asyncio.wait_for(self.agent(copy.deepcopy(data), client), self.config.timeout_s)
@@ -189,7 +194,7 @@ class EpisodeRunner:
     except Exception as e:  # pylint: disable=broad-except  # the agent's fault: this episode only
       failure = f"{type(e).__name__}: {e}"
     finally:
-      await http.aclose()
+      await client.close()
       with self._lock:
         del self._episodes[key]
     completions = episode.completions
