@@ -21,8 +21,9 @@ from helpers import FAST
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
 REQUIRED = ("step", "version", "reward/mean", "staleness/mean", "staleness/max", "learner/loss",
-            "learner/importance_weight_max", "sampler/tokens_per_s", "learner/tokens_per_s", "sync/seconds",
-            "time/elapsed_s")
+            "learner/importance_weight_max", "sampler/tokens_per_s", "sampler/decode_steps",
+            "sampler/tokens_per_decode_step", "sampler/prefill_rows", "sampler/recomputed", "learner/tokens_per_s",
+            "sync/seconds", "time/elapsed_s")
 
 
 def _rollouts(workdir):
@@ -45,7 +46,11 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
     assert m["version"] == m["step"] and m["staleness/max"] <= eta
     if m["sampler/logprob_gap_tokens"]:
       assert 0 < m["sampler/logprob_gap"] < 0.05, m
+    # A decode step draws at most a token per slot; the first tokens are drawn at prefill.
+    assert 0 <= m["sampler/tokens_per_decode_step"] <= config.sampler.num_slots + m["sampler/prefill_rows"], m
   assert sum(m["sampler/logprob_gap_tokens"] for m in metrics[1:]) > 0
+  assert sum(m["sampler/decode_steps"] for m in metrics[1:]) > 0
+  assert sum(m["sampler/prefill_rows"] for m in metrics[1:]) > 0
   evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
   assert len(evals) == 3 and all(0.0 <= a <= 1.0 for a in evals)  # steps 0, 2, 4
   trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]

@@ -539,7 +539,11 @@ def _step_metrics(stats: dict, trajectories, finished_rewards: list[float]) -> d
 
 
 class _Timer:
-  """Per-step timing: sampler throughput since the last step, busy seconds of both sides, the weight sync."""
+  """Per-step timing: sampler throughput and work since the last step, busy seconds of both sides, the weight sync.
+
+  The sampler's work in the step: `decode_steps`, `tokens_per_decode_step` (about the mean number of live slots),
+  `prefill_rows` (answers started or resumed) and `recomputed` (answers whose keys/values were computed again under
+  new weights), summed over the samplers."""
 
   def __init__(self, sampler_stats: dict):
     self.last_t, self.last_stats, self.learner_busy = time.time(), sampler_stats, 0.0
@@ -547,8 +551,12 @@ class _Timer:
   def tick(self, sampler_stats: dict, *, busy_start: float, sync_start: float) -> dict[str, float]:
     now = time.time()
     self.learner_busy += now - busy_start
-    tokens = sampler_stats.get("tokens", 0) - self.last_stats.get("tokens", 0)
-    out = {"sampler/tokens_per_s": tokens / max(now - self.last_t, 1e-9),
+    done = {k: sampler_stats.get(k, 0) - self.last_stats.get(k, 0)
+            for k in ("tokens", "decode_steps", "prefill_rows", "recomputed")}
+    out = {"sampler/tokens_per_s": done["tokens"] / max(now - self.last_t, 1e-9),
+           "sampler/decode_steps": done["decode_steps"],
+           "sampler/tokens_per_decode_step": done["tokens"] / done["decode_steps"] if done["decode_steps"] else 0.0,
+           "sampler/prefill_rows": done["prefill_rows"], "sampler/recomputed": done["recomputed"],
            "sampler/busy_s": sampler_stats.get("busy_s", 0.0), "learner/busy_s": self.learner_busy,
            "sync/seconds": now - sync_start}
     self.last_t, self.last_stats = now, sampler_stats
