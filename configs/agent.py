@@ -20,7 +20,8 @@ process started):
     seed 1 (270 steps)              0.336  0.480  0.348  0.570   (6.4  9.5 12.9 15.6)
     seed 2 (310 steps)              0.273  0.480  0.516  0.500   (7.7 10.8 13.8 18.1)
 
-Seed 1's dip at step 20 is tool calls that stopped parsing (1.58 completions per episode). `learner.kl_coef=0.05`
+Seed 1's dip at step 20 is tool calls that stopped parsing (1.58 completions per episode); a fresh repeat of it on a
+later day did not dip: 0.340 0.484 0.547 0.562 (7.1 11.0 14.5 18.3). `learner.kl_coef=0.05`
 removed it from the same warm-starts (0.313/0.535/0.633, 0.340/0.477/0.543, 0.250/0.410/0.523 at steps 0/10/20), but a
 fresh repeat of seed 0 with it dipped at step 10 instead (0.332/0.273/0.562/0.645 at steps 0-30). RL breaks the call
 format easily (at learner.lr 2e-4 success fell 11 points in 10 steps; kl_coef=0.1 kept it but gained only +12.5 in 30
