@@ -46,8 +46,10 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
     assert m["version"] == m["step"] and m["staleness/max"] <= eta
     if m["sampler/logprob_gap_tokens"]:
       assert 0 < m["sampler/logprob_gap"] < 0.05, m
-    # A decode step draws at most a token per slot; the first tokens are drawn at prefill.
-    assert 0 <= m["sampler/tokens_per_decode_step"] <= config.sampler.num_slots + m["sampler/prefill_rows"], m
+    # A decode step draws at most a token per slot; a prefill row draws the first token of each of its (G) answers.
+    tokens = m["sampler/tokens_per_decode_step"] * m["sampler/decode_steps"]
+    assert 0 <= tokens <= (m["sampler/decode_steps"] * config.sampler.num_slots
+                           + m["sampler/prefill_rows"] * config.rollout.group_size), m
   assert sum(m["sampler/logprob_gap_tokens"] for m in metrics[1:]) > 0
   assert sum(m["sampler/decode_steps"] for m in metrics[1:]) > 0
   assert sum(m["sampler/prefill_rows"] for m in metrics[1:]) > 0

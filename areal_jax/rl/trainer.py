@@ -542,8 +542,8 @@ class _Timer:
   """Per-step timing: sampler throughput and work since the last step, busy seconds of both sides, the weight sync.
 
   The sampler's work in the step: `decode_steps`, `tokens_per_decode_step` (about the mean number of live slots),
-  `prefill_rows` (answers started or resumed) and `recomputed` (answers whose keys/values were computed again under
-  new weights), summed over the samplers."""
+  `prefill_rows` (prompts started, one row for all the answers that share it, or answers resumed) and `recomputed`
+  (answers whose keys/values were computed again under new weights), summed over the samplers."""
 
   def __init__(self, sampler_stats: dict):
     self.last_t, self.last_stats, self.learner_busy = time.time(), sampler_stats, 0.0
