@@ -60,6 +60,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # A solved episode: a 39-token prompt, a 68-token tool call, the result, a 13-token answer (137 tokens in all).
   c.sampler.max_seq_len = 224
   c.sampler.max_new_tokens = 80
+  c.sampler.prefix_cache = True  # a turn's prompt is the last turn's context + the tool result: prefill only that
   c.learner.max_tokens_per_mb = 512  # three episodes a row (at 256, one: half of each row was padding)
   c.warmstart.steps = 1000  # at most
   c.warmstart.lr = 5e-4

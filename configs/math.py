@@ -176,6 +176,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # for the call to end).
   c.sampler.decode_steps = 8
   c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
+  # Keep released sequences' full pages for prompts that extend them (an agent's next turn); evicted when short.
+  c.sampler.prefix_cache = False
   # The sampler's copy of the weights (the learner keeps float32 master weights): bfloat16 halves their HBM and the
   # bytes of each weight update; its behaviour logprobs then differ slightly from the learner's (logged each step as
   # sampler/logprob_gap). float32 matches the learner's logprobs within 1e-5 (tested).

@@ -186,6 +186,9 @@ def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evalu
     assert m["staleness/max"] <= config.rollout.max_head_offpolicyness
   for m in (metrics[0], metrics[2]):
     assert 0 <= m["eval/accuracy"] <= 1 and 1 <= m["eval/turns_mean"] <= 2, m
+  # A second turn's prompt extends the first turn's context: the prefix cache (on in this config) holds its start.
+  if any(m["agent/turns_mean"] > 1 for m in metrics[1:]):
+    assert sum(m["sampler/cached_tokens"] for m in metrics[1:]) > 0
 
 
 def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
 REQUIRED = ("step", "version", "reward/mean", "staleness/mean", "staleness/max", "learner/loss",
             "learner/importance_weight_max", "sampler/tokens_per_s", "sampler/decode_steps",
-            "sampler/tokens_per_decode_step", "sampler/prefill_rows", "sampler/recomputed", "learner/tokens_per_s",
+            "sampler/tokens_per_decode_step", "sampler/prefill_rows", "sampler/prefill_tokens", "sampler/cached_tokens",
+            "sampler/recomputed", "learner/tokens_per_s",
             "sync/seconds", "time/elapsed_s")
 
 
@@ -50,6 +51,7 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
     tokens = m["sampler/tokens_per_decode_step"] * m["sampler/decode_steps"]
     assert 0 <= tokens <= (m["sampler/decode_steps"] * config.sampler.num_slots
                            + m["sampler/prefill_rows"] * config.rollout.group_size), m
+    assert m["sampler/prefill_tokens"] >= m["sampler/prefill_rows"] and m["sampler/cached_tokens"] == 0, m
   assert sum(m["sampler/logprob_gap_tokens"] for m in metrics[1:]) > 0
   assert sum(m["sampler/decode_steps"] for m in metrics[1:]) > 0
   assert sum(m["sampler/prefill_rows"] for m in metrics[1:]) > 0

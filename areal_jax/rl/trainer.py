@@ -542,7 +542,8 @@ class _Timer:
   """Per-step timing: sampler throughput and work since the last step, busy seconds of both sides, the weight sync.
 
   The sampler's work in the step: `decode_steps`, `tokens_per_decode_step` (about the mean number of live slots),
-  `prefill_rows` (prompts started, one row for all the answers that share it, or answers resumed) and `recomputed`
+  `prefill_rows` (prompts started, one row for all the answers that share it, or answers resumed), `prefill_tokens`
+  (the tokens those rows prefilled), `cached_tokens` (tokens they found in the prefix cache instead) and `recomputed`
   (answers whose keys/values were computed again under new weights), summed over the samplers."""
 
   def __init__(self, sampler_stats: dict):
@@ -552,11 +553,11 @@ class _Timer:
     now = time.time()
     self.learner_busy += now - busy_start
     done = {k: sampler_stats.get(k, 0) - self.last_stats.get(k, 0)
-            for k in ("tokens", "decode_steps", "prefill_rows", "recomputed")}
+            for k in ("tokens", "decode_steps", "prefill_rows", "prefill_tokens", "cached_tokens", "recomputed")}
     out = {"sampler/tokens_per_s": done["tokens"] / max(now - self.last_t, 1e-9),
            "sampler/decode_steps": done["decode_steps"],
            "sampler/tokens_per_decode_step": done["tokens"] / done["decode_steps"] if done["decode_steps"] else 0.0,
-           "sampler/prefill_rows": done["prefill_rows"], "sampler/recomputed": done["recomputed"],
+           **{f"sampler/{k}": done[k] for k in ("prefill_rows", "prefill_tokens", "cached_tokens", "recomputed")},
            "sampler/busy_s": sampler_stats.get("busy_s", 0.0), "learner/busy_s": self.learner_busy,
            "sync/seconds": now - sync_start}
     self.last_t, self.last_stats = now, sampler_stats

@@ -84,6 +84,40 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
   return blockwise_attention(q, k, v, block_mask, query_chunk=query_chunk)
 
 
+def prefill_attention_after(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, past_k: jax.Array,
+                            past_v: jax.Array, past_lengths: jax.Array, *, query_chunk: int = 512) -> jax.Array:
+  """`prefill_attention` of rows that continue `past_lengths[b]` cached tokens: queries attend to the row's past
+  keys (the first `past_lengths[b]` of `past_k`, `past_v` [B, C, K, D]) and causally to its own first `lengths[b]`.
+  """
+  c = past_k.shape[1]
+  keys = jnp.arange(c + q.shape[1])
+  own = keys - c  # position among the row's new tokens (negative: a past key)
+  valid = jnp.where(own[None, :] < 0, keys[None, :] < past_lengths[:, None], own[None, :] < lengths[:, None])
+
+  def block_mask(start, size):
+    qpos = start + jnp.arange(size)
+    causal = own[None, :] <= qpos[:, None]  # past keys (own < 0) always precede
+    return causal[None] & valid[:, None, :] & (qpos[None, :] < lengths[:, None])[..., None]
+
+  return blockwise_attention(q, jnp.concatenate([past_k, k], axis=1), jnp.concatenate([past_v, v], axis=1),
+                             block_mask, query_chunk=query_chunk)
+
+
+def gather_pages(k_pages, v_pages, page_rows, row_shard, *, axis: str = "data"):
+  """Dense keys/values [B, C * page_size, K, D] of the pages `page_rows` [B, C] of this data shard's rows
+  (`row_shard[b]` = this device's data index), zero for other shards' rows: summed over `axis`, every row's."""
+  me = jax.lax.axis_index(axis)
+  mine = (row_shard == me)[:, None, None, None]
+
+  def get(pages):
+    x = pages[:, page_rows]  # [K, B, C, page, D]
+    kh, b, c, page, d = x.shape
+    x = jnp.transpose(x, (1, 2, 3, 0, 4)).reshape(b, c * page, kh, d)
+    return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+
+  return get(k_pages), get(v_pages)
+
+
 def _pages_per_compute_block(pages_per_seq: int, page_size: int, target_tokens: int = 512) -> int:
   """Largest divisor of pages_per_seq whose block holds at most `target_tokens` (the kernel needs a divisor)."""
   best = 1
@@ -178,6 +212,14 @@ def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_
   act, pages = P("data", heads, None), P(heads, "data", None, None)
   return jax.shard_map(local, mesh=mesh, in_specs=(act, act, act, pages, pages, P("data", None), P("data"), P("data")),
                        out_specs=(act, pages, pages), check_vma=False)
+
+
+def sharded_gather_pages(mesh: Mesh, num_kv_heads: int):
+  """`gather_pages` over the mesh: each data shard reads its rows' pages; the result is replicated over `data`."""
+  heads = kv_head_axis(mesh, num_kv_heads)
+  pages, dense, idx = P(heads, "data", None, None), P(None, None, heads, None), P()
+  return jax.shard_map(functools.partial(gather_pages, axis="data"), mesh=mesh, in_specs=(pages, pages, idx, idx),
+                       out_specs=(dense, dense), check_vma=False)
 
 
 def sharded_write_chunks(mesh: Mesh, num_kv_heads: int):

@@ -37,6 +37,9 @@ class SamplerConfig:
   # there, 2-4x faster than 256 at 40-400 token contexts), 256 elsewhere (fewer loop iterations on GPU).
   attention_block: int = 0
   decode_steps: int = 8  # decode steps per device call (the host reads tokens and admits new answers between calls)
+  # Keep the full pages of released sequences (`prefix_cache.py`) and prefill a prompt after the ones that hold its
+  # first tokens. Cached keys/values come from decode steps, not one prefill: logprobs may differ by float rounding.
+  prefix_cache: bool = False
   param_dtype: str = "float32"  # float32 | bfloat16
   # Ids at or above this are never drawn: a model vocabulary padded beyond its tokenizer's (Qwen2.5: 151936 rows,
   # 151665 tokens) would otherwise sample ids that decode to nothing. 0 = every id of the model.

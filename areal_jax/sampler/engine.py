@@ -269,7 +269,7 @@ class Engine(engine_api.Engine):
   def get_prefix_destination_sharding(self) -> Prefix:
     kv = prefix_shardings(self.model_cfg, self._mesh)
     rep = NamedSharding(self._mesh, P())
-    return Prefix(arrays=PrefixArrays(k=kv, v=kv), true_length=rep, draw_index=rep, first=rep, keys=rep,
+    return Prefix(arrays=PrefixArrays(k=kv, v=kv), true_length=rep, start=rep, draw_index=rep, first=rep, keys=rep,
                   temperature=rep, top_p=rep, top_k=rep)
 
   def get_tokenizer(self) -> TokenizerParameters:
@@ -361,21 +361,32 @@ class Engine(engine_api.Engine):
     top = self.cfg.pages_per_seq * p
     return min(top, max(self.min_bucket, -(-_pow2(length) // p) * p))
 
-  def prefill_batch(self, params, sequences: Sequence[np.ndarray],
-                    draws: Sequence[Draws]) -> tuple[Prefix, FirstTokens]:
+  def prefill_batch(self, params, sequences: Sequence[np.ndarray], draws: Sequence[Draws], *,
+                    cached: Sequence[tuple[int, Sequence[int]]] = (),
+                    decode_state: DecodeState | None = None) -> tuple[Prefix, FirstTokens]:
     """Prefills several sequences in one call, padded to the longest one's bucket and rows to a power of two (so
     compiles stay bounded), and draws the first tokens of `draws[b]` for row b (at most num_slots in all; they come
-    back flat, [num_slots], in row-major answer order: see `Prefix.draw_index`)."""
-    s = self.cfg.num_slots
-    lengths = np.array([len(x) for x in sequences], np.int32)
-    too_long = np.flatnonzero(lengths >= self.cfg.max_seq_len)
-    if len(too_long) or np.any(lengths < 1):
-      i = int(too_long[0]) if len(too_long) else int(np.argmin(lengths))
-      raise ValueError(f"sequence of {lengths[i]} tokens cannot be prefilled: it needs 1 to "
+    back flat, [num_slots], in row-major answer order: see `Prefix.draw_index`).
+
+    `cached[b]` = (shard, pages), if given: pages of that data shard (the prefix cache's, `SlotTable.match`) that
+    hold row b's first `len(pages) * page_size` tokens; the row is prefilled after them, reading their keys and
+    values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages."""
+    s, p = self.cfg.num_slots, self.cfg.page_size
+    totals = np.array([len(x) for x in sequences], np.int32)
+    too_long = np.flatnonzero(totals >= self.cfg.max_seq_len)
+    if len(too_long) or np.any(totals < 1):
+      i = int(too_long[0]) if len(too_long) else int(np.argmin(totals))
+      raise ValueError(f"sequence of {totals[i]} tokens cannot be prefilled: it needs 1 to "
                        f"sampler.max_seq_len - 1 = {self.cfg.max_seq_len - 1} tokens")
     num_draws = sum(len(d.keys) for d in draws)
     if num_draws > s:
       raise ValueError(f"{num_draws} answers in one prefill; at most sampler.num_slots={s}")
+    cached = list(cached) or [(0, ())] * len(sequences)
+    starts = np.array([len(pages) * p for _, pages in cached], np.int32)
+    lengths = totals - starts
+    if np.any(lengths < 1):
+      raise ValueError(f"row {int(np.argmin(lengths))}: its cached pages hold all its {totals[np.argmin(lengths)]} "
+                       "tokens; at least one must be prefilled")
     t, b = self.bucket(int(lengths.max())), _pow2(len(sequences))
     tokens = np.zeros((b, t), np.int32)
     lens = np.ones(b, np.int32)
@@ -386,18 +397,29 @@ class Engine(engine_api.Engine):
     draw_index = np.full((len(sequences), max([len(d.keys) for d in draws] + [1])), -1, np.int32)
     r = 0
     for i, (x, d) in enumerate(zip(sequences, draws)):
-      tokens[i, :len(x)] = x
+      tokens[i, :lengths[i]] = x[starts[i]:]
       n = len(d.keys)
       draw_index[i, :n] = np.arange(r, r + n)
       rows[r:r + n], keys[r:r + n] = i, d.keys
       temperature[r:r + n], top_p[r:r + n], top_k[r:r + n] = d.temperature, d.top_p, d.top_k
       r += n
-    arrays, logits = self.programs.prefill(params, tokens, lens, rows)
+    if starts.any():
+      if decode_state is None:
+        raise ValueError("prefill_batch: rows after cached pages need the decode_state that holds them")
+      width = min(self.cfg.pages_per_seq, _pow2(int(starts.max()) // p))
+      page_rows, row_shard, start = np.full((b, width), SCRATCH_PAGE, np.int32), np.zeros(b, np.int32), np.zeros(
+          b, np.int32)
+      for i, (shard, pages) in enumerate(cached):
+        page_rows[i, :len(pages)], row_shard[i], start[i] = pages, shard, starts[i]
+      arrays, logits = self.programs.prefill_after(params, decode_state.k, decode_state.v, page_rows, row_shard,
+                                                   start, tokens, lens, rows)
+    else:
+      arrays, logits = self.programs.prefill(params, tokens, lens, rows)
     if num_draws:
       first, log_prob = self.programs.sample(logits, keys, np.zeros(s, np.int32), temperature, top_p, top_k)
     else:
       first, log_prob = np.zeros(s, np.int32), np.zeros(s, np.float32)
-    prefix = Prefix(arrays=arrays, true_length=lengths, draw_index=draw_index, first=first, keys=keys,
+    prefix = Prefix(arrays=arrays, true_length=lengths, start=starts, draw_index=draw_index, first=first, keys=keys,
                     temperature=temperature, top_p=top_p, top_k=top_k)
     return prefix, FirstTokens(tokens=first, log_prob=log_prob)
 
@@ -431,7 +453,7 @@ class Engine(engine_api.Engine):
     written once per data shard and shared by reference count; a partial last page is copied per slot. With
     `replace`, answers still in the slots are done and are replaced (JetStream's insert; with API 0.3 their
     `free_resource` may still come, and is ignored)."""
-    true_length = np.asarray(prefix.true_length)
+    true_length, start = np.asarray(prefix.true_length), np.asarray(prefix.start)
     draw_index = np.asarray(prefix.draw_index)
     for pl in placements:
       drawn = int(np.sum(draw_index[pl.row] >= 0))
@@ -440,6 +462,9 @@ class Engine(engine_api.Engine):
       if drawn and any(not 0 <= a < drawn for a in pl.answers):
         raise ValueError(f"answers {list(pl.answers)} asked of prefix row {pl.row}, which drew {drawn} (one PRNG "
                          f"key each at prefill)")
+      if len(pl.cached) * self.cfg.page_size != start[pl.row]:
+        raise ValueError(f"prefix row {pl.row} was prefilled after {start[pl.row]} cached tokens; the placement "
+                         f"gives {len(pl.cached)} cached pages of {self.cfg.page_size}")
     occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=self.jetstream_api == "0.3")
     keys, settings = np.asarray(prefix.keys), (np.asarray(prefix.temperature), np.asarray(prefix.top_p),
                                                np.asarray(prefix.top_k))
@@ -453,7 +478,8 @@ class Engine(engine_api.Engine):
           chunks += [(pl.row, full, page, occ.shard) for page in own]
           i = i_of[slot]
           r = int(draw_index[pl.row, pl.answers[i]]) if draw_index[pl.row, pl.answers[i]] >= 0 else 0
-          inits.append(_SlotInit(slot=slot, draw=r, pending=pl.pending[i], length=int(true_length[pl.row]),
+          inits.append(_SlotInit(slot=slot, draw=r, pending=pl.pending[i],
+                                 length=int(start[pl.row] + true_length[pl.row]),
                                  index=pl.generated[i], key=keys[r], temperature=float(settings[0][r]),
                                  top_p=float(settings[1][r]), top_k=int(settings[2][r])))
     return self._insert(prefix, decode_state, chunks, inits)
@@ -464,6 +490,8 @@ class Engine(engine_api.Engine):
     pages in `written` (shard, page) are skipped and the ones written are added to it."""
     written = set() if written is None else written
     true_length = np.asarray(prefix.true_length)
+    if np.any(np.asarray(prefix.start)):
+      raise ValueError("rewrite: a prefix prefilled after cached pages cannot rewrite a slot's pages from its start")
     chunks = []
     with self.slots.lock:
       for row, slot in rows_to_slots:

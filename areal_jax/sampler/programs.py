@@ -6,6 +6,10 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
 * `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: causal forward over
   padded sequences (the learner's attention, in query blocks for long ones), keys/values of every layer and position,
   and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
+* `prefill_after(params, k_pool, v_pool, page_rows [B, C], row_shard [B], start [B], tokens, lengths, rows)`: the
+  same for rows that continue `start[b]` tokens already in the pool (pages `page_rows[b]` of data shard
+  `row_shard[b]`, the prefix cache's): positions start there and queries also attend to those keys. Layers run
+  unrolled, each reading its own layer's pool.
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
   sets the slots' page-table rows, pending tokens and sampling settings.
@@ -72,6 +76,7 @@ class SlotUpdate:
 @dataclasses.dataclass(frozen=True)
 class Programs:
   prefill: Callable
+  prefill_after: Callable
   sample: Callable
   insert: Callable
   decode: Callable
@@ -120,18 +125,28 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
   decode_attend = attention.sharded_decode_attention(mesh, model_cfg.num_kv_heads, impl=impl,
                                                      pages_per_block=pages_per_block)
   write_chunks = attention.sharded_write_chunks(mesh, model_cfg.num_kv_heads)
+  gather = attention.sharded_gather_pages(mesh, model_cfg.num_kv_heads)
   state_sh = decode_state_shardings(model_cfg, mesh)
   dense_sh = prefix_shardings(model_cfg, mesh)
   draw = functools.partial(sample, vocab_limit=cfg.vocab_limit)
 
-  def prefill(params, tokens, lengths, rows):
+  def prefill(params, tokens, lengths, rows, past=None):
     b, t = tokens.shape
     model = nnx.merge(graphdef, params)
     with use_rules(mesh, SAMPLER_RULES):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-      h, kv = model.run_layers(model.embed_tokens(tokens), positions,
-                               lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v)),
-                               remat=False)
+      if past is None:
+        attend = lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v))
+      else:
+        k_pool, v_pool, page_rows, row_shard, start = past
+        positions = positions + start[:, None]
+
+        def attend(i, q, k, v):
+          past_k, past_v = gather(k_pool[i], v_pool[i], page_rows, row_shard)
+          return attention.prefill_attention_after(q, k, v, lengths, past_k, past_v, start), (k, v)
+
+      h, kv = model.run_layers(model.embed_tokens(tokens), positions, attend, remat=False,
+                               unroll=True if past is not None else None)
       if isinstance(kv, list):  # unrolled layers (model.scan_layers=False): stack them as the scan does
         kv = jax.tree.map(lambda *layers: jnp.stack(layers), *kv)
       k, v = kv
@@ -179,8 +194,12 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
     _, state, _, count, tokens, log_prob = loop(init)
     return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
 
+  def prefill_after(params, k_pool, v_pool, page_rows, row_shard, start, tokens, lengths, rows):
+    return prefill(params, tokens, lengths, rows, past=(k_pool, v_pool, page_rows, row_shard, start))
+
   return Programs(
       prefill=jax.jit(prefill),
+      prefill_after=jax.jit(prefill_after),
       sample=jax.jit(draw),
       insert=jax.jit(functools.partial(_insert, write_chunks), donate_argnums=0, out_shardings=state_sh),
       decode=jax.jit(decode, donate_argnums=1, out_shardings=(state_sh, None)),

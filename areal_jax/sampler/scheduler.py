@@ -47,7 +47,8 @@ class Scheduler:
     self.resume: list[tuple[tuple[int, int], Sequence]] = []  # preempted, heap by priority
     self.running: dict[int, Sequence] = {}  # slot -> answer
     self.counters = collections.Counter(dict.fromkeys(
-        ("decode_calls", "decode_steps", "tokens", "prefill_rows", "preemptions", "weight_updates", "recomputed"), 0))
+        ("decode_calls", "decode_steps", "tokens", "prefill_rows", "prefill_tokens", "cached_tokens", "preemptions",
+         "weight_updates", "recomputed"), 0))
     # Wall time of `step` by part: weight swaps (re-prefills included); admission, page allocation and dispatch;
     # waiting for the device (prefill, insert and decode compute not yet overlapped); recording tokens.
     self.seconds: collections.Counter[str] = collections.Counter()
@@ -163,7 +164,10 @@ class Scheduler:
     return done
 
   def _release(self, seq: Sequence) -> None:
-    self.engine.free_resource(seq.slot)
+    if self.engine.cfg.prefix_cache:  # its full pages stay for a prompt that extends it (an agent's next turn)
+      self.engine.slots.release(seq.slot, tokens=np.concatenate([seq.prompt, np.asarray(seq.tokens, np.int32)]))
+    else:
+      self.engine.free_resource(seq.slot)
     del self.running[seq.slot]
     seq.slot = -1
 
@@ -174,9 +178,10 @@ class Scheduler:
       return
     self.params, self.version = pending
     self.counters["weight_updates"] += 1
+    self.engine.slots.forget_prefixes()
     seqs = list(self.running.values())
     written: set = set()
-    for batch in self._batches(seqs, lambda s: len(s.context())):
+    for batch in self._batches(seqs, lambda s: (len(s.context()), 0)):
       prefix, _ = self._prefill([[s] for s in batch], draw=False)
       self.state = self.engine.rewrite(prefix, self.state, [(row, s.slot) for row, s in enumerate(batch)], written)
       self.counters["recomputed"] += len(batch)
@@ -191,17 +196,25 @@ class Scheduler:
   def _admit(self) -> None:
     eng, table = self.engine, self.engine.slots
     free_slots = [table.free_slots(s) for s in range(eng.num_shards)]
-    free_pages = [table.free_pages(s) for s in range(eng.num_shards)]
-    plan: list[tuple[list[Sequence], list[int]]] = []
+    planned = [0] * eng.num_shards  # pages the plan allocates, per shard
+    free_pages = lambda s: table.free_pages(s) - planned[s]
+    # (answers, slots, shard, cached pages that hold the context's start); each unit is one prefill row.
+    plan: list[tuple[list[Sequence], list[int], int, list[int]]] = []
     while (unit := self._next_unit()) is not None:
-      length = len(unit[0].context())
-      shard = max(range(eng.num_shards), key=lambda s: (len(free_slots[s]), free_pages[s]))
+      context = unit[0].context()
+      reuse = (len(context) - 1) // table.page_size if eng.cfg.prefix_cache else 0  # leave a token to prefill
+      hits = [table.longest_match(s, context, reuse) if reuse and free_slots[s] else 0 for s in range(eng.num_shards)]
+      shard = max(range(eng.num_shards), key=lambda s: (bool(free_slots[s]), hits[s], len(free_slots[s]),
+                                                        free_pages(s)))
+      cached = table.match(shard, context, reuse) if hits[shard] else []
+      length = len(context) - len(cached) * table.page_size
       # Pages to grow into during one decode call per answer, unless nothing runs.
       headroom = eng.pages_ahead if (self.running or plan) else 0
       k = min(len(unit), len(free_slots[shard]))
-      while k and table.pages_to_insert(length, k) + headroom * k > free_pages[shard]:
+      while k and table.pages_to_insert(length, k) + headroom * k > free_pages(shard):
         k -= 1
       if not k:
+        table.unpin(shard, cached)
         break
       if self.resume and unit[0] is self.resume[0][1]:
         heapq.heappop(self.resume)
@@ -209,14 +222,15 @@ class Scheduler:
         self.waiting.popleft()
       else:
         self.waiting[0] = unit[k:]
-      plan.append((unit[:k], free_slots[shard][:k]))
+      plan.append((unit[:k], free_slots[shard][:k], shard, cached))
       del free_slots[shard][:k]
-      free_pages[shard] -= table.pages_to_insert(length, k)
+      planned[shard] += table.pages_to_insert(length, k)
 
-    for batch in self._batches(plan, lambda u: len(u[0][0].context())):
-      prefix, first = self._prefill([seqs for seqs, _ in batch])
+    p = table.page_size
+    for batch in self._batches(plan, lambda u: (len(u[0][0].context()) - len(u[3]) * p, len(u[3]))):
+      prefix, first = self._prefill([seqs for seqs, *_ in batch], cached=[(shard, c) for _, _, shard, c in batch])
       placements, drawn = [], []
-      for row, (seqs, slots) in enumerate(batch):
+      for row, (seqs, slots, _, cached) in enumerate(batch):
         # Preempted answers resume with their last token pending; new ones with the token drawn at prefill.
         resumed = bool(seqs[0].tokens)
         for seq, slot in zip(seqs, slots):
@@ -226,26 +240,31 @@ class Scheduler:
           drawn += [(seq, int(prefix.draw_index[row, i])) for i, seq in enumerate(seqs)]
         placements.append(Placement(row=row, slots=tuple(slots), answers=tuple(range(len(seqs))),
                                     pending=tuple(s.tokens[-1] if resumed else -1 for s in seqs),
-                                    generated=tuple(max(1, len(s.tokens)) for s in seqs)))
+                                    generated=tuple(max(1, len(s.tokens)) for s in seqs), cached=tuple(cached)))
       self.counters["prefill_rows"] += len(batch)
+      self.counters["prefill_tokens"] += int(np.sum(prefix.true_length))
+      self.counters["cached_tokens"] += int(np.sum(prefix.start))
       self.state = eng.insert_many(prefix, self.state, placements)
       if drawn:
         self._fresh.append((drawn, first.tokens, first.log_prob))
 
-  def _prefill(self, units: list[list[Sequence]], draw: bool = True):
+  def _prefill(self, units: list[list[Sequence]], draw: bool = True, cached=()):
     """One batched prefill; row b is the shared context of units[b], drawing a first token per answer (or none: a
-    recompute)."""
+    recompute), after `cached[b]` = (shard, pages) already in the pool, if given."""
     return self.engine.prefill_batch(self.params, [u[0].context() for u in units], [
-        Draws.of([s.key for s in u] if draw else np.zeros((0, 2)), u[0].request.sampling) for u in units])
+        Draws.of([s.key for s in u] if draw else np.zeros((0, 2)), u[0].request.sampling) for u in units],
+        cached=cached, decode_state=self.state)
 
-  def _batches(self, items: list, length_of) -> list[list]:
-    """Items grouped by prefill bucket, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
+  def _batches(self, items: list, shape_of) -> list[list]:
+    """Items grouped by prefill shape, `shape_of(item)` = (tokens to prefill, cached pages before them): by bucket
+    and the cached pages' power of two, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
     budget = self.engine.cfg.prefill_budget
     by_bucket = collections.defaultdict(list)
     for item in items:
-      by_bucket[self.engine.bucket(length_of(item))].append(item)
+      length, pages = shape_of(item)
+      by_bucket[self.engine.bucket(length), 1 << max(0, pages - 1).bit_length() if pages else 0].append(item)
     batches = []
-    for bucket, group in sorted(by_bucket.items()):
+    for (bucket, _), group in sorted(by_bucket.items()):
       rows = max(1, budget // bucket)
       rows = 1 << (rows.bit_length() - 1)  # largest power of two within the budget
       batches += [group[i:i + rows] for i in range(0, len(group), rows)]

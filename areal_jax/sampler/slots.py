@@ -16,18 +16,22 @@ from collections.abc import Sequence
 import numpy as np
 
 from areal_jax.sampler.paging import PagePool, PoolExhausted
+from areal_jax.sampler.prefix_cache import PrefixCache
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Prefix row `row` placed into `slots`: slot i continues answer `answers[i]` of the row, with `pending[i]` as the
-  token to cache next (-1: the token drawn at prefill) and `generated[i]` tokens drawn so far (1 for a new answer)."""
+  token to cache next (-1: the token drawn at prefill) and `generated[i]` tokens drawn so far (1 for a new answer).
+  `cached`: pages of the slots' shard that already hold the row's first tokens (`SlotTable.match`, whose reference
+  the placement takes over); the row was prefilled after them."""
 
   row: int
   slots: tuple[int, ...]
   answers: tuple[int, ...]
   pending: tuple[int, ...]
   generated: tuple[int, ...]
+  cached: tuple[int, ...] = ()
 
   @classmethod
   def new(cls, row: int, slots: Sequence[int]) -> Placement:
@@ -55,6 +59,7 @@ class SlotTable:
     self.num_slots, self.num_shards, self.page_size, self.max_seq_len = num_slots, num_shards, page_size, max_seq_len
     self.slots_per_shard = num_slots // num_shards
     self.pool = PagePool(num_shards=num_shards, pages_per_shard=pages_per_shard)
+    self.prefixes = PrefixCache(self.pool, page_size)
     self.pages: list[list[int]] = [[] for _ in range(num_slots)]
     self.cached = np.zeros(num_slots, np.int64)  # tokens whose keys/values are in the slot's pages
     self.generated = np.zeros(num_slots, np.int64)  # tokens the slot's answer has drawn (the pending one included)
@@ -67,6 +72,7 @@ class SlotTable:
     """Every slot free and every page back in the pool (a fresh decode state)."""
     with self.lock:
       self.pool = PagePool(num_shards=self.num_shards, pages_per_shard=self.pool.pages_per_shard)
+      self.prefixes = PrefixCache(self.pool, self.page_size)
       self.pages = [[] for _ in range(self.num_slots)]
       self.cached[:] = self.generated[:] = self._late_releases[:] = 0
       self.active[:] = False
@@ -82,8 +88,35 @@ class SlotTable:
       return [s for s in range(lo, lo + self.slots_per_shard) if not self.active[s]]
 
   def free_pages(self, shard: int) -> int:
+    """Pages of the shard free to allocate: the pool's free ones and cached ones that nothing else holds."""
     with self.lock:
-      return self.pool.num_free(shard)
+      return self.pool.num_free(shard) + self.prefixes.evictable(shard)
+
+  def match(self, shard: int, tokens: np.ndarray, max_pages: int) -> list[int]:
+    """Cached pages of the shard that hold `tokens`' first full pages (`PrefixCache.match`: the caller gets one
+    reference to each, for `Placement.cached`, or gives it back with `unpin`)."""
+    with self.lock:
+      return self.prefixes.match(shard, tokens, max_pages)
+
+  def longest_match(self, shard: int, tokens: np.ndarray, max_pages: int) -> int:
+    with self.lock:
+      return self.prefixes.longest(shard, tokens, max_pages)
+
+  def unpin(self, shard: int, pages: Sequence[int]) -> None:
+    with self.lock:
+      self.pool.release(shard, pages)
+
+  def forget_prefixes(self) -> None:
+    """Drops the cached prefixes (their keys/values are of weights no longer in use)."""
+    with self.lock:
+      self.prefixes.clear()
+
+  def _reserve(self, demand: np.ndarray) -> None:
+    """Evicts cached prefixes until every shard has `demand[shard]` free pages, else `PoolExhausted`."""
+    for shard in range(self.num_shards):
+      self.prefixes.evict(shard, int(demand[shard]))
+      if demand[shard] > self.pool.num_free(shard):
+        raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
 
   def pages_to_insert(self, length: int, num_slots: int) -> int:
     """Pages that placing a prefix of `length` tokens into `num_slots` slots of one shard allocates."""
@@ -117,8 +150,8 @@ class SlotTable:
 
   def occupy(self, placements: Sequence[Placement], lengths: Sequence[int], *, replace: bool = False,
              release_owed: bool = True) -> list[list[Occupancy]]:
-    """Takes the placements' slots for prefix rows of `lengths[row]` tokens; returns each placement's pages, by
-    shard. `PoolExhausted` (nothing taken) if a shard lacks pages. A slot still in use is an error unless `replace`:
+    """Takes the placements' slots for prefix rows of `lengths[row]` tokens after their `cached` pages; returns each
+    placement's new pages, by shard. `PoolExhausted` (nothing taken) if a shard lacks pages. A slot still in use is an error unless `replace`:
     its answer is done and freed here, and its own release, still on its way (`release_owed`; an orchestrator that
     never releases owes none), will be ignored."""
     with self.lock:
@@ -129,13 +162,13 @@ class SlotTable:
         busy = [s for s in pl.slots if self.active[s]]
         if busy and not replace:
           raise ValueError(f"slot {busy[0]} is in use; release it before inserting")
+        if pl.cached and len({self.shard_of(s) for s in pl.slots}) > 1:
+          raise ValueError(f"placement of row {pl.row} with cached pages spans slots {pl.slots} of several shards")
       for slot in sorted({s for pl in placements for s in pl.slots if self.active[s]}):
         self._free(slot)  # replaced: its answer is done, and its own release comes later
         self._late_releases[slot] += release_owed
         self.replaced += 1
-      for shard in range(self.num_shards):
-        if demand[shard] > self.pool.num_free(shard):
-          raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
+      self._reserve(demand)
       out = []
       for pl in placements:
         full, tail = divmod(int(lengths[pl.row]), self.page_size)
@@ -144,12 +177,14 @@ class SlotTable:
           mine = [i for i, s in enumerate(pl.slots) if self.shard_of(s) == shard]
           shared = self.pool.alloc(shard, full)
           self.pool.retain(shard, shared, len(mine) - 1)
+          self.pool.retain(shard, pl.cached, len(mine) - 1)  # the first slot takes the caller's reference
           own = []
           for i in mine:
             slot = pl.slots[i]
             own.append(tuple(self.pool.alloc(shard, 1) if tail else ()))
-            self.pages[slot] = shared + list(own[-1])
-            self.cached[slot], self.generated[slot], self.active[slot] = lengths[pl.row], pl.generated[i], True
+            self.pages[slot] = list(pl.cached) + shared + list(own[-1])
+            self.cached[slot] = len(pl.cached) * self.page_size + lengths[pl.row]
+            self.generated[slot], self.active[slot] = pl.generated[i], True
           out[-1].append(Occupancy(shard=shard, slots=tuple(pl.slots[i] for i in mine), shared=tuple(shared),
                                    own=tuple(own)))
       return out
@@ -159,10 +194,7 @@ class SlotTable:
     `PoolExhausted`); returns (slot, column in its page table, page) for each new page."""
     with self.lock:
       need = self._new_pages(np.asarray(budget, np.int64))
-      demand = self._per_shard(need)
-      for shard in range(self.num_shards):
-        if demand[shard] > self.pool.num_free(shard):
-          raise PoolExhausted(shard, int(demand[shard]), self.pool.num_free(shard))
+      self._reserve(self._per_shard(need))
       out = []
       for slot in np.flatnonzero(need):
         for page in self.pool.alloc(self.shard_of(slot), int(need[slot])):
@@ -177,13 +209,17 @@ class SlotTable:
       self.cached += count
       self.generated += count
 
-  def release(self, slot: int) -> None:
-    """Frees the slot's pages (shared ones return to the pool with their last holder). Idempotent; a release owed by
-    an answer that an insert already replaced is ignored."""
+  def release(self, slot: int, tokens: np.ndarray | None = None) -> None:
+    """Frees the slot's pages (shared ones return to the pool with their last holder). With `tokens`, the sequence
+    the slot held (its cached tokens first), its full pages go to the prefix cache first. Idempotent; a release owed
+    by an answer that an insert already replaced is ignored."""
     with self.lock:
       if self._late_releases[slot]:
         self._late_releases[slot] -= 1
       elif self.active[slot]:
+        if tokens is not None:
+          n = min(int(self.cached[slot]), len(tokens)) // self.page_size
+          self.prefixes.add(self.shard_of(slot), tokens, self.pages[slot][:n])
         self._free(slot)
 
   def _free(self, slot: int) -> None:
@@ -201,6 +237,7 @@ class SlotTable:
         lo = shard * self.slots_per_shard
         for slot in range(lo, lo + self.slots_per_shard):
           np.add.at(refs, self.pages[slot], 1)
+        np.add.at(refs, self.prefixes.pages(shard), 1)
         expected = np.array([self.pool.refcount(shard, p) for p in range(self.pool.pages_per_shard)])
         if not np.array_equal(refs, expected):
           bad = int(np.flatnonzero(refs != expected)[0])
