@@ -259,7 +259,8 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
 
 
 def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
-  """`prefill`, `decode`, `insert` of the config's sampler on `topology` (mesh data × mesh.sampler_tensor)."""
+  """`prefill`, `decode`, `insert` of the config's sampler on `topology` (mesh data × mesh.sampler_tensor), and
+  `prefill_after` with `sampler.prefix_cache`."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
   settings = validate(config)
@@ -267,18 +268,19 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm)
-  resident = {"prefill": device_bytes(state), "decode": 0, "insert": device_bytes(params)}
+  resident = {"prefill": device_bytes(state), "prefill_after": 0, "decode": 0, "insert": device_bytes(params)}
   note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"
           f" (max {cfg.pages_per_seq} per sequence)")
   # Prefill: one row on every data shard, split over tensor; decode: one token per slot at the full context.
   tensor, data = mesh.shape["tensor"], mesh.shape["data"]
   flops = {"prefill": _model_flops(model_cfg, cfg.max_seq_len, cfg.max_seq_len, tensor),
            "decode": _model_flops(model_cfg, cfg.num_slots, cfg.max_seq_len, data * tensor), "insert": 0.0}
+  flops["prefill_after"] = flops["prefill"]  # the same row, after one cached page
   lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm)
   return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
                    note=note if name == "decode" else "")
-          for name in ("prefill", "decode", "insert")]
+          for name in ("prefill", "decode", "insert") + ("prefill_after",) * cfg.prefix_cache]
 
 
 def check(config: ml_collections.ConfigDict, *, sampler_topology: str | None, learner_topology: str | None,

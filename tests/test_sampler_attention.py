@@ -120,6 +120,7 @@ def test_pallas_tpu_path_compiles_for_v5e():
   copies = re.findall(r"= bf16\[2,32,16,128\]\{[^}]*\} copy\(", decode.as_text())
   assert not copies, f"{len(copies)} copies of a layer's pages in the decode program"
   lowered["insert"].compile()
+  lowered["prefill_after"].compile()  # the prefix cache's pages gathered per data shard under shard_map
 
 
 def test_prefill_attention_in_query_blocks_equals_dense():

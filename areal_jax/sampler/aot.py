@@ -49,8 +49,9 @@ def _sds(shape, dtype, mesh, spec=P()):
 
 def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, prefill_len: int | None = None,
                   free_bytes: int | None = None) -> dict[str, jax.stages.Lowered]:
-  """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len) and `insert` for the pool
-  size the config gives (num_pages, or memory_fraction of `free_bytes` per device), with weights of the config's
+  """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len), `prefill_after` (the same
+  row after the prefix cache's pages that fill the rest of the sequence, at least one) and `insert` for the pool size
+  the config gives (num_pages, or memory_fraction of `free_bytes` per device), with weights of the config's
   `param_dtype`."""
   graphdef, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, _ = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free_bytes)
@@ -65,6 +66,9 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
                                      _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh),
                                      _sds((), i32, mesh)),
       "prefill": programs.prefill.lower(params, *prefill_args),
+      "prefill_after": programs.prefill_after.lower(
+          params, state.k, state.v, _sds((1, max(1, m - t // cfg.page_size)), i32, mesh), _sds((1,), i32, mesh),
+          _sds((1,), i32, mesh), *prefill_args),
   }
   prefix = jax.eval_shape(programs.prefill, params, *prefill_args)[0]
   dense = prefix_shardings(model_cfg, mesh)

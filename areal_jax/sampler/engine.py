@@ -370,7 +370,10 @@ class Engine(engine_api.Engine):
 
     `cached[b]` = (shard, pages), if given: pages of that data shard (the prefix cache's, `SlotTable.match`) that
     hold row b's first `len(pages) * page_size` tokens; the row is prefilled after them, reading their keys and
-    values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages."""
+    values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages. With
+    `sampler.prefix_cache` and a `decode_state`, every batch runs the program that reads cached pages (as many as
+    its row with the most, to a power of two; at least one, masked where a row has none), so rows with and without
+    cached pages share compiled programs."""
     s, p = self.cfg.num_slots, self.cfg.page_size
     totals = np.array([len(x) for x in sequences], np.int32)
     too_long = np.flatnonzero(totals >= self.cfg.max_seq_len)
@@ -403,10 +406,10 @@ class Engine(engine_api.Engine):
       rows[r:r + n], keys[r:r + n] = i, d.keys
       temperature[r:r + n], top_p[r:r + n], top_k[r:r + n] = d.temperature, d.top_p, d.top_k
       r += n
-    if starts.any():
-      if decode_state is None:
-        raise ValueError("prefill_batch: rows after cached pages need the decode_state that holds them")
-      width = min(self.cfg.pages_per_seq, _pow2(int(starts.max()) // p))
+    if starts.any() and decode_state is None:
+      raise ValueError("prefill_batch: rows after cached pages need the decode_state that holds them")
+    if starts.any() or (self.cfg.prefix_cache and decode_state is not None):
+      width = min(self.cfg.pages_per_seq, _pow2(max(1, int(starts.max()) // p)))
       page_rows, row_shard, start = np.full((b, width), SCRATCH_PAGE, np.int32), np.zeros(b, np.int32), np.zeros(
           b, np.int32)
       for i, (shard, pages) in enumerate(cached):
@@ -427,7 +430,8 @@ class Engine(engine_api.Engine):
     """Compiles every program the scheduler can call for contexts up to `max_context` tokens (default: the cache
     length): decode, first-token sampling, and prefill + insert for each bucket and power-of-two row count. Runs
     them on dummy inputs that change nothing (no slot is touched); do it before timing or serving to avoid compile
-    stalls."""
+    stalls. Prefills after cached pages (`sampler.prefix_cache`) still compile on first use: one per bucket, row
+    count and power of two of cached pages, too many to compile ahead."""
     top = self.bucket(max_context or self.cfg.max_seq_len - 1)
     t = self.min_bucket
     while True:

@@ -5,13 +5,15 @@ One `step()`:
 1. swap in new weights if `update_params` left some, recomputing every running answer's cache (re-prefill of prompt +
    tokens so far) under them;
 2. admit waiting answers into free slots (preempted ones first, then new groups, oldest first), one batched prefill
-   per length bucket; a group's answers share the prompt's pages;
+   per length bucket; a group's answers share the prompt's pages. With `sampler.prefix_cache` a context whose first
+   full pages a released sequence left (an agent's previous turn) goes to their shard and is prefilled after them;
 3. make room: while a shard lacks the pages this step's decode call writes into, preempt its youngest answer (freed,
    requeued, resumed later by re-prefill);
 4. one decode call of up to `sampler.decode_steps` steps for every running answer (one `lax.while_loop` on the
    device); one read of the device brings its tokens and the first tokens of the answers admitted in 2. Tokens are
    recorded with the current version; answers finish at EOS, a stop sequence, `max_new_tokens` or the cache length,
-   and free their slots and pages. New weights and new answers wait for the call to end.
+   and free their slots and pages (full pages go to the prefix cache, if on; new weights empty it). New weights and
+   new answers wait for the call to end.
 
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
@@ -181,7 +183,7 @@ class Scheduler:
     self.engine.slots.forget_prefixes()
     seqs = list(self.running.values())
     written: set = set()
-    for batch in self._batches(seqs, lambda s: (len(s.context()), 0)):
+    for batch in self._batches(seqs, lambda s: len(s.context())):
       prefix, _ = self._prefill([[s] for s in batch], draw=False)
       self.state = self.engine.rewrite(prefix, self.state, [(row, s.slot) for row, s in enumerate(batch)], written)
       self.counters["recomputed"] += len(batch)
@@ -226,8 +228,8 @@ class Scheduler:
       del free_slots[shard][:k]
       planned[shard] += table.pages_to_insert(length, k)
 
-    p = table.page_size
-    for batch in self._batches(plan, lambda u: (len(u[0][0].context()) - len(u[3]) * p, len(u[3]))):
+    # By the tokens to prefill; rows after few cached pages and after many share a call (and its compiled program).
+    for batch in self._batches(plan, lambda u: len(u[0][0].context()) - len(u[3]) * table.page_size):
       prefix, first = self._prefill([seqs for seqs, *_ in batch], cached=[(shard, c) for _, _, shard, c in batch])
       placements, drawn = [], []
       for row, (seqs, slots, _, cached) in enumerate(batch):
@@ -255,16 +257,14 @@ class Scheduler:
         Draws.of([s.key for s in u] if draw else np.zeros((0, 2)), u[0].request.sampling) for u in units],
         cached=cached, decode_state=self.state)
 
-  def _batches(self, items: list, shape_of) -> list[list]:
-    """Items grouped by prefill shape, `shape_of(item)` = (tokens to prefill, cached pages before them): by bucket
-    and the cached pages' power of two, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
+  def _batches(self, items: list, length_of) -> list[list]:
+    """Items grouped by prefill bucket, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
     budget = self.engine.cfg.prefill_budget
     by_bucket = collections.defaultdict(list)
     for item in items:
-      length, pages = shape_of(item)
-      by_bucket[self.engine.bucket(length), 1 << max(0, pages - 1).bit_length() if pages else 0].append(item)
+      by_bucket[self.engine.bucket(length_of(item))].append(item)
     batches = []
-    for (bucket, _), group in sorted(by_bucket.items()):
+    for bucket, group in sorted(by_bucket.items()):
       rows = max(1, budget // bucket)
       rows = 1 << (rows.bit_length() - 1)  # largest power of two within the budget
       batches += [group[i:i + rows] for i in range(0, len(group), rows)]
