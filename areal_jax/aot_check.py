@@ -275,7 +275,7 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   tensor, data = mesh.shape["tensor"], mesh.shape["data"]
   flops = {"prefill": _model_flops(model_cfg, cfg.max_seq_len, cfg.max_seq_len, tensor),
            "decode": _model_flops(model_cfg, cfg.num_slots, cfg.max_seq_len, data * tensor), "insert": 0.0}
-  flops["prefill_after"] = flops["prefill"]  # the same row, after one cached page
+  flops["prefill_after"] = flops["prefill"]  # the same row, after pages of the prefix cache
   lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm)
   return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],

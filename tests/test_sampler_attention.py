@@ -137,3 +137,31 @@ def test_prefill_attention_in_query_blocks_equals_dense():
   want = gqa_attention(q, k, v, packed_mask(seg))
   for chunk in (48, 16, 12):
     np.testing.assert_allclose(prefill_attention(q, k, v, lengths, query_chunk=chunk), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("pages_per_block,query_chunk", [(1, 512), (4, 6)])
+def test_prefill_after_cached_pages_equals_dense_over_the_whole_sequence(pages_per_block, query_chunk):
+  """Rows that continue 0, 1, 3 and 5 cached pages: the same as a causal prefill of past + new tokens, read at the
+  new tokens' positions."""
+  from areal_jax.models.modules import packed_mask
+  from areal_jax.sampler.attention import prefill_attention_after
+
+  rng = np.random.default_rng(2)
+  b, h, kh, d, page, m, t = 4, 4, 2, 8, 4, 6, 12
+  past = np.array([0, 4, 12, 20], np.int32)
+  lengths = np.array([12, 7, 1, 4], np.int32)
+  _, kfull, vfull, kp, vp, ids = _random_paged(rng, slots=b, heads=h, kv_heads=kh, dim=d, page=page,
+                                               pages_per_seq=m, lengths=None)
+  q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  k, v = rng.normal(size=(2, b, t, kh, d)).astype(np.float32)
+  got = prefill_attention_after(*map(jnp.asarray, (q, k, v, lengths, kp, vp, ids, past)),
+                                pages_per_block=pages_per_block, query_chunk=query_chunk)
+  for r in range(b):
+    n, total = past[r], past[r] + lengths[r]
+    keys = np.concatenate([kfull[r, :n], k[r, :lengths[r]]])[None]
+    vals = np.concatenate([vfull[r, :n], v[r, :lengths[r]]])[None]
+    queries = np.zeros((1, total, h, d), np.float32)
+    queries[0, n:] = q[r, :lengths[r]]
+    want = gqa_attention(queries, keys, vals, packed_mask(np.ones((1, total), np.int32)))[0, n:]
+    np.testing.assert_allclose(got[r, :lengths[r]], want, atol=1e-5)
+    assert not np.any(got[r, lengths[r]:])  # padding queries attend to nothing

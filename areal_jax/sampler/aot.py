@@ -50,9 +50,8 @@ def _sds(shape, dtype, mesh, spec=P()):
 def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, prefill_len: int | None = None,
                   free_bytes: int | None = None) -> dict[str, jax.stages.Lowered]:
   """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len), `prefill_after` (the same
-  row after the prefix cache's pages that fill the rest of the sequence, at least one) and `insert` for the pool size
-  the config gives (num_pages, or memory_fraction of `free_bytes` per device), with weights of the config's
-  `param_dtype`."""
+  row after pages of the prefix cache) and `insert` for the pool size the config gives (num_pages, or
+  memory_fraction of `free_bytes` per device), with weights of the config's `param_dtype`."""
   graphdef, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, _ = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free_bytes)
   programs = build_programs(graphdef, model_cfg, cfg, mesh)
@@ -67,7 +66,7 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
                                      _sds((), i32, mesh)),
       "prefill": programs.prefill.lower(params, *prefill_args),
       "prefill_after": programs.prefill_after.lower(
-          params, state.k, state.v, _sds((1, max(1, m - t // cfg.page_size)), i32, mesh), _sds((1,), i32, mesh),
+          params, state.k, state.v, _sds((1, m), i32, mesh), _sds((1,), i32, mesh),
           _sds((1,), i32, mesh), *prefill_args),
   }
   prefix = jax.eval_shape(programs.prefill, params, *prefill_args)[0]

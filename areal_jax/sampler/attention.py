@@ -6,6 +6,8 @@ over the mesh's `data` axis and heads over `tensor`. Both attention implementati
 
 * `paged_attention`: pure JAX (CPU/GPU, and the TPU fallback). An online-softmax loop over blocks of pages that stops
   at the longest live sequence, so a step costs what the sequences hold, not the cache's maximum length.
+* `prefill_attention_after`: a prefill's queries over the pages a row continues (the prefix cache's) and its own
+  keys, pure JAX, one program for any number of cached pages.
 * `pallas_paged_attention`: `jax.experimental.pallas.ops.tpu.paged_attention` (TPU; on CPU under Pallas' TPU
   interpret mode, for tests). Chosen over `ragged_paged_attention` because it reads this layout as it is (the ragged
   kernel wants keys and values interleaved per page, `[pages, page_size, 2 * kv_heads, head_dim]`) and the engine
@@ -84,38 +86,66 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
   return blockwise_attention(q, k, v, block_mask, query_chunk=query_chunk)
 
 
-def prefill_attention_after(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, past_k: jax.Array,
-                            past_v: jax.Array, past_lengths: jax.Array, *, query_chunk: int = 512) -> jax.Array:
-  """`prefill_attention` of rows that continue `past_lengths[b]` cached tokens: queries attend to the row's past
-  keys (the first `past_lengths[b]` of `past_k`, `past_v` [B, C, K, D]) and causally to its own first `lengths[b]`.
+def prefill_attention_after(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, k_pages: jax.Array,
+                            v_pages: jax.Array, page_table: jax.Array, past_lengths: jax.Array, *,
+                            pages_per_block: int = 8, query_chunk: int = 512) -> jax.Array:
+  """`prefill_attention` of rows that continue `past_lengths[b]` tokens already in the pool: each query attends to
+  the row's first `past_lengths[b]` cached keys (pages `page_table[b]` of `k_pages`, `v_pages` [K, N, page, D]) and
+  causally to the row's own first `lengths[b]` keys (k, v [B, T, K, D]).
+
+  One online softmax: the own keys first, then a loop over blocks of pages that stops at the longest past, so a
+  call costs what the rows hold, whatever the page table's width (one compiled program for any past). Queries come in
+  blocks of `query_chunk`. Returns [B, T, H, D] in q's dtype; rows past `lengths[b]` are zero.
   """
-  c = past_k.shape[1]
-  keys = jnp.arange(c + q.shape[1])
-  own = keys - c  # position among the row's new tokens (negative: a past key)
-  valid = jnp.where(own[None, :] < 0, keys[None, :] < past_lengths[:, None], own[None, :] < lengths[:, None])
+  b, t, h, d = q.shape
+  kh, _, page, _ = k_pages.shape
+  m = page_table.shape[1]
+  ppb = max(1, min(pages_per_block, m))
+  if m % ppb:
+    page_table = jnp.pad(page_table, ((0, 0), (0, ppb - m % ppb)), constant_values=SCRATCH_PAGE)
+  block = ppb * page
+  num_blocks = (jnp.max(past_lengths) + block - 1) // block
+  chunk = max(c for c in range(1, min(t, query_chunk) + 1) if t % c == 0)
+  own = jnp.arange(t)
+  scale = 1.0 / math.sqrt(d)
 
-  def block_mask(start, size):
-    qpos = start + jnp.arange(size)
-    causal = own[None, :] <= qpos[:, None]  # past keys (own < 0) always precede
-    return causal[None] & valid[:, None, :] & (qpos[None, :] < lengths[:, None])[..., None]
+  def update(carry, scores, values, spec):
+    mx, denom, acc = carry
+    new_mx = jnp.maximum(mx, scores.max(-1))
+    safe = jnp.where(jnp.isfinite(new_mx), new_mx, 0.0)
+    probs = jnp.exp(scores - safe[..., None])
+    corr = jnp.exp(mx - safe)
+    acc = acc * corr[..., None] + jnp.einsum(spec, probs.astype(values.dtype), values,
+                                             preferred_element_type=jnp.float32)
+    return new_mx, denom * corr + probs.sum(-1), acc
 
-  return blockwise_attention(q, jnp.concatenate([past_k, k], axis=1), jnp.concatenate([past_v, v], axis=1),
-                             block_mask, query_chunk=query_chunk)
+  def queries(start):
+    qg = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1).reshape(b, chunk, kh, h // kh, d)
+    qpos = start + jnp.arange(chunk)
+    scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = (own[None, :] <= qpos[:, None])[None] & (own[None, None, :] < lengths[:, None, None])  # [B, q, T]
+    shape = (b, kh, h // kh, chunk)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (d,), jnp.float32))
+    carry = update(init, jnp.where(visible[:, None, None], scores, -jnp.inf), v, "bkgqt,btkd->bkgqd")
 
+    def past(i, carry):
+      pages = jax.lax.dynamic_slice_in_dim(page_table, i * ppb, ppb, axis=1)  # [B, ppb]
+      pk = jnp.moveaxis(k_pages[:, pages].reshape(kh, b, block, d), 0, 2)  # [B, block, K, D]
+      pv = jnp.moveaxis(v_pages[:, pages].reshape(kh, b, block, d), 0, 2)
+      scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, pk, preferred_element_type=jnp.float32) * scale
+      visible = (i * block + jnp.arange(block))[None, :] < past_lengths[:, None]  # [B, block]
+      return update(carry, jnp.where(visible[:, None, None, None], scores, -jnp.inf), pv, "bkgqs,bskd->bkgqd")
 
-def gather_pages(k_pages, v_pages, page_rows, row_shard, *, axis: str = "data"):
-  """Dense keys/values [B, C * page_size, K, D] of the pages `page_rows` [B, C] of this data shard's rows
-  (`row_shard[b]` = this device's data index), zero for other shards' rows: summed over `axis`, every row's."""
-  me = jax.lax.axis_index(axis)
-  mine = (row_shard == me)[:, None, None, None]
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, past, carry)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [B, K, G, q, D]
+    out = jnp.where((qpos[None, :] < lengths[:, None])[:, None, None, :, None], out, 0.0)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, chunk, h, d)
 
-  def get(pages):
-    x = pages[:, page_rows]  # [K, B, C, page, D]
-    kh, b, c, page, d = x.shape
-    x = jnp.transpose(x, (1, 2, 3, 0, 4)).reshape(b, c * page, kh, d)
-    return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
-
-  return get(k_pages), get(v_pages)
+  if chunk == t:
+    return queries(0).astype(q.dtype)
+  out = jax.lax.map(queries, jnp.arange(0, t, chunk))  # [T / chunk, B, chunk, H, D]
+  return jnp.moveaxis(out, 0, 1).reshape(q.shape).astype(q.dtype)
 
 
 def _pages_per_compute_block(pages_per_seq: int, page_size: int, target_tokens: int = 512) -> int:
@@ -214,12 +244,21 @@ def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_
                        out_specs=(act, pages, pages), check_vma=False)
 
 
-def sharded_gather_pages(mesh: Mesh, num_kv_heads: int):
-  """`gather_pages` over the mesh: each data shard reads its rows' pages; the result is replicated over `data`."""
+def sharded_prefill_attention_after(mesh: Mesh, num_kv_heads: int, *, pages_per_block: int):
+  """`f(q, k, v, lengths, k_pages, v_pages, page_table, row_shard, past_lengths) -> out`: `prefill_attention_after`
+  per device with `shard_map`. Prefill rows are replicated over `data`: each data shard attends over the pages of
+  its own rows (`row_shard[b]`), zero for the others, and a sum over `data` gives every row its result."""
   heads = kv_head_axis(mesh, num_kv_heads)
-  pages, dense, idx = P(heads, "data", None, None), P(None, None, heads, None), P()
-  return jax.shard_map(functools.partial(gather_pages, axis="data"), mesh=mesh, in_specs=(pages, pages, idx, idx),
-                       out_specs=(dense, dense), check_vma=False)
+
+  def local(q, k, v, lengths, k_pages, v_pages, page_table, row_shard, past_lengths):
+    mine = row_shard == jax.lax.axis_index("data")
+    out = prefill_attention_after(q, k, v, lengths, k_pages, v_pages, page_table, jnp.where(mine, past_lengths, 0),
+                                  pages_per_block=pages_per_block)
+    return jax.lax.psum(jnp.where(mine[:, None, None, None], out, jnp.zeros_like(out)), "data")
+
+  dense, pages, idx = P(None, None, heads, None), P(heads, "data", None, None), P()
+  return jax.shard_map(local, mesh=mesh, in_specs=(dense, dense, dense, idx, pages, pages, idx, idx, idx),
+                       out_specs=dense, check_vma=False)
 
 
 def sharded_write_chunks(mesh: Mesh, num_kv_heads: int):

@@ -371,9 +371,8 @@ class Engine(engine_api.Engine):
     `cached[b]` = (shard, pages), if given: pages of that data shard (the prefix cache's, `SlotTable.match`) that
     hold row b's first `len(pages) * page_size` tokens; the row is prefilled after them, reading their keys and
     values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages. With
-    `sampler.prefix_cache` and a `decode_state`, every batch runs the program that reads cached pages (as many as
-    its row with the most, to a power of two; at least one, masked where a row has none), so rows with and without
-    cached pages share compiled programs."""
+    `sampler.prefix_cache` and a `decode_state`, every batch runs the program that reads cached pages (it loops over
+    the pages rows hold, none for most), so rows with and without cached pages share compiled programs."""
     s, p = self.cfg.num_slots, self.cfg.page_size
     totals = np.array([len(x) for x in sequences], np.int32)
     too_long = np.flatnonzero(totals >= self.cfg.max_seq_len)
@@ -409,9 +408,8 @@ class Engine(engine_api.Engine):
     if starts.any() and decode_state is None:
       raise ValueError("prefill_batch: rows after cached pages need the decode_state that holds them")
     if starts.any() or (self.cfg.prefix_cache and decode_state is not None):
-      width = min(self.cfg.pages_per_seq, _pow2(max(1, int(starts.max()) // p)))
-      page_rows, row_shard, start = np.full((b, width), SCRATCH_PAGE, np.int32), np.zeros(b, np.int32), np.zeros(
-          b, np.int32)
+      page_rows = np.full((b, self.cfg.pages_per_seq), SCRATCH_PAGE, np.int32)
+      row_shard, start = np.zeros(b, np.int32), np.zeros(b, np.int32)
       for i, (shard, pages) in enumerate(cached):
         page_rows[i, :len(pages)], row_shard[i], start[i] = pages, shard, starts[i]
       arrays, logits = self.programs.prefill_after(params, decode_state.k, decode_state.v, page_rows, row_shard,
@@ -430,15 +428,15 @@ class Engine(engine_api.Engine):
     """Compiles every program the scheduler can call for contexts up to `max_context` tokens (default: the cache
     length): decode, first-token sampling, and prefill + insert for each bucket and power-of-two row count. Runs
     them on dummy inputs that change nothing (no slot is touched); do it before timing or serving to avoid compile
-    stalls. Prefills after cached pages (`sampler.prefix_cache`) still compile on first use: one per bucket, row
-    count and power of two of cached pages, too many to compile ahead."""
+    stalls (with `sampler.prefix_cache`, the prefills that read cached pages)."""
     top = self.bucket(max_context or self.cfg.max_seq_len - 1)
     t = self.min_bucket
     while True:
       rows = 1
       while rows <= min(self.cfg.num_slots, max(1, self.cfg.prefill_budget // t)):
         prefix, _ = self.prefill_batch(params, [np.ones(t - 1, np.int32)] * rows,
-                                       [Draws(keys=np.zeros((1, 2), np.uint32), temperature=1.0)] * rows)
+                                       [Draws(keys=np.zeros((1, 2), np.uint32), temperature=1.0)] * rows,
+                                       decode_state=decode_state)
         decode_state = self._insert(prefix, decode_state, [], [])
         rows *= 2
       if t >= top:

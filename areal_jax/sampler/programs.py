@@ -6,10 +6,11 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
 * `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: causal forward over
   padded sequences (the learner's attention, in query blocks for long ones), keys/values of every layer and position,
   and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
-* `prefill_after(params, k_pool, v_pool, page_rows [B, C], row_shard [B], start [B], tokens, lengths, rows)`: the
+* `prefill_after(params, k_pool, v_pool, page_rows [B, M], row_shard [B], start [B], tokens, lengths, rows)`: the
   same for rows that continue `start[b]` tokens already in the pool (pages `page_rows[b]` of data shard
-  `row_shard[b]`, the prefix cache's): positions start there and queries also attend to those keys. Layers run
-  unrolled, each reading its own layer's pool.
+  `row_shard[b]`, the prefix cache's): positions start there and queries also attend to those keys
+  (`attention.prefill_attention_after`, which loops over the pages held, so one program serves any `start`).
+  Layers run unrolled, each reading its own layer's pool.
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
   sets the slots' page-table rows, pending tokens and sampling settings.
@@ -125,7 +126,8 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
   decode_attend = attention.sharded_decode_attention(mesh, model_cfg.num_kv_heads, impl=impl,
                                                      pages_per_block=pages_per_block)
   write_chunks = attention.sharded_write_chunks(mesh, model_cfg.num_kv_heads)
-  gather = attention.sharded_gather_pages(mesh, model_cfg.num_kv_heads)
+  attend_after = attention.sharded_prefill_attention_after(mesh, model_cfg.num_kv_heads,
+                                                           pages_per_block=pages_per_block)
   state_sh = decode_state_shardings(model_cfg, mesh)
   dense_sh = prefix_shardings(model_cfg, mesh)
   draw = functools.partial(sample, vocab_limit=cfg.vocab_limit)
@@ -142,8 +144,7 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
         positions = positions + start[:, None]
 
         def attend(i, q, k, v):
-          past_k, past_v = gather(k_pool[i], v_pool[i], page_rows, row_shard)
-          return attention.prefill_attention_after(q, k, v, lengths, past_k, past_v, start), (k, v)
+          return attend_after(q, k, v, lengths, k_pool[i], v_pool[i], page_rows, row_shard, start), (k, v)
 
       h, kv = model.run_layers(model.embed_tokens(tokens), positions, attend, remat=False,
                                unroll=True if past is not None else None)
