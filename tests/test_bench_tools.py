@@ -1,5 +1,5 @@
-"""tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py and bench_lora.py end to end on small
-workloads, peers included."""
+"""tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py, bench_lora.py and
+bench_prefix_cache.py end to end on small workloads, peers included."""
 
 import os
 import re
@@ -60,3 +60,16 @@ def test_bench_lora_compares_unmerged_merged_and_update_sizes():
                           re.M))
   assert len(moved) == 3 and int(moved["whole model"]) > 10 * int(moved["adapters (unmerged sampler)"]), out
   assert re.search(r"^ratio whole-model / adapter bytes: [\d.]+x", out, re.M), out
+
+
+def test_bench_prefix_cache_draws_the_same_answers_with_fewer_tokens_prefilled():
+  out = _run("bench_prefix_cache.py", "--episodes=4", "--turns=2", "--system=16", "--question=4", "--answer=12",
+             "--tool=4", "--repeats=1")
+  assert "answers drawn alike by both: 8 of 8" in out, out
+  rows = {m[0]: tuple(map(int, m[1:])) for m in re.findall(
+      r"^(prefix cache o(?:ff|n))\s+[\d.]+s\s+[\d.]+s\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M)}
+  off, on = rows["prefix cache off"], rows["prefix cache on"]
+  # Turn 2's prompts: 20 + 12 + 4 tokens; turn 1 cached 31 of them (the last answer token is never cached): one
+  # full page of 16 for each episode.
+  assert off == (8, 4 * 20 + 4 * 36, 0) and on == (8, off[1] - 4 * 16, 4 * 16), out
+  assert "ratio off / on (best rounds)" in out, out

@@ -40,8 +40,9 @@ def _turns(model, *, prefix_cache, mesh=None, num_pages=66, num_slots=8):
   first = [Request(group_id=g, prompt_ids=rng.integers(2, 64, size=int(rng.integers(3, 11))), sampling=sampling)
            for g in range(6)]
   one = _run(sched, first)
-  second = [Request(group_id=10 + g, sampling=sampling, prompt_ids=np.concatenate(
-      [r.prompt_ids, s.tokens, rng.integers(2, 64, size=3)]).astype(np.int32)) for g, (r, s) in enumerate(zip(first, one))]
+  second = [Request(group_id=10 + g, sampling=sampling,
+                   prompt_ids=np.concatenate([r.prompt_ids, s.tokens, rng.integers(2, 64, size=3)]).astype(np.int32))
+            for g, (r, s) in enumerate(zip(first, one))]
   two = _run(sched, second)
   return engine, sched, one + two
 

@@ -11,9 +11,10 @@ A JetStream-style orchestrator (one prompt per prefill, one token per generate):
     state, result = engine.generate(params, state)    # one token per occupied slot; lengths = tokens generated
     engine.free_resource(slot)                        # idempotent; may come after the slot's next insert
 
-The scheduler (`scheduler.py`) uses the batched forms: `prefill_batch` (several prompts, G draws each),
-`insert_many` (named `Placement`s), `generate_steps` (up to `sampler.decode_steps` tokens per slot in one device
-call) and `rewrite` (recomputed caches after a weight update).
+The scheduler (`scheduler.py`) uses the batched forms: `prefill_batch` (several prompts, G draws each, each after
+the pages of the prefix cache that hold its start, if any), `insert_many` (named `Placement`s), `generate_steps` (up
+to `sampler.decode_steps` tokens per slot in one device call) and `rewrite` (recomputed caches after a weight
+update).
 
 The device work is in `programs.py`; the host state of the slots (pages held, tokens cached and generated, the page
 pool) is one `SlotTable` (`slots.py`), guarded by its lock. Generation raises `PoolExhausted` before touching the

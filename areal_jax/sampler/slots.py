@@ -151,9 +151,9 @@ class SlotTable:
   def occupy(self, placements: Sequence[Placement], lengths: Sequence[int], *, replace: bool = False,
              release_owed: bool = True) -> list[list[Occupancy]]:
     """Takes the placements' slots for prefix rows of `lengths[row]` tokens after their `cached` pages; returns each
-    placement's new pages, by shard. `PoolExhausted` (nothing taken) if a shard lacks pages. A slot still in use is an error unless `replace`:
-    its answer is done and freed here, and its own release, still on its way (`release_owed`; an orchestrator that
-    never releases owes none), will be ignored."""
+    placement's new pages, by shard. `PoolExhausted` (nothing taken) if a shard lacks pages, after evicting cached
+    prefixes. A slot still in use is an error unless `replace`: its answer is done and freed here, and its own
+    release, still on its way (`release_owed`; an orchestrator that never releases owes none), will be ignored."""
     with self.lock:
       demand = np.zeros(self.num_shards, np.int64)
       for pl in placements:

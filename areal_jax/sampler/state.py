@@ -47,9 +47,9 @@ class PrefixArrays:
 class Prefix:
   """What `Engine.prefill` returns, a pytree of arrays (so it can be `device_put` to another engine): the dense
   keys/values of B prefilled rows, each row's true length (tokens prefilled), the tokens before them that were
-  already in the pool (`start`, whole pages of the prefix cache; 0 for most rows), and the first tokens drawn for their answers. Row b's
-  answer i was drawn at position `draw_index[b, i]` (-1: no such answer) of the [S] draw arrays, with PRNG key
-  `keys[r]` and settings `temperature[r]`, `top_p[r]`, `top_k[r]`."""
+  already in the pool (`start`, whole pages of the prefix cache; 0 for most rows), and the first tokens drawn for
+  their answers. Row b's answer i was drawn at position `draw_index[b, i]` (-1: no such answer) of the [S] draw
+  arrays, with PRNG key `keys[r]` and settings `temperature[r]`, `top_p[r]`, `top_k[r]`."""
 
   arrays: PrefixArrays
   true_length: jax.Array  # int32 [B]
