@@ -27,6 +27,38 @@ from areal_jax.models.modules import blockwise_attention
 from areal_jax.sampler.paging import SCRATCH_PAGE
 
 
+def _in_blocks(page_table: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
+  """The page table padded (with the scratch page) to whole blocks, and the pages per block."""
+  m = page_table.shape[1]
+  ppb = max(1, min(pages_per_block, m))
+  if m % ppb:
+    page_table = jnp.pad(page_table, ((0, 0), (0, ppb - m % ppb)), constant_values=SCRATCH_PAGE)
+  return page_table, ppb
+
+
+def _softmax_init(shape: tuple[int, ...], d: int):
+  """An online softmax over no keys yet: (running max, denominator, weighted values [*shape, d])."""
+  return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (d,), jnp.float32))
+
+
+def _softmax_update(carry, scores: jax.Array, values: jax.Array, spec: str):
+  """The online softmax after one more block of keys: `scores` (-inf where masked) and their `values`, combined by
+  the einsum `spec` (probabilities, values -> weighted values)."""
+  mx, denom, acc = carry
+  new_mx = jnp.maximum(mx, scores.max(-1))
+  safe = jnp.where(jnp.isfinite(new_mx), new_mx, 0.0)
+  probs = jnp.exp(scores - safe[..., None])
+  corr = jnp.exp(mx - safe)
+  acc = acc * corr[..., None] + jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+  return new_mx, denom * corr + probs.sum(-1), acc
+
+
+def _softmax_result(carry) -> jax.Array:
+  """The attention output; zero where no key was visible."""
+  _, denom, acc = carry
+  return jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_table: jax.Array, *, pages_per_block: int = 8) -> jax.Array:
   """Decode attention of one query per sequence over its pages.
@@ -36,36 +68,21 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   """
   s, h, d = q.shape
   kh, _, page, _ = k_pages.shape
-  m = page_table.shape[1]
-  ppb = max(1, min(pages_per_block, m))
-  if m % ppb:
-    page_table = jnp.pad(page_table, ((0, 0), (0, ppb - m % ppb)), constant_values=SCRATCH_PAGE)
+  page_table, ppb = _in_blocks(page_table, pages_per_block)
   block = ppb * page
   qg = q.reshape(s, kh, h // kh, d)
   scale = 1.0 / math.sqrt(d)
 
   def body(i, carry):
-    mx, denom, acc = carry
     pages = jax.lax.dynamic_slice_in_dim(page_table, i * ppb, ppb, axis=1)  # [S, ppb]
     k = k_pages[:, pages].reshape(kh, s, block, d)
     v = v_pages[:, pages].reshape(kh, s, block, d)
     scores = jnp.einsum("skgd,kstd->skgt", qg, k, preferred_element_type=jnp.float32) * scale
     visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [S, block]
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    new_mx = jnp.maximum(mx, scores.max(-1))
-    safe = jnp.where(jnp.isfinite(new_mx), new_mx, 0.0)
-    probs = jnp.exp(scores - safe[..., None])
-    corr = jnp.exp(mx - safe)
-    denom = denom * corr + probs.sum(-1)
-    acc = acc * corr[..., None] + jnp.einsum("skgt,kstd->skgd", probs.astype(v.dtype), v,
-                                             preferred_element_type=jnp.float32)
-    return new_mx, denom, acc
+    return _softmax_update(carry, jnp.where(visible[:, None, None, :], scores, -jnp.inf), v, "skgt,kstd->skgd")
 
-  shape = qg.shape[:-1]
-  init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32))
   num_blocks = (jnp.max(lengths) + block - 1) // block
-  _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-  out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
+  out = _softmax_result(jax.lax.fori_loop(0, num_blocks, body, _softmax_init(qg.shape[:-1], d)))
   return out.reshape(s, h, d).astype(q.dtype)
 
 
@@ -99,35 +116,20 @@ def prefill_attention_after(q: jax.Array, k: jax.Array, v: jax.Array, lengths: j
   """
   b, t, h, d = q.shape
   kh, _, page, _ = k_pages.shape
-  m = page_table.shape[1]
-  ppb = max(1, min(pages_per_block, m))
-  if m % ppb:
-    page_table = jnp.pad(page_table, ((0, 0), (0, ppb - m % ppb)), constant_values=SCRATCH_PAGE)
+  page_table, ppb = _in_blocks(page_table, pages_per_block)
   block = ppb * page
   num_blocks = (jnp.max(past_lengths) + block - 1) // block
   chunk = max(c for c in range(1, min(t, query_chunk) + 1) if t % c == 0)
   own = jnp.arange(t)
   scale = 1.0 / math.sqrt(d)
 
-  def update(carry, scores, values, spec):
-    mx, denom, acc = carry
-    new_mx = jnp.maximum(mx, scores.max(-1))
-    safe = jnp.where(jnp.isfinite(new_mx), new_mx, 0.0)
-    probs = jnp.exp(scores - safe[..., None])
-    corr = jnp.exp(mx - safe)
-    acc = acc * corr[..., None] + jnp.einsum(spec, probs.astype(values.dtype), values,
-                                             preferred_element_type=jnp.float32)
-    return new_mx, denom * corr + probs.sum(-1), acc
-
   def queries(start):
     qg = jax.lax.dynamic_slice_in_dim(q, start, chunk, axis=1).reshape(b, chunk, kh, h // kh, d)
     qpos = start + jnp.arange(chunk)
     scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32) * scale
     visible = (own[None, :] <= qpos[:, None])[None] & (own[None, None, :] < lengths[:, None, None])  # [B, q, T]
-    shape = (b, kh, h // kh, chunk)
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (d,), jnp.float32))
-    carry = update(init, jnp.where(visible[:, None, None], scores, -jnp.inf), v, "bkgqt,btkd->bkgqd")
+    carry = _softmax_update(_softmax_init((b, kh, h // kh, chunk), d),
+                            jnp.where(visible[:, None, None], scores, -jnp.inf), v, "bkgqt,btkd->bkgqd")
 
     def past(i, carry):
       pages = jax.lax.dynamic_slice_in_dim(page_table, i * ppb, ppb, axis=1)  # [B, ppb]
@@ -135,10 +137,10 @@ def prefill_attention_after(q: jax.Array, k: jax.Array, v: jax.Array, lengths: j
       pv = jnp.moveaxis(v_pages[:, pages].reshape(kh, b, block, d), 0, 2)
       scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, pk, preferred_element_type=jnp.float32) * scale
       visible = (i * block + jnp.arange(block))[None, :] < past_lengths[:, None]  # [B, block]
-      return update(carry, jnp.where(visible[:, None, None, None], scores, -jnp.inf), pv, "bkgqs,bskd->bkgqd")
+      return _softmax_update(carry, jnp.where(visible[:, None, None, None], scores, -jnp.inf), pv,
+                             "bkgqs,bskd->bkgqd")
 
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, past, carry)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)  # [B, K, G, q, D]
+    out = _softmax_result(jax.lax.fori_loop(0, num_blocks, past, carry))  # [B, K, G, q, D]
     out = jnp.where((qpos[None, :] < lengths[:, None])[:, None, None, :, None], out, 0.0)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, chunk, h, d)
 
