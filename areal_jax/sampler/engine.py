@@ -111,7 +111,8 @@ class Draws:
 def _unsupported(**kw) -> None:
   given = [k for k, v in kw.items() if v is not None]
   if given:
-    raise NotImplementedError(f"Engine: {given[0]} is not supported (no prefix caching; sampling settings are the "
+    raise NotImplementedError(f"Engine: {given[0]} is not supported (JetStream's existing prefixes are not reused: "
+                              "the scheduler's prefix cache is `sampler.prefix_cache`; sampling settings are the "
                               "engine's `sampling` or a request's SamplingParams)")
 
 
@@ -385,6 +386,8 @@ class Engine(engine_api.Engine):
     if num_draws > s:
       raise ValueError(f"{num_draws} answers in one prefill; at most sampler.num_slots={s}")
     cached = list(cached) or [(0, ())] * len(sequences)
+    if len(cached) != len(sequences):
+      raise ValueError(f"prefill_batch: {len(cached)} cached page lists for {len(sequences)} sequences")
     starts = np.array([len(pages) * p for _, pages in cached], np.int32)
     lengths = totals - starts
     if np.any(lengths < 1):
