@@ -240,6 +240,36 @@ def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
   assert evaluation.metrics()["eval/turns_mean"] == pytest.approx(5 / 3)
 
 
+def test_the_calculator_agent_retries_a_wrong_answer_for_a_discounted_reward():
+  """`attempts=2` (AReaL's multi-turn rule): a wrong answer is told so, with the question again, and the model tries
+  once more; a right second answer earns `retry_discount`. The replies are scripted as the OpenAI client types them."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from openai.types.chat import ChatCompletion  # pylint: disable=g-import-not-at-top
+  from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
+
+  call = {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "37*48"}'}}
+  script = [{"content": "\\boxed{7}"}, {"content": None, "tool_calls": [call]}, {"content": "\\boxed{1776}"}]
+
+  class Client:  # chat.completions.create(...) answers from `script`, keeping each request's messages
+    def __init__(self):
+      self.chat = self.completions = self
+      self.sent, self.replies = [], iter(script)
+
+    async def create(self, *, messages, **_):
+      self.sent.append([dict(m) for m in messages])
+      return ChatCompletion.model_validate({"id": "r", "object": "chat.completion", "created": 0, "model": "policy",
+                                            "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                                "role": "assistant", **next(self.replies)}}]})
+
+  data = {"question": "what is 37*48?", "reference": "1776"}
+  once, twice = Client(), Client()
+  assert asyncio.run(Calculator().run(data, once)) == 0.0 and len(once.sent) == 1
+  assert asyncio.run(Calculator(attempts=2, retry_discount=0.5).run(data, twice)) == 0.5
+  assert [[m["role"] for m in sent] for sent in twice.sent] == [
+      ["user"], ["user", "assistant", "user"], ["user", "assistant", "user", "assistant", "tool"]]
+  assert twice.sent[2][2]["content"] == "wrong, what is 37*48?" and twice.sent[2][4]["content"] == "1776"
+
+
 def test_the_calculator_tool_evaluates_integer_expressions_only():
   from areal_jax.agents.calculator import calc  # pylint: disable=g-import-not-at-top
 

@@ -19,6 +19,11 @@ answer in one turn without it, a habit the tiny model cannot make work (it canno
 unlearns: configs/agent.py sets 0.75 (`agent.options.demo_tool_share`), and RL's gains come from calling the tool
 more often as well as from calling it more exactly. Half answering in one turn kept an earlier warm-start (one
 example per turn, lr 2e-3) from learning to copy the operands into the call within 1000 steps.
+
+With `attempts` > 1 (AReaL's multi-turn rule) a wrong final answer is told so, with the question again ("wrong, what
+is 37*48?"), and the model answers once more from the whole chat; a right answer at attempt k (from 0) earns
+`retry_discount ** k`. Two attempts need about 290 tokens of cache (`sampler.max_seq_len=320`) and 4 completions
+(`agent.max_turns`).
 """
 
 from __future__ import annotations
@@ -63,20 +68,33 @@ def _expression(question: str) -> str:
 
 
 class Calculator:
-  """The agent (see the module docstring); `run(data, client)` returns 1.0 for a right final answer, else 0.0."""
+  """The agent (see the module docstring); `run(data, client)` returns 1.0 for a right final answer (discounted on a
+  retry), else 0.0."""
 
-  def __init__(self, *, max_calls: int = 1, max_tokens: int = 80, demo_tool_share: float = 1.0):
+  def __init__(self, *, max_calls: int = 1, max_tokens: int = 80, demo_tool_share: float = 1.0, attempts: int = 1,
+               retry_discount: float = 1.0):
     self.max_calls, self.max_tokens, self.demo_tool_share = max_calls, max_tokens, demo_tool_share
+    self.attempts, self.retry_discount = attempts, retry_discount
 
   async def run(self, data: dict[str, Any], client) -> float:
     messages = [{"role": "user", "content": data["question"]}]
+    for attempt in range(self.attempts):
+      if attempt:  # AReaL's multi-turn rule: a wrong answer is told so and tried again, for a discounted reward
+        messages.append({"role": "user", "content": f"wrong, {data['question']}"})
+      if await self._attempt(messages, client) == data["reference"]:
+        return self.retry_discount ** attempt
+    return 0.0
+
+  async def _attempt(self, messages: list[dict[str, Any]], client) -> str | None:
+    """Asks until the model answers without a tool call (at most `max_calls` rounds of calls), appending each turn to
+    `messages`; the boxed number of that answer, if any."""
     for call_round in range(self.max_calls + 1):
       reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
                                                    max_tokens=self.max_tokens)
       message = reply.choices[0].message
+      messages.append(message.model_dump(exclude_none=True))
       if not message.tool_calls or call_round == self.max_calls:
         break
-      messages.append(message.model_dump(exclude_none=True))
       for call in message.tool_calls:
         try:
           expr = json.loads(call.function.arguments).get("expr")
@@ -85,7 +103,7 @@ class Calculator:
         result = calc(expr) if call.function.name == "calc" else "error"
         messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     found = None if message.tool_calls else _BOXED.search(message.content or "")
-    return float(found is not None and found.group(1) == data["reference"])
+    return found and found.group(1)
 
   def demonstration(self, data: dict[str, Any]) -> dict[str, Any]:
     """The warm-start example for `data`: with the tool for a `demo_tool_share` of problems (by a hash of the uid),
