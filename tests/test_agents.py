@@ -268,6 +268,8 @@ def test_the_calculator_agent_retries_a_wrong_answer_for_a_discounted_reward():
   assert [[m["role"] for m in sent] for sent in twice.sent] == [
       ["user"], ["user", "assistant", "user"], ["user", "assistant", "user", "assistant", "tool"]]
   assert twice.sent[2][2]["content"] == "wrong, what is 37*48?" and twice.sent[2][4]["content"] == "1776"
+  with pytest.raises(ValueError, match="attempts=0 must be >= 1"):
+    agents.load("areal_jax.agents.calculator:Calculator", {"attempts": 0})
 
 
 def test_the_calculator_tool_evaluates_integer_expressions_only():

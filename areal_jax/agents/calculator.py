@@ -75,6 +75,9 @@ class Calculator:
                retry_discount: float = 1.0):
     self.max_calls, self.max_tokens, self.demo_tool_share = max_calls, max_tokens, demo_tool_share
     self.attempts, self.retry_discount = attempts, retry_discount
+    if attempts < 1 or not 0 <= retry_discount <= 1:
+      raise ValueError(f"agent.options: attempts={attempts!r} must be >= 1 and retry_discount={retry_discount!r} in "
+                       f"[0, 1]")
 
   async def run(self, data: dict[str, Any], client) -> float:
     messages = [{"role": "user", "content": data["question"]}]
