@@ -54,8 +54,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.total_steps = 30
   c.agent.path = "areal_jax.agents.calculator:Calculator"
   c.agent.options.demo_tool_share = 0.75  # a quarter of the demonstrations answer in their head: RL unlearns it
-  # 2: a wrong answer is told so and asked again (AReaL's multi-turn rule; with sampler.max_seq_len=320): 2.2-2.5
-  # completions per episode, but slower steps and +9.8 / +12.5 by step 20 on seeds 1 / 0 (README "Agents").
+  # 2: a wrong answer is told so and asked again (AReaL's multi-turn rule; with sampler.max_seq_len=320): 2.3-2.5
+  # completions per episode in eval, but slower steps and +9.8 / +12.5 by step 20 on seeds 1 / 0 (README "Agents").
   c.agent.options.attempts = 1
   c.agent.options.retry_discount = 1.0
   c.agent.max_turns = 4
