@@ -226,7 +226,7 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
-  settings = validate(config)
+  settings = validate(config, data=False)
   cfg, model_cfg = settings.learner, settings.model
   fns = build_step(model_cfg, cfg, mesh, temperature=config.sampler.temperature)
   params, opt = fns.abstract_state()
@@ -263,7 +263,7 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   `prefill_after` with `sampler.prefix_cache`."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
-  settings = validate(config)
+  settings = validate(config, data=False)
   model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)

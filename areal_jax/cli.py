@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 
@@ -31,6 +31,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
     _unknown_key(e, argv)
+
+
+def run(main) -> None:
+  """`app.run` for the tools: flag and config errors (`config.ConfigError`) end in one line, as the run's do."""
+  def main_with_config_errors(argv):
+    from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top  # after the flags (imports JAX)
+    try:
+      return main(argv)
+    except ConfigError as e:
+      sys.exit(f"FATAL config error: {e}")
+
+  app.run(main_with_config_errors, flags_parser=parse_flags)
 
 
 def _unknown_key(e: BaseException, argv: list[str]):

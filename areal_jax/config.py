@@ -120,9 +120,9 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   return model.with_lora(c.learner.lora)
 
 
-def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> Settings:
+def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, data: bool = True) -> Settings:
   """The run's `Settings`; raises ConfigError (a ValueError) naming the first inconsistent field. With
-  `num_devices`, also checks the device split."""
+  `num_devices`, also checks the device split; `data=False` skips the dataset's fields (a compile check reads none)."""
   for field, choices in _CHOICES.items():
     group, name = field.split(".")
     if c[group][name] not in choices:
@@ -140,9 +140,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
   if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
     _fail("model.vocab_size", model.vocab_size, f"smaller than the char tokenizer's {CharTokenizer().vocab_size} ids")
 
-  if c.data.source == "jsonl" and not c.data.path:
+  if data and c.data.source == "jsonl" and not c.data.path:
     _fail("data.path", c.data.path, "data.source='jsonl' needs a path to a .jsonl file")
-  if c.data.source == "tfds" and not c.data.tfds_name:
+  if data and c.data.source == "tfds" and not c.data.tfds_name:
     _fail("data.tfds_name", c.data.tfds_name, "data.source='tfds' needs a dataset name")
   _positive(c, "data.max_prompt_len", "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts",
             "rollout.stall_timeout_s", "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps",

@@ -12,12 +12,12 @@ Exits with status 1, naming the program, its bytes and the HBM, when a program d
 
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
+from areal_jax import cli
 from areal_jax.aot_check import check, format_table
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+_CONFIG = cli.define_config()
 _SAMPLER = flags.DEFINE_string("sampler_topology", "v5e:2x2", "The sampler slice's TPU topology ('' = skip).")
 _LEARNER = flags.DEFINE_string("learner_topology", "v5e:2x2", "The learner slice's TPU topology ('' = skip).")
 _HBM = flags.DEFINE_float("hbm_gib", 0.0, "HBM per device in GiB (0 = from the device kind).")
@@ -39,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

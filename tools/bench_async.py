@@ -33,15 +33,15 @@ import os
 import shutil
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.distributed import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
 from areal_jax.rl.metrics import read_metrics  # pylint: disable=g-import-not-at-top
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/math.py", "Config file[:preset].", lock_config=True)
+_CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_async", "Directory for the runs (one subdirectory each).")
 _ETAS = flags.DEFINE_list("etas", ["0", "1", "2", "4", "8"], "Staleness bounds to compare; 0 = synchronous.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Learner steps per run.")
@@ -313,4 +313,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
