@@ -28,6 +28,7 @@ setup(
         # a system package (Debian/Ubuntu: bubblewrap).
         "pyseccomp==0.1.2",
         "tensorboardX==2.6.5",
+        "matplotlib==3.11.2",  # tools/plot_run.py
         "tensorflow-datasets==4.9.10",
         "array-record==0.8.6",
         "etils==1.15.0",
@@ -51,6 +52,8 @@ setup(
                  # 0.2.2 imports (it is installed with --no-deps: its declared dependencies pull in TensorFlow).
                  "grpcio==1.85.3", "prometheus-client==0.26.0", "shortuuid==1.0.13", "tiktoken==0.14.0"],
         "gcs": ["gcsfs==2026.10.1"],
+        # The documentation site (docs/, mkdocs.yml); its configs reference is generated from the code.
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         "tpu": ["libtpu==0.0.42.1"],
     },
 )

@@ -188,7 +188,7 @@ def test_metrics_jsonl_appends(tmp_path):
   w = MetricsWriter(str(tmp_path), total_steps=10, tensorboard=True)
   w.write(1, {"reward/mean": np.float32(0.25), "learner/loss": 1.5})
   w.close()
-  w = MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False, start_step=1)
+  w = MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False)
   w.write(2, {"reward/mean": 0.5})
   rows = read_metrics(str(tmp_path))
   assert rows == [{"step": 1, "reward/mean": 0.25, "learner/loss": 1.5}, {"step": 2, "reward/mean": 0.5}]

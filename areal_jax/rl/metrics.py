@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import struct
 import tempfile
@@ -21,33 +22,109 @@ _PROGRESS = {"reward/mean": "mean reward", "eval/accuracy": "eval accuracy", "le
 
 
 class MetricsWriter:
+  """Writes one row per step to `<workdir>/metrics.jsonl` (and TensorBoard) and logs a progress line with an ETA."""
 
-  def __init__(self, workdir: str, *, total_steps: int, tensorboard: bool = True, start_step: int = 0):
-    self.path = epath.Path(workdir) / "metrics.jsonl"
+  def __init__(self, workdir: str, *, total_steps: int, tensorboard: bool = True):
+    self.workdir = epath.Path(workdir)
+    self.path = self.workdir / "metrics.jsonl"
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    self.total_steps, self.start_step = total_steps, start_step
+    self.total_steps = total_steps
     self._t0 = time.time()
-    self._tb = TensorBoard(epath.Path(workdir) / "tensorboard") if tensorboard else None
+    self._times: list[tuple[int, float]] = []  # (step, wall time) of each row this process wrote: the ETA's input
+    self._tb = TensorBoard(self.workdir / "tensorboard") if tensorboard else None
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
     append_lines(self.path, [json.dumps(record)])  # resumed runs keep their history
     if self._tb is not None:
       self._tb.write(step, {k: v for k, v in record.items() if k != "step"})
+    self._times.append((step, time.time()))
     logging.info(self.progress_line(step, record))
 
   def progress_line(self, step: int, m: dict) -> str:
-    done = step - self.start_step
-    elapsed = time.time() - self._t0
-    eta = elapsed / max(done, 1) * (self.total_steps - step)
+    """`step 12/120 [##------------------] 10% | mean reward 0.41 | ... | 0:31 elapsed, eta 4:12`."""
+    frac = min(max(step / max(self.total_steps, 1), 0.0), 1.0)
+    bar = "#" * round(frac * _BAR) + "-" * (_BAR - round(frac * _BAR))
     # reward/mean is NaN when no rollout finished since the last step (metrics.jsonl keeps it): left off the line.
     shown = [k for k in _PROGRESS if k in m and not (k == "reward/mean" and math.isnan(m[k]))]
+    elapsed = m.get("time/elapsed_s", time.time() - self._t0)  # the run's time, resumed attempts included
+    eta = eta_seconds(self._times, self.total_steps)
     parts = [f"{_PROGRESS[k]} {m[k]:.4g}" for k in shown]
-    return f"step {step}/{self.total_steps} | " + " | ".join(parts) + f" | eta {_hms(eta)}"
+    when = f"{_clock(elapsed)} elapsed, eta {'?' if eta is None else _clock(eta)}"
+    return " | ".join([f"step {step}/{self.total_steps} [{bar}] {frac:.0%}", *parts, when])
+
+  def summarize(self, minutes: float, *, eval_path: str = "") -> str:
+    """Logs and prints the end-of-run summary (`run_summary`) of everything in metrics.jsonl; returns it."""
+    text = run_summary(os.fspath(self.workdir), read_metrics(os.fspath(self.workdir)), minutes,
+                       total_steps=self.total_steps, tensorboard=self._tb is not None, eval_path=eval_path)
+    logging.info("%s", text)
+    print(text, flush=True)
+    return text
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+
+
+_BAR = 20  # characters of the progress bar
+
+
+def eta_seconds(times: Sequence[tuple[int, float]], total_steps: int, *, window: int = 20) -> float | None:
+  """Seconds left until `total_steps`, from the `(step, wall time)` of each step written so far (in order).
+
+  The rate is the mean time per step over the last `window` steps. The first interval (the first step after the
+  start, which carries the compiles) counts only while it is the only one, so the estimate is right from the second
+  step on; the time before the first row (warm-start, loading) never counts. None before two rows.
+  """
+  if len(times) < 2:
+    return None
+  first = max(1 if len(times) > 2 else 0, len(times) - 1 - window)
+  (s0, t0), (s1, t1) = times[first], times[-1]
+  if s1 <= s0:
+    return None
+  return max(total_steps - s1, 0) * (t1 - t0) / (s1 - s0)
+
+
+def _clock(seconds: float) -> str:
+  """`4:05` (minutes:seconds), or `1:02:03` from an hour on."""
+  s = int(seconds)
+  return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def run_summary(workdir: str, records: Sequence[Mapping], minutes: float, *, total_steps: int | None = None,
+                tensorboard: bool = True, eval_path: str = "") -> str:
+  """The end-of-run text: held-out accuracy (`eval/accuracy`) at the first and last evaluation, the run's minutes,
+  where its logs are, and the commands to evaluate, serve, open TensorBoard and plot it.
+
+  `records` are metrics.jsonl's rows (`read_metrics`); `eval_path` is the held-out JSONL offered to
+  `tools/evaluate.py` (empty: a placeholder to fill in).
+  """
+  q = shlex.quote
+  last = max((r["step"] for r in records), default=0)
+  evals = [(r["step"], r["eval/accuracy"]) for r in records
+           if isinstance(r.get("eval/accuracy"), (int, float)) and math.isfinite(r["eval/accuracy"])]
+  if not evals:
+    accuracy = "no evaluation in metrics.jsonl"
+  elif len(evals) == 1:
+    accuracy = f"{evals[0][1]:.3f} at step {evals[0][0]}"
+  else:
+    accuracy = f"{evals[0][1]:.3f} at step {evals[0][0]} -> {evals[-1][1]:.3f} at step {evals[-1][0]}"
+  tb = os.fspath(epath.Path(workdir) / "tensorboard")
+  bench = f"heldout={q(eval_path)}" if eval_path else "NAME=PATH.jsonl"
+  of = f"/{total_steps}" if total_steps else ""
+  lines = [
+      f"run finished: step {last}{of} in {minutes:.1f} minutes",
+      f"held-out accuracy (eval/accuracy): {accuracy}",
+      f"logs: {workdir}",
+      f"  metrics:     {epath.Path(workdir) / 'metrics.jsonl'}",
+      *([f"  tensorboard: {tb}"] if tensorboard else []),
+      "next:",
+      f"  evaluate:    python tools/evaluate.py --checkpoint_dir={q(workdir)} --benchmarks={bench}",
+      f"  serve:       python tools/serve.py --checkpoint_dir={q(workdir)} --port=8000",
+      *([f"  tensorboard: tensorboard --logdir {q(tb)}"] if tensorboard else []),
+      f"  plot:        python tools/plot_run.py {q(workdir)}  (writes {epath.Path(workdir) / 'curves.png'})",
+  ]
+  return "\n".join(lines)
 
 
 class TensorBoard:
@@ -98,11 +175,6 @@ def _plain(v):
     return v.item()
   except AttributeError:
     return v
-
-
-def _hms(seconds: float) -> str:
-  seconds = int(seconds)
-  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def append_lines(path: epath.Path, lines: Sequence[str]) -> None:

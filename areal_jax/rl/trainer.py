@@ -358,8 +358,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
   buffer = RolloutBuffer.from_config(r, version=learner.version)
   controller = _controller(config, st, rollout, rewards, buffer)
   evaluator = _evaluator(config, st, controller, sampler_cfg, learner_local, rewards)
-  metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard,
-                          start_step=step)
+  metrics = MetricsWriter(str(workdir), total_steps=config.total_steps, tensorboard=config.metrics.tensorboard)
 
   checkpoint = _saver(config, workdir, st)
   rows = []
@@ -423,6 +422,8 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
     rewards.close()
     ckpt.close()
     metrics.close()
+  # Finished (checkpoints written, workers stopped): the summary, printed by the leader alone, which runs this loop.
+  metrics.summarize((time.time() - st.start_time) / 60, eval_path=config.data.get("eval_path", ""))
   return rows
 
 
