@@ -23,3 +23,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 assert jax.device_count() == 8, jax.devices()
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: whole runs, subprocess jobs and benchmarks (`-m 'not slow'` is the fast "
+                          "tier)")

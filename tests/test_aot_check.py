@@ -17,6 +17,8 @@ pytest.importorskip("libtpu")
 from areal_jax import aot_check  # noqa: E402
 from areal_jax.config import load_config  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny preset cut to one layer and one bucket of 128 tokens: the same programs, compiled in seconds.
 SMALL = {"model.num_layers": 1, "learner.max_tokens_per_mb": 128}

@@ -20,6 +20,8 @@ from areal_jax.data import synthetic
 from areal_jax.data.prompts import INSTRUCTIONS
 from helpers import write_bpe_tokenizer
 
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -14,7 +14,9 @@ from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
 from helpers import FAST
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
 VARIANT = {"learner.lora.rank": 4, "learner.lora.alpha": 8.0, "learner.lora.quantize_base": "nf4", "learner.lr": 1e-3,
            "learner.critic": "lora",

@@ -1,6 +1,5 @@
 """End-to-end runs of the asynchronous trainer on 8 CPU devices split 4 sampler / 4 learner."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,25 +10,18 @@ import time
 import pytest
 
 from areal_jax.config import load_config
-from areal_jax.data import build_dataset
 from areal_jax.rl import trainer
-from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
-from areal_jax.tokenizer import load_tokenizer
 from helpers import FAST
+from run_checks import CONFIG, ROOT, assert_every_prompt_once, rollouts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "configs", "math.py")
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
 REQUIRED = ("step", "version", "reward/mean", "staleness/mean", "staleness/max", "learner/loss",
             "learner/importance_weight_max", "sampler/tokens_per_s", "sampler/decode_steps",
             "sampler/tokens_per_decode_step", "sampler/prefill_rows", "sampler/prefill_tokens", "sampler/cached_tokens",
             "sampler/recomputed", "learner/tokens_per_s",
             "sync/seconds", "time/elapsed_s")
-
-
-def _rollouts(workdir):
-  with open(os.path.join(workdir, "rollouts.jsonl")) as f:
-    return [json.loads(line) for line in f]
 
 
 def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
@@ -57,18 +49,13 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
   assert sum(m["sampler/prefill_rows"] for m in metrics[1:]) > 0
   evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
   assert len(evals) == 3 and all(0.0 <= a <= 1.0 for a in evals)  # steps 0, 2, 4
-  trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
+  trained = [r for r in rollouts(tmp_path) if not r["filtered"]]
   assert len(trained) == 4 * config.rollout.batch_size
   for r in trained:
     # Staleness at training time = (learner version before the step) - (version of the first token) <= eta.
     assert all((r["step"] - 1) - v <= eta for v in r["version_start"]), r
     assert all(a <= b for a, b in zip(r["version_start"], r["version_end"]))
   assert os.path.isdir(tmp_path / "checkpoints" / "4")
-
-
-def _epoch_order(config, n):
-  ds = build_dataset(config.data, load_tokenizer(config.model.tokenizer), split="train")
-  return [next(ds).uid for _ in range(n)]
 
 
 def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
@@ -95,19 +82,6 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
   # A float32 sampler (the tiny default) agrees with the learner within 1e-5 on the tokens of the current version.
   gaps = [m["sampler/logprob_gap"] for m in read_metrics(workdir)[1:] if m["sampler/logprob_gap_tokens"]]
   assert gaps and max(gaps) <= 1e-5, gaps
-
-
-def assert_every_prompt_once(workdir, config, *, last_step):
-  """Steps 0..last_step logged once each; no prompt trained on twice; every prompt drawn is done or pending, and
-  together they are exactly a prefix of the epoch's order (none skipped)."""
-  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, last_step + 1))
-  logged = [r["uid"] for r in _rollouts(workdir)]
-  assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
-  undone = ckpt.read_meta(last_step)["controller"]["undone"]
-  ckpt.close()
-  assert not set(undone) & set(logged)
-  assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
 
 
 def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):

@@ -25,7 +25,7 @@ from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import CharTokenizer
 from helpers import FAST, TINY, memorize, tiny_model
-from test_system_e2e import CONFIG
+from run_checks import CONFIG
 
 TOK = CharTokenizer()
 PROBLEMS = [{"uid": f"p{i}", "question": f"what is {i}+{i + 1}?", "reference": str(2 * i + 1), "kind": "math",
@@ -171,6 +171,7 @@ def test_agent_config_and_loading_name_what_is_wrong():
     agents.load("agent_examples:two_turn", {"turns": 2})
 
 
+@pytest.mark.slow
 def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evaluates_episodes(tmp_path, caplog):
   """configs/agent.py end to end (small shapes): the warm-start on the calculator's demonstrations, training on its
   episodes, evaluation by episodes at each evaluated version."""
@@ -192,6 +193,7 @@ def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evalu
   assert sum(m["sampler/cached_tokens"] for m in metrics[1:]) > 0
 
 
+@pytest.mark.slow
 def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
   """The bundled agent against a policy scripted (memorized) on its demonstrations: a tool call, the tool's result,
   the boxed product, one merged sequence whose loss covers only the policy's tokens; a policy that answers in its

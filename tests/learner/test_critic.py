@@ -11,7 +11,7 @@ from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import assemble, plan_packed
 from areal_jax.learner.step import BATCH_INT_KEYS, make_learner_mesh
 from areal_jax.models import lora
-from test_learner_step import CFG, make_trajectories
+from learner_batches import CFG, make_trajectories
 
 
 def _reference_gae(values, rewards, steps, gamma, lam):
@@ -69,6 +69,7 @@ def _learner(critic, model_cfg=CFG, **kw):
   return learner
 
 
+@pytest.mark.slow
 def test_a_zero_critic_with_gamma_and_lambda_one_is_the_critic_free_step():
   trajs = make_trajectories(3)
   plain, with_critic = _learner(""), _learner("copy")
@@ -96,6 +97,7 @@ def _batch(trajs) -> dict:
   return {k: getattr(mb, k) for k in BATCH_INT_KEYS}
 
 
+@pytest.mark.slow
 def test_a_lora_branch_critic_shares_the_policys_quantized_base_and_learns():
   trajs = make_trajectories(5)
   qlora = CFG.replace(lora_rank=4, lora_alpha=8.0, lora_base_quant="nf4")

@@ -24,6 +24,8 @@ from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import load_tokenizer
 from helpers import TINY, TOOLS_CHATML, memorize, tiny_model, write_bpe_tokenizer
 
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
 MAX_SEQ_LEN = 512
 PROBLEM = {"uid": "p0", "question": "What is 12 + 34?", "reference": "46", "kind": "math", "solution": "",
            "prompt": "What is 12 + 34?"}

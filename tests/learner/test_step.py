@@ -15,59 +15,14 @@ from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import assemble, bucket_lengths, plan_packed
 from areal_jax.learner.ppo import Rejection, decoupled_ppo_loss, loglinear_alpha
-from areal_jax.learner.step import BATCH_FLOAT_KEYS, BATCH_INT_KEYS, build_step, make_learner_mesh, packed_logprobs
-from areal_jax.models.config import ModelConfig
+from areal_jax.learner.step import BATCH_INT_KEYS, build_step, make_learner_mesh, packed_logprobs
 from areal_jax.models.logprobs import logprobs_of
 from areal_jax.models.transformer import create
-from areal_jax.types import Trajectory
 
-CFG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, attention_bias=True)
+from learner_batches import CFG, accumulate_packed, make_trajectories, one_device_mesh, padded_batch
 
 
-def one_device_mesh():
-  return make_learner_mesh(jax.devices()[:1])
-
-
-def make_trajectories(seed, n=16, group_size=4, max_prompt=10, max_response=40):
-  rng = np.random.default_rng(seed)
-  out = []
-  for i in range(n):
-    p, r = int(rng.integers(2, max_prompt)), int(rng.integers(1, max_response))
-    out.append(Trajectory(
-        prompt_ids=rng.integers(0, CFG.vocab_size, p).astype(np.int32),
-        response_ids=rng.integers(0, CFG.vocab_size, r).astype(np.int32),
-        logprobs=(np.log(1 / CFG.vocab_size) + rng.normal(0, 0.5, r)).astype(np.float32),
-        versions=np.zeros(r, np.int32), finish_reason="eos", group_id=i // group_size,
-        reward=float(i % 2 if i // group_size != 1 else 1)))  # group 1 is uniform
-  return out
-
-
-def padded_batch(trajs, adv):
-  """One sequence per row, right-padded: tokens, valid [n, T]; loss mask, behaviour logprobs, advantages [n, T-1]."""
-  t_max = max(t.num_tokens for t in trajs)
-  tokens, valid = np.zeros((len(trajs), t_max), np.int32), np.zeros((len(trajs), t_max), np.int32)
-  mask, behav, adv_bt = (np.zeros((len(trajs), t_max - 1), np.float32) for _ in range(3))
-  for i, t in enumerate(trajs):
-    p, r = len(t.prompt_ids), len(t.response_ids)
-    tokens[i, :p + r] = np.concatenate([t.prompt_ids, t.response_ids])
-    valid[i, :p + r] = 1
-    mask[i, p - 1:p + r - 1], behav[i, p - 1:p + r - 1], adv_bt[i, p - 1:p + r - 1] = 1, t.logprobs, adv[i]
-  return tokens, valid, mask, behav, adv_bt
-
-
-def accumulate_packed(fns, params, layouts, trajs, tok_adv, inv_denominator, weights=None):
-  """Gradients and statistics accumulated over the packed micro-batches of `layouts` (proximal = current)."""
-  grads, stats = fns.zero_accumulators()
-  inv = jax.device_put(np.float32(inv_denominator), fns.replicated)
-  for layout in layouts:
-    mb = assemble(layout, trajs, tok_adv, weights)
-    b = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}, fns.batch_sharding)
-    b["proximal_logprobs"] = fns.logprobs(params, {k: b[k] for k in BATCH_INT_KEYS})
-    grads, stats = fns.accumulate(params, grads, stats, b, inv)
-  return grads, stats
-
-
+@pytest.mark.slow
 def test_packed_microbatch_gradients_equal_one_padded_batch():
   cfg = LearnerConfig(max_tokens_per_mb=64, min_bucket=64, eps_clip_higher=0.28, behav_imp_weight_cap=1.3)
   temperature = 0.7
@@ -104,6 +59,7 @@ def test_packed_microbatch_gradients_equal_one_padded_batch():
   assert 0 < stats["capped"] < stats["tokens"]
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_single_device():
   cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=2, warmup_steps=0,
                       vocab_chunk=16)  # the chunked vocabulary projection, under vocab-sharding on 8 devices
@@ -129,6 +85,7 @@ def test_sharded_step_matches_single_device():
     np.testing.assert_allclose(s8[k], s1[k], rtol=1e-4, err_msg=k)
 
 
+@pytest.mark.slow
 def test_compiles_once_per_bucket_and_no_implicit_transfers():
   cfg = LearnerConfig(lr=1e-3, max_tokens_per_mb=64, min_bucket=32, ppo_n_minibatches=2)
   learner = Learner(model_cfg=CFG, config=cfg, mesh=one_device_mesh(), peak_flops=1e9)
@@ -236,7 +193,7 @@ def test_aot_lowering_from_abstract_shapes():
 
 
 def test_config_presets_give_valid_learner_configs():
-  path = pathlib.Path(__file__).parent.parent / "configs" / "math.py"
+  path = pathlib.Path(__file__).parent.parent.parent / "configs" / "math.py"
   spec = importlib.util.spec_from_file_location("math_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

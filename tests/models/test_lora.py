@@ -14,7 +14,7 @@ from areal_jax.learner.step import build_step, make_learner_mesh
 from areal_jax.models import create, lora
 from areal_jax.models.config import LORA_TARGETS
 from helpers import TINY
-from test_learner_step import accumulate_packed, make_trajectories
+from learner_batches import accumulate_packed, make_trajectories
 
 LORA = TINY.replace(lora_rank=4, lora_alpha=8.0)
 
@@ -28,6 +28,7 @@ def random_adapters(state, seed=1, scale=0.1):
   return nnx.merge_state(base, jax.tree.unflatten(treedef, leaves))
 
 
+@pytest.mark.slow
 def test_adapters_start_as_identity_and_merge_exactly():
   model = create(LORA, 0)
   graphdef, state = nnx.split(model)
@@ -73,6 +74,7 @@ def _scored_batch(rows: int):
   return trajs, tok_adv, plan_packed([t.num_tokens for t in trajs], max_tokens=64, rows=rows, min_bucket=64)
 
 
+@pytest.mark.slow
 def test_learner_trains_only_the_adapters_with_the_merged_models_gradient():
   cfg = LearnerConfig(lr=1e-2, max_tokens_per_mb=64, min_bucket=64, ppo_n_minibatches=1)
   fns = build_step(LORA, cfg, make_learner_mesh(jax.devices()[:1]))
@@ -153,6 +155,7 @@ def test_qlora_base_is_stored_quantized_and_dequantized_where_used(qtype, bits, 
                              nnx.merge(graphdef, adapted)(tokens), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_qlora_learner_step_on_eight_devices_is_the_lora_step_on_the_dequantized_base():
   """The 4-bit values and their block scales shard over the learner mesh; the adapters' gradients and update are the
   ones a float base holding the dequantized weights gives."""

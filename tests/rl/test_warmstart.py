@@ -22,6 +22,7 @@ def _setup():
   return fns, pairs
 
 
+@pytest.mark.slow
 def test_warmstart_learns_and_stops_at_the_target_loss():
   fns, pairs = _setup()
   params = jax.device_put(nnx.state(tiny_model(), nnx.Param), fns.param_shardings)

@@ -14,7 +14,7 @@ from areal_jax.reward.math import verify_math
 from areal_jax.tokenizer import CharTokenizer, HFTokenizer
 from helpers import write_bpe_tokenizer
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "math.py")
 
 
 def _config(**overrides):

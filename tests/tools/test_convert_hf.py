@@ -1,5 +1,6 @@
 """HF -> Orbax -> HF through tools/convert_hf.py gives back the same logits in transformers."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import transformers
 
 from areal_jax.models import orbax_io
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_convert_roundtrip(tmp_path):

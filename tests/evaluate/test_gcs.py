@@ -28,7 +28,9 @@ from areal_jax.rl.metrics import read_metrics
 from areal_jax.sampler import generate
 from areal_jax.tokenizer import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
 BUCKET = "areal-eval-test"
 RUN = f"gs://{BUCKET}/run"

@@ -1,12 +1,15 @@
 """tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py, bench_lora.py and
 bench_prefix_cache.py end to end on small workloads, peers included."""
 
+import pytest
 import os
 import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(tool, *args):

@@ -106,6 +106,7 @@ def test_reproducible_and_independent_of_batching(model):
   assert tok(a) != tok(c)
 
 
+@pytest.mark.slow
 def test_tokens_independent_of_decode_steps(model):
   """Several decode steps per device call draw the same tokens as one at a time, and stop where one step at a time
   stops: at EOS (on the device), a stop sequence (on the host, later tokens dropped), max_new_tokens, and for an
@@ -237,7 +238,7 @@ def test_errors_name_the_values(model, engine):
 def test_pallas_kernel_decodes_like_the_jax_path(model):
   """The decode with the Pallas TPU kernel, run on CPU in TPU interpret mode, draws the tokens of the pure-JAX path,
   greedy and sampled; logprobs differ only by the kernel's bfloat16 reads of the float32 keys and values (< 1e-2
-  here; the kernel itself is checked exactly in test_sampler_attention)."""
+  here; the kernel itself is checked exactly in tests/sampler/test_attention.py)."""
   pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
   prompts = PROMPTS[1:3]
   sampling = [SamplingParams(temperature=0.0, max_new_tokens=5, seed=1),

@@ -13,7 +13,7 @@ from areal_jax.learner.ppo import ppo_token_terms
 from areal_jax.learner.step import build_step, make_learner_mesh
 from areal_jax.models.logprobs import logprobs_of
 from areal_jax.models.transformer import create
-from test_learner_step import CFG, accumulate_packed, make_trajectories, one_device_mesh, padded_batch
+from learner_batches import CFG, accumulate_packed, make_trajectories, one_device_mesh, padded_batch
 
 MAX_TOKENS = 48  # the Dr. GRPO constant in these tests
 

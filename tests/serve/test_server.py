@@ -290,11 +290,12 @@ def test_an_orbax_policy_directory_serves(hf_dir, model, tmp_path):
     assert r.choices[0].token_ids == full_forward(model, [5, 17, 3], r.choices[0].token_ids)[0]
 
 
+@pytest.mark.slow
 def test_command_line(hf_dir):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   cmd = [sys.executable, "tools/serve.py", f"--checkpoint_dir={hf_dir}", "--port=0", "--max_seq_len=32",
          "--num_slots=2", "--page_size=8", "--nowarmup"]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.Popen(cmd, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
   try:
     url, seen = None, []
@@ -469,6 +470,7 @@ def test_a_burst_fills_the_free_slots_then_the_queue(server):
       f.result(timeout=120)
 
 
+@pytest.mark.slow
 def test_lm_evaluation_harness_scores_and_generates_through_the_server(server, model, hf_dir):
   """lm-evaluation-harness's own `local-completions` client: loglikelihood (echo + logprobs + top alternatives, what
   multiple-choice tasks score with) equals the full forward's, and generate_until equals greedy decoding."""

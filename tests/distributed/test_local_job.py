@@ -1,5 +1,6 @@
 """Multi-process jobs on CPU, started with launch/local.py: roles in separate processes, each pinned to its cores."""
 
+import pytest
 import os
 import re
 import signal
@@ -20,7 +21,9 @@ from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
 from helpers import FAST
-from test_system_e2e import CONFIG, ROOT, _rollouts, assert_every_prompt_once
+from run_checks import CONFIG, ROOT, assert_every_prompt_once, rollouts
+
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
 PROCESS_OVERRIDES = dict(FAST, **{"mesh.cpu_devices": 1})
 
@@ -57,7 +60,7 @@ def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_pat
     assert m["sync/sampler0/seconds"] > 0 and m["sync/mb_per_s"] > 0 and m["sync/version_lag"] >= 0
     assert m["sync/bytes"] == adapter_bytes
     assert m["sampler/busy_s"] > 0 and m["learner/busy_s"] > 0
-  trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
+  trained = [r for r in rollouts(tmp_path) if not r["filtered"]]
   assert len(trained) == 4 * overrides["rollout.batch_size"]
   versions = [v for r in trained for v in r["version_start"] + r["version_end"]]
   assert max(versions) >= 1, "the sampler never generated with pulled (non-initial) weights"
@@ -76,7 +79,7 @@ def test_an_agent_trains_through_the_sampler_hub(tmp_path):
   assert [m["step"] for m in metrics] == [0, 1, 2]
   for m in metrics[1:]:
     assert m["agent/turns_mean"] == 2.0 and m["agent/episode_failures"] == 0 and m["sampler/busy_s"] > 0, m
-  trained = [r for r in _rollouts(tmp_path) if not r["filtered"]]
+  trained = [r for r in rollouts(tmp_path) if not r["filtered"]]
   assert all(r["turns"] == [2] * overrides["rollout.group_size"] for r in trained)
 
 

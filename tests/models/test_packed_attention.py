@@ -100,6 +100,7 @@ def test_flash_under_learner_sharding(tensor):
   _check(jax.jit(sharded), seg, q, k, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["random", "long"])
 def test_splash_kernel_in_interpret_mode_under_learner_sharding(case):
   """The TPU path (Pallas splash kernel with segment ids and block tables from the segments, under shard_map on fsdp x

@@ -223,7 +223,7 @@ def test_a_run_with_code_problems_refuses_to_start_without_the_jail(monkeypatch)
     raise sandbox.SandboxUnavailable("code sandbox: `bwrap` is not on PATH")
 
   monkeypatch.setattr(sandbox, "check_isolation", missing)
-  reward = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")).reward
+  reward = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "math.py")).reward
   code = PromptRecord(uid="a", prompt="", prompt_ids=None, reference="", kind="code")
   code_set = types.SimpleNamespace(records=[code])
   math_set = types.SimpleNamespace(records=[PromptRecord(uid="b", prompt="", prompt_ids=None, reference="")])

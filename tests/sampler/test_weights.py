@@ -215,6 +215,7 @@ def test_pushed_weights_arrive_in_the_samplers_dtype(models, bf16_engine):
     sched.update_params(weight_transfer.transfer(on_learner, bf16_engine.param_shardings), 2)
 
 
+@pytest.mark.slow
 def test_bfloat16_sampler_logprobs_differ_and_the_learner_logs_the_gap(models, bf16_engine):
   """bfloat16 sampler weights (float32 compute, float32 learner): the behaviour logprobs differ from the learner's by
   a small but nonzero amount. `Learner.train_step` reports as `sampler/logprob_gap` the mean |behaviour - learner

@@ -204,6 +204,7 @@ def _check_pools(server):
     assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["interleaved", "disaggregated"])
 def test_jetstream_s_own_server_serves_the_engine(served, disaggregated):
   """Concurrent token and text requests through JetStream 0.2.2's gRPC server and stub: every answer is greedy

@@ -1,5 +1,6 @@
 """tools/convert_hf.py --to=hf takes a run directory: its latest complete checkpoint, logits equal in transformers."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ from flax import nnx
 from areal_jax.models import ModelConfig, create, orbax_io
 from areal_jax.rl.checkpoint import Checkpointer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_run_directory_to_hf(tmp_path):

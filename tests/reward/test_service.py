@@ -13,7 +13,7 @@ from areal_jax.reward.service import RewardService, score_all
 from helpers import SLOW_MATH
 from hostile_code import jailed_processes
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "math.py")
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "math.py")
 
 
 def _alive(pid: int) -> bool:

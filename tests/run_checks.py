@@ -1,0 +1,36 @@
+"""Shared by the tests of whole runs: the repo's paths, a run's rollouts, and the check that a run (killed and resumed,
+or run as processes) trained every prompt exactly once."""
+
+import json
+import os
+
+from areal_jax.data import build_dataset
+from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.metrics import read_metrics
+from areal_jax.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "math.py")
+
+
+def rollouts(workdir):
+  with open(os.path.join(workdir, "rollouts.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _epoch_order(config, n):
+  ds = build_dataset(config.data, load_tokenizer(config.model.tokenizer), split="train")
+  return [next(ds).uid for _ in range(n)]
+
+
+def assert_every_prompt_once(workdir, config, *, last_step):
+  """Steps 0..last_step logged once each; no prompt trained on twice; every prompt drawn is done or pending, and
+  together they are exactly a prefix of the epoch's order (none skipped)."""
+  assert [m["step"] for m in read_metrics(workdir)] == list(range(0, last_step + 1))
+  logged = [r["uid"] for r in rollouts(workdir)]
+  assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
+  undone = ckpt.read_meta(last_step)["controller"]["undone"]
+  ckpt.close()
+  assert not set(undone) & set(logged)
+  assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
