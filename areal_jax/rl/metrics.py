@@ -54,10 +54,10 @@ class MetricsWriter:
     return " | ".join([f"step {step}/{self.total_steps} [{bar}] {frac:.0%}", *parts, when])
 
   def summarize(self, minutes: float, *, eval_path: str = "") -> str:
-    """Logs and prints the end-of-run summary (`run_summary`) of everything in metrics.jsonl; returns it."""
+    """Prints the end-of-run summary (`run_summary`) of everything in metrics.jsonl to stdout, once, as plain text
+    (the progress lines are absl's log, on stderr); returns it."""
     text = run_summary(os.fspath(self.workdir), read_metrics(os.fspath(self.workdir)), minutes,
                        total_steps=self.total_steps, tensorboard=self._tb is not None, eval_path=eval_path)
-    logging.info("%s", text)
     print(text, flush=True)
     return text
 
@@ -73,12 +73,12 @@ def eta_seconds(times: Sequence[tuple[int, float]], total_steps: int, *, window:
   """Seconds left until `total_steps`, from the `(step, wall time)` of each step written so far (in order).
 
   The rate is the mean time per step over the last `window` steps. The first interval (the first step after the
-  start, which carries the compiles) counts only while it is the only one, so the estimate is right from the second
-  step on; the time before the first row (warm-start, loading) never counts. None before two rows.
+  start, which carries the compiles: 30 s where later steps took 3-5 in the tiny run) and the time before the first
+  row (warm-start, loading) never count, so the estimate is right from the second step on. None before three rows.
   """
-  if len(times) < 2:
+  if len(times) < 3:
     return None
-  first = max(1 if len(times) > 2 else 0, len(times) - 1 - window)
+  first = max(1, len(times) - 1 - window)
   (s0, t0), (s1, t1) = times[first], times[-1]
   if s1 <= s0:
     return None
