@@ -28,3 +28,13 @@ assert jax.device_count() == 8, jax.devices()
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: whole runs, subprocess jobs and benchmarks (`-m 'not slow'` is the fast "
                           "tier)")
+
+
+def pytest_collection_modifyitems(items):
+  """Files marked slow as a whole (whole runs, subprocess jobs) first: xdist's `--dist loadfile` hands files to its
+  workers in this order, and starting the longest first keeps both workers busy until the end."""
+  def whole_file_slow(item) -> bool:
+    marks = getattr(item.module, "pytestmark", [])
+    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
+
+  items.sort(key=lambda item: not whole_file_slow(item))
