@@ -194,10 +194,20 @@ def append_lines(path: epath.Path, lines: Sequence[str]) -> None:
 
 
 def read_metrics(workdir: str) -> list[dict]:
+  """metrics.jsonl's rows ([] when there is none yet); a torn last line (a run still appending, or killed) is left
+  out, a line that is not JSON before it raises a ValueError naming the file and line."""
   path = epath.Path(workdir) / "metrics.jsonl"
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  lines = [line for line in path.read_text().splitlines() if line.strip()]
+  rows = []
+  for i, line in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i < len(lines) - 1:
+        raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+  return rows
 
 
 def cut_logs(workdir: str | os.PathLike, step: int | None) -> None:

@@ -10,11 +10,12 @@ One panel per quantity, x = learner step; a panel whose metrics the run did not 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 from etils import epath
+
+from areal_jax.rl.metrics import read_metrics
 
 PANELS = (("held-out accuracy", ("eval/accuracy",)),
           ("reward", ("reward/mean", "reward/trained_mean")),
@@ -26,18 +27,15 @@ class NoMetrics(ValueError):
   """metrics.jsonl is missing, empty, or holds none of the plotted metrics (the message names the file)."""
 
 
-def read_rows(path: epath.Path) -> list[dict]:
-  """metrics.jsonl's rows; a torn last line (a run still appending, or killed) is skipped. Raises `NoMetrics`."""
+def read_rows(workdir: str | os.PathLike) -> list[dict]:
+  """metrics.jsonl's rows (`metrics.read_metrics`); raises `NoMetrics` when it is missing, empty or unreadable."""
+  path = epath.Path(workdir) / "metrics.jsonl"
   if not path.exists():
     raise NoMetrics(f"{path}: no such file (is this a run's workdir?)")
-  lines = [line for line in path.read_text().splitlines() if line.strip()]
-  rows = []
-  for i, line in enumerate(lines):
-    try:
-      rows.append(json.loads(line))
-    except json.JSONDecodeError:
-      if i < len(lines) - 1:
-        raise NoMetrics(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+  try:
+    rows = read_metrics(os.fspath(workdir))
+  except ValueError as e:
+    raise NoMetrics(str(e)) from None
   if not rows:
     raise NoMetrics(f"{path}: empty (no step written yet)")
   return rows
@@ -56,7 +54,7 @@ def plot_run(workdir: str | os.PathLike, out: str | os.PathLike | None = None) -
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   path = epath.Path(workdir) / "metrics.jsonl"
-  rows = read_rows(path)
+  rows = read_rows(workdir)
   panels = [(title, [(k, *series(rows, k)) for k in keys]) for title, keys in PANELS]
   panels = [(title, [c for c in curves if c[1]]) for title, curves in panels]
   panels = [(title, curves) for title, curves in panels if curves]

@@ -423,7 +423,7 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
     ckpt.close()
     metrics.close()
   # Finished (checkpoints written, workers stopped): the summary, printed by the leader alone, which runs this loop.
-  metrics.summarize((time.time() - st.start_time) / 60, eval_path=config.data.get("eval_path", ""))
+  metrics.summarize((time.time() - st.start_time) / 60, eval_path=config.data.eval_path)
   return rows
 
 

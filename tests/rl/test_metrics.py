@@ -78,3 +78,12 @@ def test_writer_summarize_prints_what_it_wrote(tmp_path, capsys):
   text = w.summarize(3.0)
   assert "0.500 at step 0 -> 0.750 at step 2" in text and "tensorboard" not in text
   assert text in capsys.readouterr().out
+
+
+def test_read_metrics_leaves_out_a_torn_last_line_and_names_a_bad_one_before_it(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')
+  assert read_metrics(str(tmp_path)) == [{"step": 0}, {"step": 1}]
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON: 'not json'"):
+    read_metrics(str(tmp_path))
+  assert read_metrics(str(tmp_path / "nowhere")) == []
