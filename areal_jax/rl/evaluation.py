@@ -11,11 +11,13 @@ still use the same compiled engine; `EvalResult.correct` holds every (question, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from flax import nnx
+from etils import epath
 from jax.sharding import Mesh
 
 from areal_jax import faults
@@ -27,6 +29,20 @@ from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.sampler.scheduler import Scheduler
+
+def heldout_jsonl(workdir: str, eval_path: str, records: Sequence[PromptRecord]) -> str:
+  """A JSONL of the run's held-out problems for `tools/evaluate.py --benchmarks`: `eval_path` when the config names
+  one, else `<workdir>/heldout.jsonl`, written here from the math `records` the run evaluated on (held out of a
+  synthetic, TFDS or JSONL source); "" when they are code problems (their tests have no row form to write back)."""
+  if eval_path:
+    return eval_path
+  if not records or any(r.kind != "math" for r in records):
+    return ""
+  path = epath.Path(workdir) / "heldout.jsonl"
+  path.write_text("".join(json.dumps({"id": r.uid, "question": r.question, "answer": r.reference}) + "\n"
+                          for r in records))
+  return str(path)
+
 
 # score(items) -> rewards, items being (kind, completion text, reference).
 Scorer = Callable[[Sequence[tuple[str, str, str]]], list[float]]

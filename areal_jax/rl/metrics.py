@@ -96,8 +96,8 @@ def run_summary(workdir: str, records: Sequence[Mapping], minutes: float, *, tot
   """The end-of-run text: held-out accuracy (`eval/accuracy`) at the first and last evaluation, the run's minutes,
   where its logs are, and the commands to evaluate, serve, open TensorBoard and plot it.
 
-  `records` are metrics.jsonl's rows (`read_metrics`); `eval_path` is the held-out JSONL offered to
-  `tools/evaluate.py` (empty: a placeholder to fill in).
+  `records` are metrics.jsonl's rows (`read_metrics`); `eval_path` is the held-out JSONL the evaluate command scores
+  (`evaluation.heldout_jsonl`); without one (code problems) the command asks for the reader's own benchmark.
   """
   q = shlex.quote
   last = max((r["step"] for r in records), default=0)

@@ -58,7 +58,7 @@ from areal_jax.rl import warmstart
 from areal_jax.rl.batches import save_batch
 from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.controller import RolloutController, problem
-from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator
+from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator, heldout_jsonl
 from areal_jax.rl.metrics import MetricsWriter, append_lines, cut_logs
 from areal_jax.rl.rollout import LocalRollout, Rollout
 from areal_jax.rl.rollout_buffer import RolloutBuffer
@@ -423,7 +423,8 @@ def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlSe
     ckpt.close()
     metrics.close()
   # Finished (checkpoints written, workers stopped): the summary, printed by the leader alone, which runs this loop.
-  metrics.summarize((time.time() - st.start_time) / 60, eval_path=config.data.eval_path)
+  metrics.summarize((time.time() - st.start_time) / 60,
+                    eval_path=heldout_jsonl(str(workdir), config.data.eval_path, st.evalset.records))
   return rows
 
 
