@@ -93,13 +93,13 @@ def _probes(value) -> list:
   return []
 
 
-def checks(key: str, default) -> list[str]:
+def checks(key: str, default, root: str = ".") -> list[str]:
   """What `config.validate` answers when the tiny preset's `key` is set to a bad value (0, -1, an unknown string),
   as `value: message` for the messages that name `key`."""
   out = []
   for value in _probes(default):
     try:
-      c = config_lib.load_config(_PROBE_SPEC)
+      c = config_lib.load_config(os.path.join(root, _PROBE_SPEC))
       c.unlock()
       node = c
       *parents, leaf = key.split(".")
@@ -127,14 +127,9 @@ def reference(root: str = ".") -> list[dict]:
       docs.setdefault(key, doc)
   keys = list(configs["tiny"])
   keys += [k for values in configs.values() for k in values if k not in keys]
-  cwd = os.getcwd()
-  os.chdir(root)
-  try:
-    return [{"key": k, "defaults": {col: values.get(k, "—") for col, values in configs.items()},
-             "doc": _doc_for(k, docs), "checks": checks(k, configs["tiny"][k]) if k in configs["tiny"] else []}
-            for k in keys]
-  finally:
-    os.chdir(cwd)
+  return [{"key": k, "defaults": {col: values.get(k, "—") for col, values in configs.items()},
+           "doc": _doc_for(k, docs), "checks": checks(k, configs["tiny"][k], root) if k in configs["tiny"] else []}
+          for k in keys]
 
 
 def _cell(value) -> str:
