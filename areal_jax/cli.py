@@ -82,6 +82,27 @@ def stop_on_signals() -> None:
 
   for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, stop)
+  sys.unraisablehook = _keep_swallowed_stop
+
+
+_swallowed: Stopped | None = None  # a stop raised where Python could not propagate it
+
+
+def _keep_swallowed_stop(info) -> None:
+  """A signal that lands in code whose exceptions Python drops (a garbage-collection callback, a `__del__`) loses
+  its `Stopped`: kept for `check_stopped` instead of printed as an ignored traceback."""
+  global _swallowed
+  if isinstance(info.exc_value, Stopped):
+    _swallowed = info.exc_value
+  else:
+    sys.__unraisablehook__(info)
+
+
+def check_stopped() -> None:
+  """Raises the `Stopped` a signal raised where it could not propagate (see `_keep_swallowed_stop`), if any; loops
+  that wait in the main thread call it."""
+  if _swallowed is not None:
+    raise _swallowed
 
 
 def peer_stopped(signum: int) -> Stopped:

@@ -25,21 +25,6 @@ from areal_jax.reward.sandbox import ISOLATIONS
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.tokenizer import CharTokenizer
 
-# Overrides of configs/math.py (tiny) for a small, fast run with every mechanism on: end-to-end tests and
-# tools/chaos.py. The model barely learns in 30 warm-start steps; with uniform groups filtered, nearly every group
-# (all wrong) would be dropped and a step could take minutes, so they are kept.
-FAST_OVERRIDES = {
-    "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,
-    "model.num_kv_heads": 1, "model.head_dim": 32,
-    "warmstart.steps": 30, "warmstart.batch_size": 32, "warmstart.target_match": 0.0, "data.eval_size": 8,
-    "data.synthetic_size": 2000,
-    "rollout.batch_size": 4, "rollout.group_size": 4, "rollout.max_concurrent_rollouts": 8,
-    "learner.ppo_n_minibatches": 2, "learner.max_tokens_per_mb": 256, "learner.min_bucket": 64,
-    "sampler.num_slots": 32, "sampler.num_pages": 256, "sampler.max_new_tokens": 40, "sampler.max_seq_len": 96,
-    "data.max_prompt_len": 40, "checkpoint.every_steps": 2, "eval.every_steps": 2, "reward.num_workers": 1,
-    "metrics.tensorboard": False, "learner.filter_uniform_groups": False,
-}
-
 # Choices of the groups without a typed record of their own (the records check theirs).
 _CHOICES = {
     "data.source": SOURCES,

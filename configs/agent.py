@@ -15,17 +15,19 @@ import os
 import ml_collections
 
 
-def _math_config() -> ml_collections.ConfigDict:
+def _math_config():
   spec = importlib.util.spec_from_file_location("_math_config", os.path.join(os.path.dirname(__file__), "math.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config("tiny")
+  return module
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
-  if preset:
-    raise ValueError(f"configs/agent.py has no presets (got {preset!r})")
-  c = _math_config()
+  """No preset: the task as measured. `fast`: `configs/math.py:fast`'s changes on top (the end-to-end test)."""
+  if preset not in (None, "", "fast"):
+    raise ValueError(f"configs/agent.py has one preset, 'fast' (got {preset!r})")
+  math = _math_config()
+  c = math.get_config("tiny")
   c.preset = "agent"
   c.total_steps = 30
   c.agent.path = "areal_jax.agents.calculator:Calculator"
@@ -50,4 +52,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.eval.every_steps = 10
   c.eval.num_samples = 2
   c.checkpoint.every_steps = 10
+  if preset == "fast":
+    c = math.fast(c)
+    c.sampler.update(max_seq_len=224, max_new_tokens=80)  # a solved episode's length
+    c.preset = "agent-fast"
   return c

@@ -10,7 +10,6 @@ import optax
 import tokenizers
 from flax import nnx
 
-from areal_jax.config import FAST_OVERRIDES
 from areal_jax.models import ModelConfig, create
 
 TINY = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -35,9 +34,6 @@ def tiny_model(cfg: ModelConfig = TINY, seed: int = 0):
 # An answer sympy grinds on for ~15 s (each (n!)! about 1.4 s), far longer than any timeout in the tests; a single
 # (9999!)! finishes in about a second, so racing it against a 1 s timeout was flaky.
 SLOW_MATH = r"\boxed{" + "+".join(f"({n}!)!" for n in range(9999, 9989, -1)) + "}"
-
-
-FAST = FAST_OVERRIDES  # configs/math.py overrides for end-to-end runs
 
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "

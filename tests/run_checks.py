@@ -11,6 +11,7 @@ from areal_jax.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
+FAST = CONFIG + ":fast"  # a small, quick run with every mechanism on
 
 
 def rollouts(workdir):

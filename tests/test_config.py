@@ -131,3 +131,13 @@ def test_a_saved_config_loads_with_fields_added_since(tmp_path):
   again = load_config(f"{os.path.join(os.path.dirname(CONFIG), 'from_json.py')}:{path}")
   validate(again)
   assert again.rollout.batch_size == 8 and again.reward.code_isolation == "bwrap"
+
+
+def test_loading_a_config_loads_no_http_or_agent_stack():
+  """Sampler processes and `tools/aot_check.py` load configs: the serving and agent stack stays out of them."""
+  code = ("import sys; from areal_jax import config as c\n"
+          "for name in ('math', 'agent'):\n"
+          "  c.validate(c.load_config(f'configs/{name}.py'), num_devices=8)\n"
+          "print(sorted(m for m in ('fastapi', 'uvicorn', 'openai', 'starlette', 'httpx2') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout

@@ -15,7 +15,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 from areal_jax import faults
-from areal_jax.config import FAST_OVERRIDES
 from areal_jax.data import synthetic
 from areal_jax.data.prompts import INSTRUCTIONS
 from helpers import write_bpe_tokenizer
@@ -26,9 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _job(workdir, *flags, env=None, wrap=(), timeout=600):
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={ROOT}/configs/math.py",
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={ROOT}/configs/math.py:fast",
          f"--workdir={workdir}"]
-  cmd += [f"--config.{k}={v}" for k, v in FAST_OVERRIDES.items()] + list(flags)
+  cmd += list(flags)
   out = subprocess.run(list(wrap) + cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT, check=False)
   return out.returncode, out.stdout + out.stderr

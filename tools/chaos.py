@@ -41,12 +41,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from areal_jax.config import FAST_OVERRIDES  # pylint: disable=g-import-not-at-top
 from areal_jax.faults import ENV, PHASES  # pylint: disable=g-import-not-at-top
 
-CONFIG = os.path.join(ROOT, "configs", "math.py")
-# configs/math.py overrides: fast steps with every mechanism on, an evaluation every 4 steps.
-FAST = dict(FAST_OVERRIDES, **{"eval.every_steps": 4})
+CONFIG = os.path.join(ROOT, "configs", "math.py:fast")  # fast steps with every mechanism on
 # How far into an attempt a phase kill may come: the n-th occurrence, n drawn from 1..this.
 MAX_OCCURRENCE = {"generation": 300, "learner_step": 3, "weight_update": 3, "checkpoint_write": 2, "evaluation": 2}
 
@@ -82,7 +79,7 @@ def parse_args():
 
 def _overrides(args) -> dict:
   extra = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 1} if getattr(args, "processes", 0) else {}
-  return dict(FAST, total_steps=args.steps, seed=args.seed, **extra)
+  return {"total_steps": args.steps, "seed": args.seed, "eval.every_steps": 4, **extra}
 
 
 _CHILD = re.compile(r"local: (.+?) is process \d+ \(pid (\d+)\)")

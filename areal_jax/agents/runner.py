@@ -39,6 +39,7 @@ import openai
 
 from areal_jax.agents.agent import AgentConfig, AgentFn
 from areal_jax.agents.episodes import Completion, assign_rewards, to_trajectories
+from areal_jax.async_thread import AsyncThread
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.serve import openai_api
 from areal_jax.serve.backend import Tokens
@@ -138,7 +139,8 @@ class _Episode:
 
 
 class EpisodeRunner:
-  """Runs episodes on one asyncio loop in a thread of its own; `submit` is safe from any thread."""
+  """Runs episodes on one asyncio loop in a thread of its own (`thread`); `submit` is safe from any thread, and a
+  coroutine on that loop (the rollout controller's groups) awaits `episode` directly."""
 
   def __init__(self, *, agent: AgentFn, config: AgentConfig, rollout, tokenizer: Tokenizer, sampling: SamplingParams,
                limits: dict[str, int], version: Callable[[], int]):
@@ -149,15 +151,13 @@ class EpisodeRunner:
     self.failures = 0
     self._episodes: dict[str, _Episode] = {}
     self._lock = threading.Lock()
-    self._loop = asyncio.new_event_loop()
-    self._thread = threading.Thread(target=self._loop.run_forever, name="agent-episodes", daemon=True)
-    self._thread.start()
+    self.thread = AsyncThread("agent-episodes")
 
   def submit(self, data: dict[str, Any], *, group_id: int, index: int,
              min_version: int) -> concurrent.futures.Future:
     """Starts answer `index` of group `group_id`: a future of its `EpisodeResult` (it never raises for the agent's
     faults; see the module docstring)."""
-    return asyncio.run_coroutine_threadsafe(self._run(data, group_id, index, min_version), self._loop)
+    return self.thread.submit(self.episode(data, group_id=group_id, index=index, min_version=min_version))
 
   def client(self, episode: str | None = None) -> openai.AsyncOpenAI:
     """An OpenAI client whose transport calls the routes in process; with `episode`, its requests are that running
@@ -168,18 +168,12 @@ class EpisodeRunner:
 
   def stop(self) -> None:
     """Cancels the episodes in flight and ends the loop's thread."""
-    def cancel_all():
-      for task in asyncio.all_tasks(self._loop):
-        task.cancel()
-      self._loop.call_soon(self._loop.stop)
-
-    if self._thread.is_alive():
-      self._loop.call_soon_threadsafe(cancel_all)
-      self._thread.join(30)
+    self.thread.stop()
 
   # --- one episode ----------------------------------------------------------------------------------------------
 
-  async def _run(self, data: dict[str, Any], group_id: int, index: int, min_version: int) -> EpisodeResult:
+  async def episode(self, data: dict[str, Any], *, group_id: int, index: int, min_version: int) -> EpisodeResult:
+    """Answer `index` of group `group_id`, awaited on `self.thread`'s loop (what `submit` runs)."""
     key = f"{group_id}-{index}"
     episode = _Episode(min_version=min_version)
     with self._lock:

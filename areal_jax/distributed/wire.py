@@ -15,10 +15,11 @@ import dataclasses
 import msgpack
 import numpy as np
 
+from areal_jax.distributed import messages
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
 
-RECORDS = {cls.__name__: cls for cls in (Trajectory, Request, SamplingParams)}
+RECORDS = {cls.__name__: cls for cls in (Trajectory, Request, SamplingParams, *messages.RECORDS)}
 _ARRAY, _RECORD = 1, 2
 
 

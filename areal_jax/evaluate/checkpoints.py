@@ -134,7 +134,7 @@ def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, 
 
 
 def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.State:
-  """The base weights a LoRA run's checkpoints name (`trainer._base_source`), onto `target`'s shardings and dtypes:
+  """The base weights a LoRA run's checkpoints name (`rl.initial_weights.base_source`), onto `target`'s shardings and dtypes:
   `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its seed;
   quantized as the learner stored it under QLoRA."""
   shardings = jax.tree.map(lambda t: t.sharding, target)

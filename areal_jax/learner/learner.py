@@ -142,6 +142,28 @@ class Learner:
     """After restoring `params` / `opt_state` from a checkpoint: the counters saved with them."""
     self.version, self._updates = int(version), int(updates)
 
+  def save(self, ckpt, step: int, *, meta: dict, force: bool = False) -> bool:
+    """This process's shards of step `step`'s checkpoint (`rl.checkpoint.Checkpointer`), on its schedule or
+    `force`d: the trained parameters (the adapters alone under LoRA), the optimizer state, a critic's state beside
+    them. Returns whether a save started."""
+    extra = {} if self.critic is None else {"critic_params": self.critic_params, "critic_opt_state": self.critic_opt}
+    return ckpt.save(step, params=self.fns.split(self.params)[0], opt_state=self.opt_state, force=force, meta=meta,
+                     extra=extra)
+
+  def restore(self, ckpt, step: int) -> dict:
+    """Its state from step `step` of `ckpt`, straight onto its shardings (under LoRA the frozen base must be in
+    `params` already): trained parameters, optimizer state, a critic's state, the version and update counters.
+    Returns the checkpoint's meta."""
+    trained, frozen = self.fns.split(self.params)
+    trained, self.opt_state, meta = ckpt.restore(step, params=trained, opt_state=self.opt_state)
+    self.params = nnx.merge_state(trained, frozen)
+    if self.critic is not None:
+      params, opt = self.critic.abstract_state()
+      saved = ckpt.restore_extra(step, {"critic_params": params, "critic_opt_state": opt})
+      self.critic_params, self.critic_opt = saved["critic_params"], saved["critic_opt_state"]
+    self.version, self._updates = int(meta["version"]), int(meta["updates"])
+    return meta
+
   def init_critic(self) -> None:
     """The critic, copied from the current policy parameters (call once they are the run's initial ones)."""
     if self.critic is not None:

@@ -17,7 +17,9 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from areal_jax.config import ConfigError
 from areal_jax.models import orbax_io
+from areal_jax.models.config import ModelConfig
 
 
 class CheckpointError(OSError):
@@ -124,3 +126,24 @@ class Checkpointer:
         raise
     finally:
       self._mngr.close()
+
+
+def check_resumable(meta: dict[str, Any], model_cfg: ModelConfig, critic: str, *, where: str) -> None:
+  """A checkpoint resumes only into a run with the same adapters (or none) and the same critic setting (its leader's
+  `meta` says which): else a `ConfigError` naming both."""
+  saved = meta.get("model_config", {})
+  rank, targets = saved.get("lora_rank", 0), ",".join(saved.get("lora_targets", ()))
+  if rank != model_cfg.lora_rank:
+    what = f"LoRA adapters of learner.lora.rank={rank}" if rank else "full weights (no adapters)"
+    raise ConfigError(f"config.learner.lora.rank={model_cfg.lora_rank}: {where} holds {what}; set it to match, or "
+                      "use another workdir")
+  if rank and targets != ",".join(model_cfg.lora_targets):
+    raise ConfigError(f"config.learner.lora.targets={','.join(model_cfg.lora_targets)!r}: {where} holds adapters "
+                      f"on {targets!r}; set it to match, or use another workdir")
+  quant = saved.get("lora_base_quant", "")
+  if rank and quant != model_cfg.lora_base_quant:
+    raise ConfigError(f"config.learner.lora.quantize_base={model_cfg.lora_base_quant!r}: {where} holds adapters "
+                      f"trained on a base quantized as {quant!r}; set it to match, or use another workdir")
+  if meta.get("critic", "") != critic:
+    raise ConfigError(f"config.learner.critic={critic!r}: {where} was written by a run with "
+                      f"learner.critic={meta.get('critic', '')!r}; set it to match, or use another workdir")

@@ -1,17 +1,19 @@
-"""The rollout controller: admits prompt groups under the staleness bound and chains each one to the buffer.
+"""The rollout controller: each prompt group is one coroutine, from its admission to the buffer.
 
-    admit ─(capacity > 0)─► sampler (one future per answer) ─► reward service (a future per answer) ─► whole group
-          ─► RolloutBuffer ─► learner
+    admission ─(capacity > 0)─► group(record):  answers = generate G      (the sampler: one future per answer)
+                                                 rewards = score each       (the reward service, as each answer ends)
+                                                 buffer.finish(group)   ─► RolloutBuffer ─► learner
 
-It has no thread of its own. `admit()` runs wherever capacity may have grown: at the start, after each learner step
-and when a group finishes; each answer's future starts its scoring, and the last score of a group hands the group to
-the buffer, in the thread that completed the future (the sampler's, the reward dispatcher's). A group is finished
-when its G answers are scored. Groups whose answers all score the same are dropped (they carry no learning signal)
-when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
+Everything runs on one asyncio loop in a thread of its own (`AsyncThread`): one admission task starts as many groups
+as the buffer's capacity allows and then awaits a wake-up (a group finished, or the learner stepped: `admit()`);
+each group is a task that awaits its answers and their rewards and hands the group to the buffer. The sampler's and
+the reward service's threads only complete futures; no controller code runs on them. A group's exception stops the
+controller and is raised to the learner by `check()`. Groups whose answers all score the same are dropped (they carry
+no learning signal) when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
 
-With an agent (`agent.path`), a group is G episodes of the agent on the prompt's problem (`agents.EpisodeRunner`),
-and each episode's reward comes from the agent; an episode may give several trajectories (its turns, where they do
-not merge), all with the group's id. Staleness counts from an episode's first token.
+With an agent (`agent.path`), a group is G episodes of the agent on the prompt's problem (`agents.EpisodeRunner`, on
+the same loop), and each episode's reward comes from the agent; an episode may give several trajectories (its turns,
+where they do not merge), all with the group's id. Staleness counts from an episode's first token.
 
 Every group is admitted under the learner's current version and asks the sampler for weights of that version or
 newer, so a group admitted just after a learner step waits for that step's weights.
@@ -22,23 +24,27 @@ saves them with the dataset's iterator state, and a restarted run generates them
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from areal_jax import cli
-from areal_jax.agents.runner import EpisodeResult, EpisodeRunner
+from areal_jax.async_thread import AsyncThread, awaitable
 from areal_jax.data.records import PromptRecord
-from areal_jax.reward.service import RewardService
+from areal_jax.reward.service import RewardResult, RewardService
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
+
+if TYPE_CHECKING:
+  from areal_jax.agents.runner import EpisodeRunner
 
 _SHOWN_REWARD_FAILURES = 5  # reward failures logged one by one; after that every 100th
 
@@ -56,53 +62,62 @@ class Group:
     return np.array([t.reward for t in self.trajectories])
 
 
-@dataclasses.dataclass
-class _Pending:
-  record: PromptRecord
-  version: int  # the learner's when admitted
-  answers: dict[int, Trajectory] = dataclasses.field(default_factory=dict)
-  rewards: dict[int, float] = dataclasses.field(default_factory=dict)
-  episodes: dict[int, EpisodeResult] = dataclasses.field(default_factory=dict)
-
-
 def problem(record: PromptRecord) -> dict:
   """What an agent is handed for a prompt record."""
   return {"uid": record.uid, "question": record.question, "reference": record.reference, "kind": record.kind,
           "solution": record.solution, "prompt": record.prompt}
 
 
-class RolloutController:
-  """See the module docstring. `loop` is a `Rollout` (`submit` returns one future per answer); `version()` is the
-  learner's policy version; `episodes`, with an agent, runs its episodes instead."""
+class Stalled(RuntimeError):
+  """No prompt group was accepted for `rollout.stall_timeout_s`: the run cannot learn as configured."""
 
-  def __init__(self, *, dataset, loop, rewards: RewardService, buffer: RolloutBuffer, version: Callable[[], int],
+
+def _why_stalled(dropped: int) -> str:
+  if dropped:
+    return (f"the {dropped} groups that finished were all dropped because every answer scored the same "
+            "(learner.filter_uniform_groups): the policy solves none of these prompts (or all of them). Warm-start "
+            "longer (warmstart.steps), lower rollout.max_head_offpolicyness, or use an easier data mix")
+  return "no group finished at all: if answers take this long, raise rollout.stall_timeout_s"
+
+
+class RolloutController:
+  """See the module docstring. `rollout` is a `Rollout` (`submit` returns one future per answer); `version` is the
+  policy version published to it (`admit` moves it on); `episodes`, with an agent, runs its episodes instead (on its `thread`, which the
+  controller then shares)."""
+
+  def __init__(self, *, dataset, rollout, rewards: RewardService, buffer: RolloutBuffer, version: int,
                group_size: int, sampling: SamplingParams, filter_uniform: bool, next_group_id: int = 0,
                replay: Sequence[PromptRecord] = (), episodes: EpisodeRunner | None = None):
-    self.dataset, self.loop, self.rewards, self.buffer, self.version = dataset, loop, rewards, buffer, version
+    self.dataset, self.rollout, self.rewards, self.buffer = dataset, rollout, rewards, buffer
+    self.version = version  # the samplers' newest policy version: groups are admitted under it
     self.episodes = episodes
     self.group_size, self.sampling, self.filter_uniform = group_size, sampling, filter_uniform
     self._next_id = next_group_id
     self._replay = collections.deque(replay)
-    self._inflight: dict[int, _Pending] = {}
     self._undone: dict[int, PromptRecord] = {}  # drawn, not yet trained on or filtered (group id -> record)
-    self._lock = threading.Lock()
-    self._admitting, self._admit_again = False, False
-    self._stopped = False
+    self._lock = threading.Lock()  # the state the learner's thread reads: undone, filtered, rewards, counters
     self.error: BaseException | None = None
     self.counters = collections.Counter()
     self.finished_rewards: list[float] = []  # every scored answer since the last `take_rewards()`
     self._filtered: list[Group] = []
+    self._own_thread = episodes is None
+    self.thread = AsyncThread("rollout") if episodes is None else episodes.thread
+    self._wake: asyncio.Event | None = None
+    self._admission = None
 
   # --- learner-facing ---------------------------------------------------------------------------------------------
 
   def start(self) -> RolloutController:
-    self.admit()
+    self._admission = self.thread.submit(self._admit())
     return self
 
   def stop(self) -> None:
-    """No more admissions; groups in flight are abandoned (the loop cancels their futures)."""
-    self._stopped = True
+    """No more admissions; groups in flight are abandoned (their tasks cancelled)."""
     self.buffer.close()
+    if self._admission is not None:
+      self._admission.cancel()
+    if self._own_thread:
+      self.thread.stop()
 
   def check(self) -> None:
     if isinstance(self.error, cli.Stopped):
@@ -110,26 +125,37 @@ class RolloutController:
     if self.error is not None:
       raise RuntimeError("rollout controller failed") from self.error
 
-  def admit(self) -> None:
-    """Starts as many groups as the buffer allows at the learner's version. Safe from any thread: a call made while
-    another one runs (e.g. from a future completed inside it) makes that one look again instead."""
-    with self._lock:
-      if self._admitting:
-        self._admit_again = True
-        return
-      self._admitting = True
-    try:
-      while True:
-        self._admit_all()
-        with self._lock:  # the same lock as the check above: a call from now on runs itself
-          if not self._admit_again:
-            self._admitting = False
-            return
-          self._admit_again = False
-    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
-      with self._lock:
-        self._admitting = False
-      self._fail(e)
+  def admit(self, version: int | None = None) -> None:
+    """Capacity may have grown: the admission task looks again, under `version` once the learner has published
+    that version's weights. Safe from any thread."""
+    if version is not None:
+      self.version = version  # one writer (the learner's thread); the admission task reads it when woken
+    self.thread.call(self._wake_up)
+
+  def next_batch(self, n: int, step: int, stall_timeout_s: float) -> list[Group]:
+    """The learner's next n groups; raises what stopped the controller or the samplers meanwhile, or `Stalled` when
+    no group has been accepted for `stall_timeout_s`; warns every 2 minutes."""
+    buffer = self.buffer
+    waiting_since = last_accept = time.time()
+    accepted, filtered = buffer.accepted, self.counters["groups_filtered"]
+    while True:
+      cli.check_stopped()
+      self.check()
+      self.rollout.check()
+      groups = buffer.take_batch(n, self.version, timeout=1.0)
+      if groups is not None:
+        return groups
+      if buffer.accepted != accepted:
+        accepted, filtered, last_accept = buffer.accepted, self.counters["groups_filtered"], time.time()
+      if time.time() - last_accept > stall_timeout_s:
+        raise Stalled(f"step {step + 1}: no prompt group accepted for {stall_timeout_s:.0f} s "
+                      f"(rollout.stall_timeout_s; {len(buffer)} of the batch's {n} groups are ready); "
+                      f"{_why_stalled(self.counters['groups_filtered'] - filtered)}")
+      if time.time() - waiting_since > 120:
+        logging.warning("step %d: no batch of %d groups after %.0fs (%d finished; %s); groups whose answers all "
+                        "score the same are dropped (learner.filter_uniform_groups)", step + 1, n,
+                        time.time() - waiting_since, len(buffer), dict(self.counters))
+        waiting_since = time.time()
 
   def mark_trained(self, groups: Sequence[Group]) -> None:
     with self._lock:
@@ -151,94 +177,89 @@ class RolloutController:
       out, self.finished_rewards = self.finished_rewards, []
     return out
 
-  # --- one group's chain ------------------------------------------------------------------------------------------
+  # --- on the loop ------------------------------------------------------------------------------------------------
 
-  def _admit_all(self) -> None:
-    version = self.version()
-    while not self._stopped and self.error is None and self.buffer.capacity(version) > 0:
-      with self._lock:  # drawn and recorded as undone at once: a snapshot never sees one without the other
-        record = self._replay.popleft() if self._replay else next(self.dataset)
-        gid, self._next_id = self._next_id, self._next_id + 1
-        self._inflight[gid] = _Pending(record=record, version=version)
-        self._undone[gid] = record
-      self.buffer.admit(gid, version)
-      if self.episodes is not None:
-        futures = [self.episodes.submit(problem(record), group_id=gid, index=i, min_version=version)
-                   for i in range(self.group_size)]
-        done = self._episode_done
-      else:
-        futures = self.loop.submit(Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
-                                           sampling=self.sampling, min_version=version))
-        done = self._answered
-      for index, future in enumerate(futures):
-        future.add_done_callback(self._guarded(functools.partial(done, gid, index)))
+  def _wake_up(self) -> None:
+    if self._wake is not None:
+      self._wake.set()
 
-  def _guarded(self, fn):
-    """A future's callback whose failure stops the run (concurrent.futures would only log it)."""
-    def run(future: Future) -> None:
-      if self._stopped or future.cancelled():
-        return
-      try:
-        fn(future)
-      except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+  async def _admit(self) -> None:
+    """The admission task: starts groups while the buffer has capacity at the learner's version, then waits."""
+    self._wake = asyncio.Event()
+    groups: set[asyncio.Task] = set()
+    try:
+      while self.error is None:
+        version = self.version
+        while self.buffer.capacity(version) > 0:
+          gid, record = self._draw()
+          self.buffer.admit(gid, version)
+          task = asyncio.create_task(self._group(gid, record, version), name=f"group-{gid}")
+          groups.add(task)
+          task.add_done_callback(groups.discard)
+        await self._wake.wait()
+        self._wake.clear()
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+      if not isinstance(e, asyncio.CancelledError):
         self._fail(e)
-    return run
+      for task in groups:
+        task.cancel()
+      raise
+
+  def _draw(self) -> tuple[int, PromptRecord]:
+    with self._lock:  # drawn and recorded as undone at once: a snapshot never sees one without the other
+      record = self._replay.popleft() if self._replay else next(self.dataset)
+      gid, self._next_id = self._next_id, self._next_id + 1
+      self._undone[gid] = record
+    return gid, record
+
+  async def _group(self, gid: int, record: PromptRecord, version: int) -> None:
+    """One prompt group's life: its G answers (or episodes) and their rewards, then the buffer."""
+    try:
+      if self.episodes is not None:
+        results = await asyncio.gather(*(
+            self.episodes.episode(problem(record), group_id=gid, index=i, min_version=version)
+            for i in range(self.group_size)))
+        with self._lock:
+          self.counters["episode_failures"] += sum(r.failure is not None for r in results)
+        trajs = tuple(t for r in results for t in r.trajectories)
+        self._finish(gid, record, version, trajs, [r.reward for r in results], turns=tuple(r.turns for r in results))
+      else:
+        request = Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
+                          sampling=self.sampling, min_version=version)
+        answers = self.rollout.submit(request)
+        trajs = tuple(await asyncio.gather(*(self._scored(record, i, a) for i, a in enumerate(answers))))
+        self._finish(gid, record, version, trajs, [t.reward for t in trajs])
+    except asyncio.CancelledError:
+      raise
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
+      self._fail(e)
+    self._wake_up()
+
+  async def _scored(self, record: PromptRecord, index: int, answer) -> Trajectory:
+    """One answer, scored as soon as it is generated."""
+    traj: Trajectory = await awaitable(answer)  # the sampler's error, if it failed
+    r: RewardResult = await awaitable(
+        self.rewards.submit((traj.group_id, index), record.kind, traj.response_text, record.reference))
+    if r.reason.startswith(("timed out", "worker crashed")):  # scored 0; the service replaced the worker
+      with self._lock:
+        self.counters["reward_failures"] += 1
+        n = self.counters["reward_failures"]
+      if n <= _SHOWN_REWARD_FAILURES or n % 100 == 0:
+        logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
+                        "rollout/reward_failures)", index, record.uid, r.reason, n)
+    return traj.replace(reward=float(r.reward))
 
   def _fail(self, e: BaseException) -> None:
     if self.error is None:
       if not isinstance(e, cli.Stopped):
         logging.error("rollout controller failed", exc_info=e)
       self.error = e
+      self._wake_up()
 
-  def _answered(self, gid: int, index: int, future: Future) -> None:
-    traj: Trajectory = future.result()  # the sampler's error, if it failed
-    with self._lock:
-      pending = self._inflight[gid]
-      pending.answers[index] = traj
-    scored = self.rewards.submit((gid, index), pending.record.kind, traj.response_text, pending.record.reference)
-    scored.add_done_callback(self._guarded(functools.partial(self._scored, gid, index)))
-
-  def _scored(self, gid: int, index: int, future: Future) -> None:
-    r = future.result()
-    failed = r.reason.startswith(("timed out", "worker crashed"))  # scored 0; the service replaced the worker
-    with self._lock:
-      pending = self._inflight[gid]
-      pending.rewards[index] = r.reward
-      self.counters["reward_failures"] += failed
-      n = self.counters["reward_failures"]
-      done = len(pending.rewards) == self.group_size
-      if done:
-        del self._inflight[gid]
-    if failed and (n <= _SHOWN_REWARD_FAILURES or n % 100 == 0):
-      logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
-                      "rollout/reward_failures)", index, pending.record.uid, r.reason, n)
-    if done:
-      self._finish_answers(gid, pending)
-      self.admit()
-
-  def _episode_done(self, gid: int, index: int, future: Future) -> None:
-    result: EpisodeResult = future.result()
-    with self._lock:
-      pending = self._inflight[gid]
-      pending.episodes[index] = result
-      self.counters["episode_failures"] += result.failure is not None
-      done = len(pending.episodes) == self.group_size
-      if done:
-        del self._inflight[gid]
-    if done:
-      episodes = [pending.episodes[i] for i in range(self.group_size)]
-      self._finish(gid, pending, tuple(t for e in episodes for t in e.trajectories), [e.reward for e in episodes],
-                   turns=tuple(e.turns for e in episodes))
-      self.admit()
-
-  def _finish_answers(self, gid: int, pending: _Pending) -> None:
-    trajs = tuple(pending.answers[i].replace(reward=float(pending.rewards[i])) for i in range(self.group_size))
-    self._finish(gid, pending, trajs, [t.reward for t in trajs])
-
-  def _finish(self, gid: int, pending: _Pending, trajs: tuple[Trajectory, ...], rewards: list[float],
-              turns: tuple[int, ...] = ()) -> None:
+  def _finish(self, gid: int, record: PromptRecord, version: int, trajs: tuple[Trajectory, ...],
+              rewards: list[float], turns: tuple[int, ...] = ()) -> None:
     """Hands the group to the buffer (None when it is filtered, or when none of its episodes drew a token)."""
-    group = Group(record=pending.record, trajectories=trajs, turns=turns)
+    group = Group(record=record, trajectories=trajs, turns=turns)
     scores = group.rewards
     keep = bool(trajs) and not (self.filter_uniform and np.all(scores == scores[0]))
     with self._lock:
@@ -247,5 +268,4 @@ class RolloutController:
         self._undone.pop(gid, None)
         self._filtered.append(group)
       self.counters["groups_kept" if keep else "groups_filtered"] += 1
-    self.buffer.finish(gid, group if keep else None,
-                       version=min((t.version_start for t in trajs), default=pending.version))
+    self.buffer.finish(gid, group if keep else None, version=min((t.version_start for t in trajs), default=version))

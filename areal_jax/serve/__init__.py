@@ -8,10 +8,18 @@ backed by the continuous-batching sampler (every request shares one decode batch
 `backend` runs the scheduler in one thread; `openai_api` checks requests and shapes responses, `streaming` shapes
 streamed chunks, `tool_calls` parses the model's tool calls, `scoring` gives top alternatives and echoed prompts'
 logprobs; `server` has the routes and uvicorn; `policy` reads the checkpoint. `tools/serve.py` is the command line.
+The names below load on first use: importing `serve.tool_calls` (the agents' warm-start does) loads no HTTP stack.
 """
 
-from areal_jax.serve.backend import Backend, QueueFull
-from areal_jax.serve.openai_api import ApiError
-from areal_jax.serve.server import PolicyServer, build, create_app
+import importlib
+
+_WHERE = {"Backend": "backend", "QueueFull": "backend", "ApiError": "openai_api", "PolicyServer": "server",
+          "build": "server", "create_app": "server"}
 
 __all__ = ["ApiError", "Backend", "PolicyServer", "QueueFull", "build", "create_app"]
+
+
+def __getattr__(name: str):
+  if name in _WHERE:
+    return getattr(importlib.import_module(f"areal_jax.serve.{_WHERE[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import CharTokenizer
-from helpers import FAST, TINY, memorize, tiny_model
+from helpers import TINY, memorize, tiny_model
 from run_checks import CONFIG
 
 TOK = CharTokenizer()
@@ -175,9 +175,8 @@ def test_agent_config_and_loading_name_what_is_wrong():
 def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evaluates_episodes(tmp_path, caplog):
   """configs/agent.py end to end (small shapes): the warm-start on the calculator's demonstrations, training on its
   episodes, evaluation by episodes at each evaluated version."""
-  config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py"), total_steps=2,
-                       **{**FAST, "sampler.max_seq_len": 224, "sampler.max_new_tokens": 80,
-                          "sampler.prefix_cache": True})
+  config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py:fast"), total_steps=2,
+                       **{"sampler.prefix_cache": True})
   with caplog.at_level(logging.INFO):
     rows = trainer.run(config, str(tmp_path))
   assert "demonstrated episodes" in caplog.text and "HTTP Request" not in caplog.text

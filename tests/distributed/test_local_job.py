@@ -20,16 +20,15 @@ from areal_jax.rl.batches import load_batch
 from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
-from helpers import FAST
-from run_checks import CONFIG, ROOT, assert_every_prompt_once, rollouts
+from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
-PROCESS_OVERRIDES = dict(FAST, **{"mesh.cpu_devices": 1})
+PROCESS_OVERRIDES = {"mesh.cpu_devices": 1}
 
 
 def _command(workdir, num_processes, overrides):
-  args = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+  args = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={FAST}", f"--workdir={workdir}",
           f"--num_processes={num_processes}"]
   return args + [f"--config.{k}={v}" for k, v in overrides.items()]
 
@@ -47,7 +46,7 @@ def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_pat
   overrides = dict(PROCESS_OVERRIDES, total_steps=4, **{"rollout.max_head_offpolicyness": eta,
                                                         "learner.lora.rank": 4})
   adapter_bytes = 4 * 4 * 2 * sum(i + o for i, o in ModelConfig.from_config(
-      load_config(CONFIG, **overrides).model).lora_shapes().values())  # float32, rank 4, 2 layers
+      load_config(FAST, **overrides).model).lora_shapes().values())  # float32, rank 4, 2 layers
   proc = _run(tmp_path, 2, overrides)
   assert proc.returncode == 0, proc.stdout[-4000:]
   assert re.search(r"learner 0 is process 0 .* on cores \[\d+\]", proc.stdout)
@@ -61,7 +60,7 @@ def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_pat
     assert m["sync/bytes"] == adapter_bytes
     assert m["sampler/busy_s"] > 0 and m["learner/busy_s"] > 0
   trained = [r for r in rollouts(tmp_path) if not r["filtered"]]
-  assert len(trained) == 4 * overrides["rollout.batch_size"]
+  assert len(trained) == 4 * load_config(FAST).rollout.batch_size
   versions = [v for r in trained for v in r["version_start"] + r["version_end"]]
   assert max(versions) >= 1, "the sampler never generated with pulled (non-initial) weights"
   for r in trained:
@@ -80,7 +79,7 @@ def test_an_agent_trains_through_the_sampler_hub(tmp_path):
   for m in metrics[1:]:
     assert m["agent/turns_mean"] == 2.0 and m["agent/episode_failures"] == 0 and m["sampler/busy_s"] > 0, m
   trained = [r for r in rollouts(tmp_path) if not r["filtered"]]
-  assert all(r["turns"] == [2] * overrides["rollout.group_size"] for r in trained)
+  assert all(r["turns"] == [2] * load_config(FAST).rollout.group_size for r in trained)
 
 
 def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
@@ -117,7 +116,7 @@ def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
   done = _run(workdir, 2, overrides)
   assert done.returncode == 0, done.stdout[-4000:]
   assert "resumed" in done.stdout
-  assert_every_prompt_once(workdir, load_config(CONFIG, **overrides), last_step=6)
+  assert_every_prompt_once(workdir, load_config(FAST, **overrides), last_step=6)
 
 
 def test_sigterm_stops_the_job_cleanly(tmp_path):
@@ -160,7 +159,7 @@ def test_two_learner_processes_take_the_single_process_step(tmp_path):
   assert proc.returncode == 0, proc.stdout[-4000:]
   assert "learner 1 is process 1" in proc.stdout and "sampler 0 is process 2" in proc.stdout
 
-  config = load_config(CONFIG, **overrides)
+  config = load_config(FAST, **overrides)
   mesh = make_mesh(jax.devices()[:2], {"fsdp": 2, "tensor": 1})
   learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
   learner = Learner(model_cfg=ModelConfig.from_config(config.model), config=learner_cfg, mesh=mesh,

@@ -4,6 +4,7 @@ traceback, exit 128 + N), and the signal's own late arrival at the leader cannot
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -48,3 +49,19 @@ def test_the_first_signal_raises_stopped(signal_handlers):
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(1)
   assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+
+
+def test_a_stop_python_could_not_propagate_is_kept_and_raised_by_the_next_check(monkeypatch, capsys):
+  """A signal landing in a `__del__` or a garbage-collection callback: Python drops the exception there (and would
+  print it as an ignored traceback); the waiting loop's next `check_stopped` raises it."""
+  monkeypatch.setattr(cli, "_swallowed", None)
+  monkeypatch.setattr(sys, "unraisablehook", cli._keep_swallowed_stop)  # pylint: disable=protected-access
+
+  class Collected:
+    def __del__(self):
+      raise cli.Stopped(signal.SIGTERM)
+
+  Collected()  # dropped at once: its __del__ raises where nothing can catch it
+  assert "Traceback" not in capsys.readouterr().err
+  with pytest.raises(cli.Stopped, match="SIGTERM"):
+    cli.check_stopped()

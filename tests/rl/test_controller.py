@@ -4,6 +4,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.data.records import PromptRecord
@@ -67,8 +68,7 @@ def test_filtering_admission_and_bookkeeping():
   loop, rewards = FakeLoop(), FakeRewards()
   b, eta = 4, 1
   out = RolloutBuffer(batch_size=b, max_offpolicyness=eta, max_concurrent=100)
-  learner = {"version": 0}
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=out, version=lambda: learner["version"],
+  ctl = RolloutController(dataset=ds, rollout=loop, rewards=rewards, buffer=out, version=0,
                           group_size=G, sampling=SamplingParams(), filter_uniform=True).start()
   try:
     trained, filtered = [], []
@@ -79,8 +79,8 @@ def test_filtering_admission_and_bookkeeping():
         assert len(g.trajectories) == G and len(set(g.rewards.tolist())) > 1  # uniform groups never reach training
       trained += [g.record.uid for g in batch]
       ctl.mark_trained(batch)
-      learner["version"] = loop.version = version
-      ctl.admit()
+      loop.version = version
+      ctl.admit(version)
       state, newly_filtered = ctl.snapshot()
       filtered += [g.record.uid for g in newly_filtered]
       assert all(np.all(g.rewards == 0) for g in newly_filtered)
@@ -107,7 +107,7 @@ def test_replay_comes_first_and_group_ids_continue():
   loop, rewards = FakeLoop(), FakeRewards()
   buffer = RolloutBuffer(batch_size=2, max_offpolicyness=0, max_concurrent=100)
   replay = [ds.records[10], ds.records[20]]
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=buffer, version=lambda: 0,
+  ctl = RolloutController(dataset=ds, rollout=loop, rewards=rewards, buffer=buffer, version=0,
                           group_size=G, sampling=SamplingParams(), filter_uniform=False, next_group_id=7,
                           replay=replay)
   ctl.start()
@@ -140,17 +140,52 @@ def test_admissions_from_many_threads_are_never_lost():
   ds, loop, rewards = _dataset(), ThreadedLoop(), FakeRewards()
   b = 4
   buffer = RolloutBuffer(batch_size=b, max_offpolicyness=0, max_concurrent=3)
-  learner = {"version": 0}
-  ctl = RolloutController(dataset=ds, loop=loop, rewards=rewards, buffer=buffer, version=lambda: learner["version"],
+  ctl = RolloutController(dataset=ds, rollout=loop, rewards=rewards, buffer=buffer, version=0,
                           group_size=G, sampling=SamplingParams(), filter_uniform=False).start()
   try:
     for version in range(30):
       batch = buffer.take_batch(b, version, timeout=10)
       assert batch is not None, f"no batch for version {version}: {buffer.running} running, {len(buffer)} finished"
       ctl.mark_trained(batch)
-      learner["version"] = loop.version = version + 1
-      ctl.admit()
+      loop.version = version + 1
+      ctl.admit(version + 1)
   finally:
     ctl.stop()
   ctl.check()
   assert 30 * b <= buffer.accepted and buffer.accepted + buffer.running <= 31 * b  # trained; Eq. 3 at version 30
+
+
+class FailingRewards(FakeRewards):
+  """Its third answer's scoring fails (a broken verifier, say)."""
+
+  def __init__(self):
+    super().__init__()
+    self.calls = 0
+
+  def submit(self, key, kind, completion, reference):
+    self.calls += 1
+    if self.calls == 3:
+      f = Future()
+      f.set_exception(ValueError("verifier broke"))
+      return f
+    return super().submit(key, kind, completion, reference)
+
+
+def test_a_groups_error_stops_admission_and_reaches_the_learner():
+  ds, loop = _dataset(), ThreadedLoop()
+  buffer = RolloutBuffer(batch_size=2, max_offpolicyness=1, max_concurrent=100)
+  ctl = RolloutController(dataset=ds, rollout=loop, rewards=FailingRewards(), buffer=buffer, version=0,
+                          group_size=G, sampling=SamplingParams(), filter_uniform=False).start()
+  try:
+    deadline = time.time() + 10
+    while ctl.error is None and time.time() < deadline:
+      time.sleep(0.01)
+    submitted = len(loop.submitted)
+    ctl.admit()
+    time.sleep(0.1)
+    assert len(loop.submitted) == submitted  # nothing admitted after the failure
+  finally:
+    ctl.stop()
+  with pytest.raises(RuntimeError, match="rollout controller failed") as info:
+    ctl.check()
+  assert "verifier broke" in str(info.value.__cause__)

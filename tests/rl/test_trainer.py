@@ -11,9 +11,9 @@ import pytest
 
 from areal_jax.config import load_config
 from areal_jax.rl import trainer
+from areal_jax.rl.controller import Stalled
 from areal_jax.rl.metrics import read_metrics
-from helpers import FAST
-from run_checks import CONFIG, ROOT, assert_every_prompt_once, rollouts
+from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -28,8 +28,7 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
   """With bfloat16 sampler weights (the real-size presets' setting): the float32 learner's weights reach the sampler
   cast, and every step logs how far the sampler's logprobs are from the learner's (`sampler/logprob_gap`)."""
   eta = 1
-  config = load_config(CONFIG, total_steps=4, **FAST, **{"rollout.max_head_offpolicyness": eta,
-                                                         "sampler.param_dtype": "bfloat16"})
+  config = load_config(FAST, total_steps=4, **{"rollout.max_head_offpolicyness": eta, "sampler.param_dtype": "bfloat16"})
   rows = trainer.run(config, str(tmp_path))
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
   metrics = read_metrics(str(tmp_path))
@@ -60,8 +59,8 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
 
 def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
   workdir = str(tmp_path / "run")
-  overrides = dict(FAST, total_steps=6)
-  args = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={CONFIG}", f"--workdir={workdir}"]
+  overrides = {"total_steps": 6}
+  args = [sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), f"--config={FAST}", f"--workdir={workdir}"]
   args += [f"--config.{k}={v}" for k, v in overrides.items()]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -75,7 +74,7 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
   finally:
     os.killpg(proc.pid, signal.SIGKILL)  # mid-run, like a preempted VM
     proc.wait()
-  config = load_config(CONFIG, **overrides)
+  config = load_config(FAST, **overrides)
   rows = trainer.run(config, workdir)
   assert rows[0]["step"] >= 3, "the second run must resume from a checkpoint, not start over"
   assert_every_prompt_once(workdir, config, last_step=6)
@@ -87,8 +86,8 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
 def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
   """No warm-start: the random policy solves no prompt, every group scores all 0 and is dropped, and the run stops
   after `rollout.stall_timeout_s` with an error that says why (instead of waiting forever)."""
-  config = load_config(CONFIG, total_steps=4, **dict(FAST, **{
-      "warmstart.steps": 0, "learner.filter_uniform_groups": True, "rollout.stall_timeout_s": 30.0}))
+  config = load_config(FAST, total_steps=4, **{
+      "warmstart.steps": 0, "learner.filter_uniform_groups": True, "rollout.stall_timeout_s": 30.0})
   outcome = {}
 
   def run():  # in a thread: were the stop broken, the run would wait forever
@@ -101,7 +100,7 @@ def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
   thread.start()
   thread.join(600)
   assert not thread.is_alive(), "the run did not stop within 600 s"
-  with pytest.raises(trainer.Stalled, match=r"step 1: no prompt group accepted for 30 s .* every answer scored the "
+  with pytest.raises(Stalled, match=r"step 1: no prompt group accepted for 30 s .* every answer scored the "
                                             r"same .*warmstart.steps"):
     raise outcome.get("error") or AssertionError("the run finished without stopping")
   assert [m["step"] for m in read_metrics(str(tmp_path))] == [0]  # the step-0 evaluation, whole

@@ -9,15 +9,15 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax.config import load_config
 from areal_jax.models import ModelConfig
-from areal_jax.rl import trainer
+from areal_jax.rl import checkpoint, trainer
 from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
-from helpers import FAST
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
+FAST = CONFIG + ":fast"
 VARIANT = {"learner.lora.rank": 4, "learner.lora.alpha": 8.0, "learner.lora.quantize_base": "nf4", "learner.lr": 1e-3,
            "learner.critic": "lora",
            "learner.gae_lambda": 0.95, "learner.adv_norm": "none"}  # unnormalised rewards: returns != 0
@@ -25,7 +25,7 @@ VARIANT = {"learner.lora.rank": 4, "learner.lora.alpha": 8.0, "learner.lora.quan
 
 def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path):
   workdir = str(tmp_path)
-  config = load_config(CONFIG, total_steps=2, **FAST, **VARIANT)
+  config = load_config(FAST, total_steps=2, **VARIANT)
   full_bytes = 4 * ModelConfig.from_config(config.model).num_params()
   rows = trainer.run(config, workdir)
   assert [r["step"] for r in rows] == [0, 1, 2]
@@ -40,7 +40,7 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
   assert meta["critic"] == "lora"
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2", "critic_params"))
 
-  rows = trainer.run(load_config(CONFIG, total_steps=3, **FAST, **VARIANT), workdir)
+  rows = trainer.run(load_config(FAST, total_steps=3, **VARIANT), workdir)
   assert [r["step"] for r in rows] == [3]  # resumed: adapters on the cached warm-started base, and the critic
 
   for change, message in [
@@ -53,7 +53,7 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
       ({"learner.critic": ""}, r"config.learner.critic='': checkpoint 3 in .* was written by a run with "
                                r"learner.critic='lora'")]:
     with pytest.raises(config_lib.ConfigError, match=message):
-      trainer.run(load_config(CONFIG, total_steps=4, **FAST, **dict(VARIANT, **change)), workdir)
+      trainer.run(load_config(FAST, total_steps=4, **dict(VARIANT, **change)), workdir)
   with open(os.path.join(workdir, "config.json")) as f:  # the refused settings did not replace the run's
     saved = json.load(f)
   assert saved["total_steps"] == 3 and saved["learner"]["critic"] == "lora", saved
@@ -62,8 +62,8 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
 def test_full_weight_checkpoint_refuses_a_lora_run():
   meta = {"model_config": {"lora_rank": 0}}
   with pytest.raises(config_lib.ConfigError, match=r"config.learner.lora.rank=8: ckpt holds full weights"):
-    trainer._check_adapters(meta, ModelConfig.from_config(load_config(CONFIG).model).replace(lora_rank=8),
-                            where="ckpt")  # pylint: disable=protected-access
+    checkpoint.check_resumable(meta, ModelConfig.from_config(load_config(CONFIG).model).replace(lora_rank=8), "",
+                               where="ckpt")
 
 
 def test_a_lora_branch_critic_needs_lora():

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from areal_jax.config import load_config
-from helpers import FAST
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -26,7 +25,7 @@ def _tool():  # once: the tool defines its absl flags at import
 
 def test_bench_async_compares_sync_and_async_runs(tmp_path):
   bench = _tool()
-  config = load_config(os.path.join(ROOT, "configs", "math.py"), **FAST)
+  config = load_config(os.path.join(ROOT, "configs", "math.py:fast"))
   runs = bench.runs_for([0, 2], processes=False, variants=[bench.parse_variant("lr:learner.lr=2e-4")])
   results, report = bench.run_bench(config, runs=runs, steps=3, skip=1, mix="1:3,2:1", root=str(tmp_path),
                                     eval_every=3)

@@ -1,0 +1,95 @@
+"""A run's initial weights: the base model from `model.init_from` (HF or Orbax), or the random init warm-started on
+worked solutions (or an agent's demonstrations), cached in `<workdir>/warmstart`; under LoRA, the learner's fresh
+adapters on that base."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+from etils import epath
+from flax import nnx
+
+from areal_jax import agents
+from areal_jax import config as config_lib
+from areal_jax.data import warmstart_pairs
+from areal_jax.learner.learner import Learner
+from areal_jax.learner.step import build_step
+from areal_jax.models import hf_io, lora, orbax_io, weights
+from areal_jax.rl import warmstart
+from areal_jax.rl.controller import problem
+
+
+def place(tree, shardings):
+  """Host-loaded weights onto the learner's shardings (through the host when the mesh spans processes)."""
+  if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+    return jax.device_put(tree, shardings)
+  return jax.device_put(jax.device_get(tree), shardings)
+
+
+def initial_params(config, learner: Learner, train, tokenizer, workdir: epath.Path):
+  """The initial weights: the base model (`initial_base`), with the learner's fresh adapters under LoRA."""
+  if not learner.model_cfg.lora_rank:
+    return initial_base(config, learner.fns, learner.params, train, tokenizer, workdir)
+  if not config.model.init_from and not config.warmstart.steps:
+    return learner.params  # the random init, as `evaluate.checkpoints.load_base` rebuilds it
+  adapters, base = lora.split(learner.params)
+  # The base is loaded or warm-started in model.param_dtype, then stored as learner.lora.quantize_base says.
+  base_cfg = learner.model_cfg.without_lora().replace(param_dtype=config.model.param_dtype)
+  base_fns = build_step(base_cfg, learner.config, learner.mesh, temperature=learner.temperature)
+  start = weights.cast(lora.dequantize_base(base), base_cfg.weight_dtype)
+  base = initial_base(config, base_fns, start, train, tokenizer, workdir)
+  base = lora.quantized_onto(weights.cast(base, learner.model_cfg.weight_dtype), learner.model_cfg,
+                             lora.split(learner.fns.param_shardings)[1])
+  return nnx.merge_state(base, adapters)
+
+
+def base_source(config, workdir: epath.Path) -> dict:
+  """Where a run's base weights come from, for its LoRA checkpoints' `meta` (`initial_base`'s order)."""
+  if config.model.init_from:
+    return {"init_from": str(config.model.init_from)}
+  if config.warmstart.steps:
+    return {"warmstart": str(workdir / "warmstart")}
+  return {"random_seed": int(config.seed)}
+
+
+def initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
+  """HF or Orbax weights from `model.init_from`; else the random init `params`, warm-started on worked solutions
+  (cached) by `fns` (every weight trains, adapters or not)."""
+  init = config.model.init_from
+  shardings = fns.param_shardings
+  if init:
+    if epath.Path(init, "config.json").exists():
+      model = hf_io.load_hf(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+    else:
+      model = orbax_io.load_orbax(init, dtype=config.model.dtype)
+    return place(nnx.state(model, nnx.Param), shardings)
+  if not config.warmstart.steps:
+    return params
+  cache = workdir / "warmstart"
+  if (cache / "model_config.json").exists():
+    logging.info("warm-start: loading cached %s", cache)
+    return place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
+  agent = agents.load(config.agent.path, config.agent.options) if config.agent.path else None
+  demonstration = agents.demonstrator(agent) if agent else None
+  if demonstration is not None:  # the agent's transcripts, turns merged as in its recorded episodes
+    examples = agents.demonstration_episodes([demonstration(problem(r)) for r in train.records], tokenizer,
+                                             max_response_len=config.sampler.max_new_tokens)
+  else:
+    examples = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
+  w = config.warmstart
+  heldout = []
+  if w.target_match > 0:  # the last `heldout` examples are not trained on: they measure the match
+    if not 0 < w.heldout < len(examples):
+      raise config_lib.ConfigError(f"config.warmstart.heldout={w.heldout}: must be in [1, {len(examples) - 1}] "
+                                   f"({len(examples)} warm-start examples) when warmstart.target_match > 0")
+    examples, heldout = examples[:-w.heldout], examples[-w.heldout:]
+  logging.info("warm-start: up to %d steps on %d %s", w.steps, len(examples),
+               "demonstrated episodes" if demonstration else "worked solutions")
+  params, loss, taken = warmstart.sft(fns, params, examples, steps=w.steps, batch_size=w.batch_size,
+                                      lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
+                                      target_loss=w.target_loss, accumulate=w.accumulate, heldout=heldout,
+                                      target_match=w.target_match)
+  orbax_io.save_orbax(nnx.merge(fns.graphdef, params), str(cache))
+  logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
+  return params

@@ -1,0 +1,122 @@
+"""The leader's running parts around its learner group: the samplers (in process or sampler processes), reward
+workers, the rollout buffer and controller (with an agent's episode runner), the evaluator and the metrics writer;
+built from the config and the learner's starting state (`leader_parts`), stopped together."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from areal_jax import agents
+from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer
+from areal_jax.distributed.learner_group import LearnerGroup
+from areal_jax.distributed.roles import ProcessLayout
+from areal_jax.distributed.sampler_hub import SamplerHub
+from areal_jax.distributed.weight_transfer import WeightPublisher
+from areal_jax.learner.learner import Learner
+from areal_jax.models import weights
+from areal_jax.reward.service import RewardService, score_all
+from areal_jax.rl.controller import RolloutController, problem
+from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator
+from areal_jax.rl.metrics import MetricsWriter
+from areal_jax.rl.rollout import LocalRollout, Rollout
+from areal_jax.rl.rollout_buffer import RolloutBuffer
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.requests import SamplingParams
+from areal_jax.sharding import make_mesh
+
+
+@dataclasses.dataclass
+class LeaderParts:
+  """The leader's running parts, built once and stopped together."""
+
+  learners: LearnerGroup
+  rollout: Rollout
+  rewards: RewardService
+  buffer: RolloutBuffer
+  controller: RolloutController
+  evaluator: Callable[..., Any]
+  metrics: MetricsWriter
+
+  def stop(self) -> None:
+    self.learners.stop()
+    self.controller.stop()
+    if self.controller.episodes is not None:
+      self.controller.episodes.stop()
+    self.rollout.stop()
+    self.rewards.close()
+    self.metrics.close()
+
+
+def leader_parts(config, workdir: str, st, layout: ProcessLayout, control: ControlServer | None,
+                 learners: LearnerGroup, local, learner_mesh, sampler_mesh) -> LeaderParts:
+  """Everything the leader's loop drives, the samplers holding `local` (the learner's starting weights). `st` is the
+  trainer's start state: data, tokenizer, settings, learner, the checkpoint's controller state."""
+  learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
+  sampler_cfg = st.settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
+  rollout = _start_rollout(config, layout, control, sampler_cfg, st.learner, local, sampler_mesh, learner_local,
+                           st.tokenizer)
+  rewards = RewardService.from_config(config.reward)
+  buffer = RolloutBuffer.from_config(config.rollout, version=st.learner.version)
+  controller = _controller(config, st, rollout, rewards, buffer)
+  return LeaderParts(learners=learners, rollout=rollout, rewards=rewards, buffer=buffer, controller=controller,
+                     evaluator=_evaluator(config, st, controller, sampler_cfg, learner_local, rewards),
+                     metrics=MetricsWriter(workdir, total_steps=config.total_steps,
+                                           tensorboard=config.metrics.tensorboard))
+
+
+def _controller(config, st, rollout: Rollout, rewards: RewardService,
+                buffer: RolloutBuffer) -> RolloutController:
+  """The rollout controller, continuing from the checkpoint's state (undone prompts first, group ids on)."""
+  s, state = config.sampler, st.controller_state
+  by_uid = {rec.uid: rec for rec in st.train.records}
+  sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                            seed=config.seed)
+  episodes = None
+  if config.agent.path:
+    episodes = agents.EpisodeRunner(
+        agent=agents.load(config.agent.path, config.agent.options), config=st.settings.agent, rollout=rollout,
+        tokenizer=st.tokenizer, sampling=sampling,
+        limits={"max_seq_len": s.max_seq_len, "vocab_size": st.settings.model.vocab_size},
+        version=lambda: controller.version)
+  controller = RolloutController(
+      dataset=st.train, rollout=rollout, rewards=rewards, buffer=buffer, version=st.learner.version,
+      group_size=config.rollout.group_size, sampling=sampling, filter_uniform=config.learner.filter_uniform_groups,
+      next_group_id=state["next_group_id"] if state else 0,
+      replay=[by_uid[u] for u in state["undone"]] if state else (), episodes=episodes)
+  return controller
+
+
+def _evaluator(config, st, controller: RolloutController, sampler_cfg: SamplerConfig, learner_local,
+               rewards: RewardService) -> Evaluator | EpisodeEvaluator:
+  """With an agent, its episodes on the eval problems; else evaluation on the leader's learner devices (a data x
+  tensor mesh), scored by the run's reward workers."""
+  if controller.episodes is not None:
+    return EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
+                            num_samples=config.eval.num_samples)
+  return Evaluator(model_cfg=st.settings.model, records=st.evalset.records,
+                   mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
+                   sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5), eos_ids=[st.tokenizer.eos_id],
+                   detokenize=st.tokenizer.decode, score=functools.partial(score_all, rewards),
+                   num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
+
+
+def _start_rollout(config, layout: ProcessLayout, control: ControlServer | None, sampler_cfg: SamplerConfig,
+                   learner: Learner, local, sampler_mesh, learner_local, tokenizer) -> Rollout:
+  """The samplers, holding the learner's current weights: a `SamplerHub` over the sampler processes of a
+  multi-process job, else a `LocalRollout` on this process's sampler slice."""
+  if not layout.multi_process:
+    abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
+    return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, mesh=sampler_mesh, params=local,
+                        version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+  publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
+                              tensor=config.mesh.sampler_tensor, devices=learner_local, host=layout.host)
+  peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
+  hub = SamplerHub(peers=peers, publisher=publisher).start()
+  hub.publish(local, learner.version)
+  return hub
