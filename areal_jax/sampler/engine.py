@@ -118,8 +118,10 @@ def _unsupported(**kw) -> None:
 
 class Engine(engine_api.Engine):
 
+  frees_slots = True  # its driver frees every slot it used (the scheduler, JetStream's head); not JetStream 0.2.2
+
   def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None,
-               sampling: SamplingParams | None = None, tokenizer: str = "", jetstream_api: str = "0.3",
+               sampling: SamplingParams | None = None, tokenizer: str = "",
                params_loader: Callable[[Engine], nnx.State] | None = None):
     """`model` gives the graph and parameter shapes (an abstract `nnx.eval_shape` model works); parameters are
     passed to `prefill`/`generate`, their floating leaves in `config.param_dtype` whatever the model's own dtype. The
@@ -127,13 +129,8 @@ class Engine(engine_api.Engine):
 
     For JetStream's own orchestrator and server (`sampler/jetstream.py`): `sampling` (default greedy), since its
     prefills carry no sampling settings; `tokenizer` (a spec for `load_tokenizer`, default the char vocabulary);
-    `jetstream_api`, the engine API of the JetStream that drives it ("0.3", the GitHub head; "0.2", PyPI's 0.2.2);
     `params_loader(engine)`, what `load_params()` without arguments returns (default: `model`'s own parameters)."""
-    if jetstream_api not in jetstream.API_VERSIONS:
-      raise ValueError(f"jetstream_api={jetstream_api!r}; choose one of {jetstream.API_VERSIONS}")
-    self.jetstream_api = jetstream_api
     self._model, self._params_loader = model, params_loader
-    self._unreported: dict[int, int] = {}  # API 0.2: slot -> its first token, which the next `generate` reports
     self.cfg = config
     self.model_cfg: ModelConfig = model.cfg
     self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
@@ -196,12 +193,12 @@ class Engine(engine_api.Engine):
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
               request_id=None) -> tuple[Prefix, ResultTokens] | Prefix:
     """The prompt `padded_tokens[:true_length]` and one first token, drawn with the engine's `sampling`: (prefix,
-    first token); with `jetstream_api="0.2"` the prefix alone, and the next `generate` reports the first token. A
-    vocabulary without BOS drops a leading pad id (JetStream's BOS for it, see `sampler/jetstream.py`)."""
+    first token). A vocabulary without BOS drops a leading pad id (JetStream's BOS for it, see
+    `sampler/jetstream.py`)."""
     del request_id  # accepted for the contract; nothing here depends on it
     prefix, first = self.prefill_multisampling(params=params, existing_prefix=existing_prefix,
                                                padded_tokens=padded_tokens, true_length=true_length, sampler=sampler)
-    return prefix if self.jetstream_api == "0.2" else (prefix, first)
+    return prefix, first
 
   def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
                             rng=None, num_samples: int = 1) -> tuple[Prefix, ResultTokens]:
@@ -231,37 +228,30 @@ class Engine(engine_api.Engine):
 
   def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Sample i of the prefix into slots[i]; the samples share the prompt's full pages."""
-    decode_state = self.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True)
-    for slot in slots:
-      self._unreported.pop(slot, None)
-    if self.jetstream_api == "0.2":
-      first = np.asarray(prefix.first)[np.asarray(prefix.draw_index)[0]]
-      self._unreported.update({slot: int(first[i]) for i, slot in enumerate(slots)})
-    return decode_state
+    return self.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True)
 
   def generate(self, params, decode_state: DecodeState, sampler=None) -> tuple[DecodeState, ResultTokens]:
     """One token for every occupied slot with room: prompt and answer together hold at most `sampler.max_seq_len`
     tokens, as in the scheduler. A full slot draws nothing: its row is not valid (the answer is done), holds the
     tokenizer's pad id (JetStream takes it as a stop token; at its head it also lists its id) and keeps its length.
-    Lengths count generated tokens. With `jetstream_api="0.2"` a slot inserted since the last call reports its
-    first token instead of drawing (its log_prob is NaN: the prefill kept it on the device)."""
+    Lengths count generated tokens."""
     _unsupported(sampler=sampler)
+    decode_state, tokens, valid, lengths, log_prob = self.generate_one(params, decode_state)
+    return decode_state, pack_result(tokens[:, None], valid[:, None].astype(np.int32), lengths, log_prob[:, None])
+
+  def generate_one(self, params, decode_state: DecodeState, hold: Sequence[int] = ()):
+    """`generate`'s call, before packing: (state, tokens, valid, lengths, log_prob) per slot; the slots in `hold`
+    draw nothing."""
     with self.slots.lock:
       # cached = prompt + generated - 1 (the last drawn token is pending): room while prompt + generated < max.
       budget = (self.slots.active & (self.slots.cached + 1 < self.cfg.max_seq_len)).astype(np.int32)
-      held = np.array(sorted(self._unreported), np.int32)
-      budget[held] = 0
+      budget[np.asarray(hold, np.int32)] = 0
       decode_state, steps = self.generate_steps(params, decode_state, budget)
       self.slots.advance(budget)  # no EOS stop and no early exit: the device draws exactly the budget
       lengths = self.slots.generated.copy()
     valid = budget > 0
     tokens = jnp.where(valid, steps.tokens[:, 0], self.jetstream_tokenizer.pad_id)
-    log_prob = steps.log_prob[:, 0]
-    if len(held):
-      tokens = tokens.at[held].set(np.array([self._unreported.pop(int(s)) for s in held], np.int32))
-      log_prob = log_prob.at[held].set(np.nan)
-      valid[held] = True
-    return decode_state, pack_result(tokens[:, None], valid[:, None].astype(np.int32), lengths, log_prob[:, None])
+    return decode_state, tokens, valid, lengths, steps.log_prob[:, 0]
 
   def free_resource(self, slot: int) -> None:
     """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
@@ -375,24 +365,8 @@ class Engine(engine_api.Engine):
     values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages. With
     `sampler.prefix_cache` and a `decode_state`, every batch runs the program that reads cached pages (it loops over
     the pages rows hold, none for most), so rows with and without cached pages share compiled programs."""
-    s, p = self.cfg.num_slots, self.cfg.page_size
-    totals = np.array([len(x) for x in sequences], np.int32)
-    too_long = np.flatnonzero(totals >= self.cfg.max_seq_len)
-    if len(too_long) or np.any(totals < 1):
-      i = int(too_long[0]) if len(too_long) else int(np.argmin(totals))
-      raise ValueError(f"sequence of {totals[i]} tokens cannot be prefilled: it needs 1 to "
-                       f"sampler.max_seq_len - 1 = {self.cfg.max_seq_len - 1} tokens")
-    num_draws = sum(len(d.keys) for d in draws)
-    if num_draws > s:
-      raise ValueError(f"{num_draws} answers in one prefill; at most sampler.num_slots={s}")
-    cached = list(cached) or [(0, ())] * len(sequences)
-    if len(cached) != len(sequences):
-      raise ValueError(f"prefill_batch: {len(cached)} cached page lists for {len(sequences)} sequences")
-    starts = np.array([len(pages) * p for _, pages in cached], np.int32)
-    lengths = totals - starts
-    if np.any(lengths < 1):
-      raise ValueError(f"row {int(np.argmin(lengths))}: its cached pages hold all its {totals[np.argmin(lengths)]} "
-                       "tokens; at least one must be prefilled")
+    s = self.cfg.num_slots
+    cached, starts, lengths, num_draws = self._prefill_rows(sequences, draws, cached)
     t, b = self.bucket(int(lengths.max())), _pow2(len(sequences))
     tokens = np.zeros((b, t), np.int32)
     lens = np.ones(b, np.int32)
@@ -428,6 +402,29 @@ class Engine(engine_api.Engine):
                     temperature=temperature, top_p=top_p, top_k=top_k)
     return prefix, FirstTokens(tokens=first, log_prob=log_prob)
 
+  def _prefill_rows(self, sequences, draws, cached) -> tuple[list, np.ndarray, np.ndarray, int]:
+    """`prefill_batch`'s arguments checked: (cached pages per row, tokens cached per row, tokens to prefill per row,
+    answers drawn); a ValueError names what does not fit."""
+    s, p = self.cfg.num_slots, self.cfg.page_size
+    totals = np.array([len(x) for x in sequences], np.int32)
+    too_long = np.flatnonzero(totals >= self.cfg.max_seq_len)
+    if len(too_long) or np.any(totals < 1):
+      i = int(too_long[0]) if len(too_long) else int(np.argmin(totals))
+      raise ValueError(f"sequence of {totals[i]} tokens cannot be prefilled: it needs 1 to "
+                       f"sampler.max_seq_len - 1 = {self.cfg.max_seq_len - 1} tokens")
+    num_draws = sum(len(d.keys) for d in draws)
+    if num_draws > s:
+      raise ValueError(f"{num_draws} answers in one prefill; at most sampler.num_slots={s}")
+    cached = list(cached) or [(0, ())] * len(sequences)
+    if len(cached) != len(sequences):
+      raise ValueError(f"prefill_batch: {len(cached)} cached page lists for {len(sequences)} sequences")
+    starts = np.array([len(pages) * p for _, pages in cached], np.int32)
+    lengths = totals - starts
+    if np.any(lengths < 1):
+      raise ValueError(f"row {int(np.argmin(lengths))}: its cached pages hold all its {totals[np.argmin(lengths)]} "
+                       "tokens; at least one must be prefilled")
+    return cached, starts, lengths, num_draws
+
   def warmup(self, params, decode_state: DecodeState, max_context: int | None = None) -> DecodeState:
     """Compiles every program the scheduler can call for contexts up to `max_context` tokens (default: the cache
     length): decode, first-token sampling, and prefill + insert for each bucket and power-of-two row count. Runs
@@ -457,8 +454,8 @@ class Engine(engine_api.Engine):
                   replace: bool = False) -> DecodeState:
     """One device call for several placements of one prefix's rows (see `Placement`). Full pages of a row are
     written once per data shard and shared by reference count; a partial last page is copied per slot. With
-    `replace`, answers still in the slots are done and are replaced (JetStream's insert; with API 0.3 their
-    `free_resource` may still come, and is ignored)."""
+    `replace`, answers still in the slots are done and are replaced (JetStream's insert; their `free_resource` may
+    still come, and is ignored, where the driver `frees_slots`)."""
     true_length, start = np.asarray(prefix.true_length), np.asarray(prefix.start)
     draw_index = np.asarray(prefix.draw_index)
     for pl in placements:
@@ -471,7 +468,7 @@ class Engine(engine_api.Engine):
       if len(pl.cached) * self.cfg.page_size != start[pl.row]:
         raise ValueError(f"prefix row {pl.row} was prefilled after {start[pl.row]} cached tokens; the placement "
                          f"gives {len(pl.cached)} cached pages of {self.cfg.page_size}")
-    occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=self.jetstream_api == "0.3")
+    occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=self.frees_slots)
     keys, settings = np.asarray(prefix.keys), (np.asarray(prefix.temperature), np.asarray(prefix.top_p),
                                                np.asarray(prefix.top_k))
     p, chunks, inits = self.cfg.page_size, [], []

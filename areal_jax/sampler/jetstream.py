@@ -1,7 +1,8 @@
 """What JetStream's own orchestrator and server need from the engine, without depending on JetStream.
 
 JetStream (AI-Hypercomputer/JetStream, archived upstream in 2026; vLLM's tpu-inference succeeds it for TPU serving)
-drives an engine through `jetstream.engine.engine_api.Engine`. Two versions are in use, and the engine serves both:
+drives an engine through `jetstream.engine.engine_api.Engine`. Two versions are in use: the engine (`Engine`) speaks
+the head's, and `serve/jetstream.py`'s `EngineApi022` adapts it to the release's:
 
 * `0.2` — `google-jetstream` 0.2.2, the release on PyPI: `prefill` returns the prefix alone, the first answer token
   comes out of the next `generate`, slots are never freed (an insert replaces the answer).
@@ -30,7 +31,6 @@ from areal_jax.sampler import engine_api
 # JetStream's prefill buckets (`token_utils.DEFAULT_PREFILL_BUCKETS`, the same in 0.2.2 and at the head): a padded
 # prompt takes the smallest one that holds it, and `max_prefill_length` must be one of them.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-API_VERSIONS = ("0.2", "0.3")
 
 
 def prefill_bucket(max_seq_len: int) -> int:

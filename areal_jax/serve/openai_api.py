@@ -216,6 +216,35 @@ def _max_tokens(body: CompletionRequest | ChatRequest) -> tuple[str, int | None]
   return "max_tokens", DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
 
 
+def _check_prompt(ids: list[int], where: str, param: str, limit_name: str, limit: int | None, *, max_seq_len: int,
+                  vocab_size: int) -> None:
+  """One prompt against the server's limits: not empty, room for an answer token (and `limit` of them), ids in
+  the vocabulary."""
+  n = len(ids)
+  if n == 0:
+    raise _bad(param, f"{where}: empty (no tokens)")
+  if n > max_seq_len - 1:
+    raise _bad(param, f"{where} too long: {n} tokens > max {max_seq_len - 1} (the server's "
+                      f"max_seq_len={max_seq_len} holds prompt and answer, at least one answer token)")
+  bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+  if bad_ids:
+    raise _bad(param, f"{where}: token id {bad_ids[0]} outside the vocabulary [0, {vocab_size})")
+  if limit is not None and limit > max_seq_len - n:
+    raise _bad(limit_name, f"{limit_name}={limit}: the prompt's {n} tokens leave room for at most "
+                           f"{max_seq_len - n} in the server's max_seq_len={max_seq_len}")
+
+
+def _check_sampling(body: CompletionRequest | ChatRequest) -> None:
+  if not (math.isfinite(body.temperature) and body.temperature >= 0):
+    raise _bad("temperature", f"temperature={body.temperature}: must be a finite number >= 0 (0 = greedy)")
+  if not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
+    raise _bad("top_p", f"top_p={body.top_p}: must lie in (0, 1]")
+  if body.top_k == 0 or body.top_k < -1:
+    raise _bad("top_k", f"top_k={body.top_k}: must be positive or -1 (off)")
+  if not 1 <= body.n <= MAX_N:
+    raise _bad("n", f"n={body.n}: must lie in [1, {MAX_N}]")
+
+
 def prepare(body: CompletionRequest | ChatRequest, prompts: list[list[int]], *, tokenizer: Tokenizer,
             max_seq_len: int, vocab_size: int) -> Prepared:
   """Checks `body` against the server's limits; raises `ApiError` (400) naming the field and its value."""
@@ -237,27 +266,9 @@ def prepare(body: CompletionRequest | ChatRequest, prompts: list[list[int]], *, 
   if limit is not None and limit < 1:
     raise _bad(limit_name, f"{limit_name}={limit}: must be >= 1")
   for i, ids in enumerate(prompts):
-    where = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
-    n = len(ids)
-    if n == 0:
-      raise _bad(prompt_param, f"{where}: empty (no tokens)")
-    if n > max_seq_len - 1:
-      raise _bad(prompt_param, f"{where} too long: {n} tokens > max {max_seq_len - 1} (the server's "
-                               f"max_seq_len={max_seq_len} holds prompt and answer, at least one answer token)")
-    bad_ids = [t for t in ids if not 0 <= t < vocab_size]
-    if bad_ids:
-      raise _bad(prompt_param, f"{where}: token id {bad_ids[0]} outside the vocabulary [0, {vocab_size})")
-    if limit is not None and limit > max_seq_len - n:
-      raise _bad(limit_name, f"{limit_name}={limit}: the prompt's {n} tokens leave room for at most "
-                             f"{max_seq_len - n} in the server's max_seq_len={max_seq_len}")
-  if not (math.isfinite(body.temperature) and body.temperature >= 0):
-    raise _bad("temperature", f"temperature={body.temperature}: must be a finite number >= 0 (0 = greedy)")
-  if not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
-    raise _bad("top_p", f"top_p={body.top_p}: must lie in (0, 1]")
-  if body.top_k == 0 or body.top_k < -1:
-    raise _bad("top_k", f"top_k={body.top_k}: must be positive or -1 (off)")
-  if not 1 <= body.n <= MAX_N:
-    raise _bad("n", f"n={body.n}: must lie in [1, {MAX_N}]")
+    _check_prompt(ids, f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param, prompt_param, limit_name,
+                  limit, max_seq_len=max_seq_len, vocab_size=vocab_size)
+  _check_sampling(body)
   stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
   if any(not s for s in stops):
     raise _bad("stop", f"stop={body.stop!r}: stop strings must be non-empty")

@@ -6,12 +6,15 @@ CI cannot fetch) tested on the engine directly, as the head calls them.
 
 On this JAX, 0.2.2 needs `jax.tree_map` (removed in JAX 0.6) and a stand-in for seqio (it imports it for its own
 SentencePiece vocabularies, unused here; seqio pulls in TensorFlow): `areal_jax.serve.jetstream.import_jetstream`
-provides both, and the server tests run through it.
+gives both to JetStream's modules alone, and the server tests run through it. JetStream's requester
+(`jetstream/tools/requester.py`) is not in the 0.2.2 wheel: the tests send its requests through the same stub.
 """
 
 import dataclasses
 import inspect
 import socket
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -124,7 +127,7 @@ def test_multisampling_reports_a_slot_s_samples_and_frees_them(model, engine):
 def test_api_0_2_prefill_returns_the_prefix_and_generate_reports_the_first_token(model):
   cfg = SamplerConfig(num_slots=4, page_size=4, num_pages=4 * (MAX_SEQ // 4) + 1, max_seq_len=MAX_SEQ,
                       max_new_tokens=MAX_SEQ, decode_steps=4)
-  engine = Engine(model=model, config=cfg, jetstream_api="0.2")
+  engine = jetstream_server.EngineApi022(model=model, config=cfg)
   params = engine.load_params()  # as JetStream's server calls it: the model the engine was built with
   state = engine.init_decode_state()
   prompt = np.arange(2, 9, dtype=np.int32)
@@ -139,8 +142,6 @@ def test_api_0_2_prefill_returns_the_prefix_and_generate_reports_the_first_token
     assert row.valid[0, 0] and row.lengths[0] == step + 1
     tokens.append(int(row.tokens[0, 0]))
   assert tokens == list(generate(model, [prompt], max_new_tokens=3, temperature=0.0)[0][0].tokens)
-  with pytest.raises(ValueError, match="jetstream_api='0.4'"):
-    Engine(model=model, config=cfg, jetstream_api="0.4")
 
 
 # --- JetStream's own server ---------------------------------------------------------------------------------------
@@ -249,3 +250,42 @@ def test_jetstream_s_own_server_serves_the_engine(served, disaggregated):
   for text, got in zip(texts, text_out):
     assert got == tok.decode(_reference(model, np.asarray(tok.encode(text), np.int32), 8)), text
   _check_pools(server)
+
+
+@pytest.mark.slow
+def test_a_request_jetstream_would_die_on_is_refused_and_the_server_serves_on(served):
+  """A text the tokenizer cannot encode ('W' is not in the char vocabulary) or a token id outside the vocabulary
+  would raise in JetStream's prefill thread, whose Driver then kills the process: each is refused with
+  INVALID_ARGUMENT naming it, and the next good request on the same server is answered."""
+  from jetstream.core.proto import jetstream_pb2  # pylint: disable=g-import-not-at-top
+  model, path = served
+  server, port = _serve(path, disaggregated=False)
+  try:
+    bad_text = jetstream_pb2.DecodeRequest(text_content=jetstream_pb2.DecodeRequest.TextContent(text="What is 2+2?"),
+                                           max_tokens=4)
+    with pytest.raises(grpc.RpcError) as info:
+      _decode(port, bad_text)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'W'" in info.value.details()
+    bad_ids = jetstream_pb2.DecodeRequest(
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[3, SERVED.vocab_size]), max_tokens=4)
+    with pytest.raises(grpc.RpcError, match="outside the vocabulary"):
+      _decode(port, bad_ids)
+    prompt = np.array([3, 4, 5], np.int32)
+    good = jetstream_pb2.DecodeRequest(token_content=jetstream_pb2.DecodeRequest.TokenContent(
+        token_ids=prompt.tolist()), max_tokens=5)
+    assert _decode(port, good)[0] == _reference(model, prompt, 5)
+  finally:
+    server.stop()
+  _check_pools(server)
+
+
+def test_importing_any_module_and_jetstream_changes_nothing_in_jax_or_sys_modules():
+  """JetStream 0.2.2's shims reach JetStream's own modules alone: no `jax.tree_map`, no seqio stand-in left behind."""
+  code = ("import importlib, pkgutil, sys, jax, areal_jax\n"
+          "for m in pkgutil.walk_packages(areal_jax.__path__, 'areal_jax.'):\n"
+          "  importlib.import_module(m.name)\n"
+          "from areal_jax.serve import jetstream\n"
+          "_, _, orchestrator = jetstream.import_jetstream()\n"
+          "print(hasattr(jax, 'tree_map'), 'seqio' in sys.modules, hasattr(orchestrator.jax, 'tree_map'))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+  assert out.stdout.split() == ["False", "False", "True"], out.stdout + out.stderr[-2000:]
