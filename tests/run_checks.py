@@ -31,7 +31,7 @@ def assert_every_prompt_once(workdir, config, *, last_step):
   logged = [r["uid"] for r in rollouts(workdir)]
   assert len(logged) == len(set(logged)), "a prompt was trained on (or filtered) twice"
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
-  undone = ckpt.read_meta(last_step)["controller"]["undone"]
+  undone = ckpt.read_meta(last_step).controller["undone"]
   ckpt.close()
   assert not set(undone) & set(logged)
   assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))

@@ -213,7 +213,7 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
     prompts.append(f"{len(repeated)} prompts logged more than once, e.g. {repeated[:3]}")
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=config.checkpoint.every_steps)
   latest = ckpt.latest_step()
-  undone = ckpt.read_meta(latest)["controller"]["undone"] if latest is not None else []
+  undone = ckpt.read_meta(latest).controller["undone"] if latest is not None else []
   if latest != args.steps:
     prompts.append(f"the latest checkpoint is step {latest}, expected {args.steps}")
   if set(undone) & set(uids):
@@ -247,8 +247,8 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
     learner_cfg = LearnerConfig.from_config(config.learner, max_new_tokens=config.sampler.max_new_tokens)
     params, opt_state = build_step(model_cfg, learner_cfg, make_learner_mesh(jax.devices()[:1])).abstract_state()
     _, _, meta = ckpt.restore(latest, params=params, opt_state=opt_state)
-    if meta["step"] != latest or meta["version"] != latest:
-      restore.append(f"checkpoint {latest} holds step {meta['step']}, version {meta['version']}")
+    if meta.step != latest or meta.version != latest:
+      restore.append(f"checkpoint {latest} holds step {meta.step}, version {meta.version}")
   except Exception as e:  # pylint: disable=broad-except  # reported as a violation
     restore.append(f"checkpoint {latest} does not restore: {type(e).__name__}: {e}")
   ckpt.close()

@@ -34,7 +34,7 @@ def _load(source: checkpoints.Source, step: int | None):
   """The model of a policy directory or of a run's checkpoint (LoRA: base and adapters), on the first device."""
   if source.kind == "policy":
     return orbax_io.load_orbax(str(source.path))
-  model_cfg = orbax_io.config_from_json(checkpoints.read_meta(source.path, step)["model_config"])
+  model_cfg = checkpoints.read_meta(source.path, step).model_cfg
   graphdef, abstract = orbax_io.abstract_params(model_cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = checkpoints.load_params(source.path, step, model_cfg, shardings=jax.tree.map(lambda _: device, abstract))

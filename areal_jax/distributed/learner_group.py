@@ -24,7 +24,7 @@ from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import Save, Start, Stop, TrainStep
 from areal_jax.distributed.weight_transfer import local_copy
 from areal_jax.learner.learner import Learner
-from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.types import Trajectory
 
 LEARNER = "learner"  # the control messages' kind; the payload is a `messages` record
@@ -39,7 +39,7 @@ def critic_items(learner: Learner) -> dict[str, Any]:
   return {"critic_params": learner.critic_params, "critic_opt_state": learner.critic_opt}
 
 
-def _save(learner: Learner, ckpt: Checkpointer, step: int, meta: dict, force: bool) -> bool:
+def _save(learner: Learner, ckpt: Checkpointer, step: int, meta: CheckpointMeta, force: bool) -> bool:
   return ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force,
                    meta=meta, extra=critic_items(learner))
 
@@ -67,7 +67,7 @@ class LearnerGroup:
     samplers take; a collective across learner processes (each follower copies after its step)."""
     return local_copy(self.learner.params, self.learner.mesh)
 
-  def save(self, ckpt: Checkpointer, step: int, *, meta: dict, force: bool = False) -> bool:
+  def save(self, ckpt: Checkpointer, step: int, *, meta: CheckpointMeta, force: bool = False) -> bool:
     """Step `step`'s checkpoint on its schedule (or `force`d), every process its shards; the leader's `meta`."""
     self._send(Save(step=step, force=force))
     return _save(self.learner, ckpt, step, meta, force)
@@ -122,4 +122,4 @@ def follow(leader: Peer, learner: Learner, ckpt: Checkpointer) -> None:
         step, force = record.step, record.force
       case _:
         raise RuntimeError(f"learner follower: unknown message {record!r}")
-    _save(learner, ckpt, step, {"step": step}, force)
+    _save(learner, ckpt, step, CheckpointMeta(step=step), force)  # only the primary process writes the meta

@@ -22,6 +22,7 @@ from flax import nnx
 
 from areal_jax.models import create, hf_io, lora, orbax_io, weights
 from areal_jax.models.config import ModelConfig
+from areal_jax.rl.checkpoint import CheckpointMeta
 
 ITEMS = ("params", "meta")  # the items evaluation reads from a step
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -109,10 +110,11 @@ def scan(directory: str | epath.Path) -> Scan:
   return Scan(complete=sorted(complete), incomplete=incomplete)
 
 
-def read_meta(directory: str | epath.Path, step: int) -> dict[str, Any]:
-  """The JSON `meta` item of `step` (learner step, policy version, model config, ...)."""
+def read_meta(directory: str | epath.Path, step: int) -> CheckpointMeta:
+  """The `meta` item of `step` (learner step, policy version, model config, ...)."""
+  path = epath.Path(directory) / str(step) / "meta"
   with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-    return ckptr.restore(epath.Path(directory) / str(step) / "meta")
+    return CheckpointMeta.from_json(ckptr.restore(path), where=str(path))
 
 
 def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, *, shardings) -> nnx.State:
@@ -127,9 +129,12 @@ def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, 
     params = orbax_io.restore_any_layout(lambda t: ckptr.restore(where, t), saved, where=str(where))
   if base is None:
     return params
-  meta = read_meta(directory, step)["base"]
-  base = load_base(meta["source"], model_cfg, base)
-  lora.check_base(meta, base, where=f"step {step} of {directory}")
+  saved_base = read_meta(directory, step).base
+  if saved_base is None:
+    raise ValueError(f"step {step} of {directory}: LoRA adapters (model_config.lora_rank={model_cfg.lora_rank}) "
+                     "whose meta names no base")
+  base = load_base(saved_base["source"], model_cfg, base)
+  lora.check_base(saved_base, base, where=f"step {step} of {directory}")
   return nnx.merge_state(base, params)
 
 

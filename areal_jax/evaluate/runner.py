@@ -133,7 +133,7 @@ def _checkpoint(session: _Session, directory: epath.Path, step: int) -> list[dic
   # A corrupt checkpoint fails in many ways (missing files, bad JSON, tensorstore errors); none may stop a watcher.
   try:
     meta = checkpoints.read_meta(directory, step)
-    model_cfg = orbax_io.config_from_json(meta["model_config"])
+    model_cfg = meta.model_cfg
   except Exception as e:  # pylint: disable=broad-except
     return unreadable(e)
   shardings = session.evaluator(model_cfg).engine.param_shardings  # outside the try: a failure here is not the data's
@@ -141,7 +141,7 @@ def _checkpoint(session: _Session, directory: epath.Path, step: int) -> list[dic
     params = checkpoints.load_params(directory, step, model_cfg, shardings=shardings)
   except Exception as e:  # pylint: disable=broad-except
     return unreadable(e)
-  return session.run(todo, params, model_cfg, source=str(directory), step=step, version=int(meta.get("version", step)))
+  return session.run(todo, params, model_cfg, source=str(directory), step=step, version=meta.version)
 
 
 def _model(session: _Session, source: checkpoints.Source, dtype: str) -> list[dict[str, Any]]:

@@ -142,6 +142,22 @@ class CriticFns:
             "critic_apply": self.apply.lower(params, opt, grads)}
 
 
+def _accumulate(values, value_clip: float, params, base, grads, stats, batch, inv_tokens):
+  """The value loss's gradients (scaled by `inv_tokens`) and statistics of one micro-batch, added to the running
+  sums."""
+  mask = batch["loss_mask"] > 0
+
+  def loss_fn(params):
+    v = values(params, base, batch)
+    loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, value_clip)
+    return loss.sum() * inv_tokens, (loss, clipped, v)
+
+  (_, (loss, clipped, v)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  step = {"value_loss": loss.sum(), "value_clipped": clipped.sum(), "values": jnp.where(mask, v, 0.0).sum(),
+          "returns": jnp.where(mask, batch["returns"], 0.0).sum(), "tokens": mask.sum().astype(jnp.float32)}
+  return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), {k: stats[k] + step[k] for k in stats}
+
+
 def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batch_sharding: NamedSharding,
                  replicated: NamedSharding, rules: Rules) -> CriticFns:
   """The critic's programs on the policy's `mesh`, sharded by the policy's `rules`."""
@@ -179,18 +195,7 @@ def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batc
     return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract),
             {k: jnp.zeros((), jnp.float32) for k in CRITIC_STATS})
 
-  def accumulate(params, base, grads, stats, batch, inv_tokens):
-    mask = batch["loss_mask"] > 0
-
-    def loss_fn(params):
-      v = values(params, base, batch)
-      loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, cfg.value_clip)
-      return loss.sum() * inv_tokens, (loss, clipped, v)
-
-    (_, (loss, clipped, v)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    step = {"value_loss": loss.sum(), "value_clipped": clipped.sum(), "values": jnp.where(mask, v, 0.0).sum(),
-            "returns": jnp.where(mask, batch["returns"], 0.0).sum(), "tokens": mask.sum().astype(jnp.float32)}
-    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), {k: stats[k] + step[k] for k in stats}
+  accumulate = functools.partial(_accumulate, values, cfg.value_clip)
 
   def apply(params, opt_state, grads):
     grad_norm = optax.tree.norm(grads)

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -44,6 +45,9 @@ from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, STALENESS_
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import LEARNER_RULES, Rules
 from areal_jax.types import Trajectory
+
+if TYPE_CHECKING:
+  from areal_jax.rl.checkpoint import CheckpointMeta
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,7 +146,7 @@ class Learner:
     """After restoring `params` / `opt_state` from a checkpoint: the counters saved with them."""
     self.version, self._updates = int(version), int(updates)
 
-  def save(self, ckpt, step: int, *, meta: dict, force: bool = False) -> bool:
+  def save(self, ckpt, step: int, *, meta: CheckpointMeta, force: bool = False) -> bool:
     """This process's shards of step `step`'s checkpoint (`rl.checkpoint.Checkpointer`), on its schedule or
     `force`d: the trained parameters (the adapters alone under LoRA), the optimizer state, a critic's state beside
     them. Returns whether a save started."""
@@ -150,7 +154,7 @@ class Learner:
     return ckpt.save(step, params=self.fns.split(self.params)[0], opt_state=self.opt_state, force=force, meta=meta,
                      extra=extra)
 
-  def restore(self, ckpt, step: int) -> dict:
+  def restore(self, ckpt, step: int) -> CheckpointMeta:
     """Its state from step `step` of `ckpt`, straight onto its shardings (under LoRA the frozen base must be in
     `params` already): trained parameters, optimizer state, a critic's state, the version and update counters.
     Returns the checkpoint's meta."""
@@ -161,7 +165,7 @@ class Learner:
       params, opt = self.critic.abstract_state()
       saved = ckpt.restore_extra(step, {"critic_params": params, "critic_opt_state": opt})
       self.critic_params, self.critic_opt = saved["critic_params"], saved["critic_opt_state"]
-    self.version, self._updates = int(meta["version"]), int(meta["updates"])
+    self.version, self._updates = meta.version, meta.updates
     return meta
 
   def init_critic(self) -> None:
@@ -231,34 +235,10 @@ class Learner:
     batches = [[jax.device_put(arrays(mb), fns.batch_sharding) for mb in minibatch] for minibatch in plan.minibatches]
     if cfg.kl_coef and self.ref_params is None:
       self.ref_params = fns.copy_params(self.params)
-    # Forward-only passes with the parameters at the start of the step, all dispatched before any update.
-    gaps, proximal = [], []
-    for mb, b in zip(microbatches, (b for minibatch in batches for b in minibatch)):
-      inputs = {k: b[k] for k in BATCH_INT_KEYS}
-      if cfg.recompute_proximal:
-        b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
-        proximal.append(fns.gather(b["proximal_logprobs"]))  # read on the host for `staleness/*`
-        # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
-        same = (mb.loss_mask > 0) & (mb.versions == self.version)
-        if same.any():
-          gaps.append(fns.logprob_gap(b["proximal_logprobs"], b["behavior_logprobs"],
-                                      jax.device_put(same, fns.batch_sharding)))
-      if cfg.kl_coef:
-        b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
+    gaps, proximal = self._forward_passes(microbatches, [b for minibatch in batches for b in minibatch])
     critic_batches, targets = self._critic_targets(batches) if self.critic is not None else (None, None)
     faults.reach("learner_step")
-    poison = faults.hit("nan_grads")
-    sums, grad_norms = [], []
-    for minibatch, n in zip(batches, plan.denominators):
-      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1e-9)), fns.replicated)
-      grads, stats = fns.zero_accumulators()
-      for b in minibatch:
-        grads, stats = fns.accumulate(self.params, grads, stats, b, inv_tokens)
-      if poison:
-        grads = jax.tree.map(lambda g: g * np.float32("nan"), grads)
-      self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
-      sums.append(stats)
-      grad_norms.append(grad_norm)
+    sums, grad_norms = self._apply_minibatches(batches, plan.denominators)
     critic_stats = self._critic_update(critic_batches, targets, plan) if self.critic is not None else {}
     sums, grad_norms, gaps, proximal = jax.device_get((sums, grad_norms, gaps, proximal))
     elapsed = time.perf_counter() - start
@@ -273,6 +253,43 @@ class Learner:
     if cfg.recompute_proximal:
       stats |= gap_stats(gaps)
     return stats | critic_stats
+
+  def _forward_passes(self, microbatches: list, batches: list[dict]) -> tuple[list, list]:
+    """Forward-only passes with the parameters at the start of the step, all dispatched before any update: the
+    proximal logprobs (into each batch, and gathered for `staleness/*`) with the sampler's gap on this version's own
+    tokens, and the KL reference's logprobs. Returns (gaps, proximal), still on the devices."""
+    cfg, fns = self.config, self.fns
+    gaps, proximal = [], []
+    for mb, b in zip(microbatches, batches):
+      inputs = {k: b[k] for k in BATCH_INT_KEYS}
+      if cfg.recompute_proximal:
+        b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
+        proximal.append(fns.gather(b["proximal_logprobs"]))  # read on the host for `staleness/*`
+        # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
+        same = (mb.loss_mask > 0) & (mb.versions == self.version)
+        if same.any():
+          gaps.append(fns.logprob_gap(b["proximal_logprobs"], b["behavior_logprobs"],
+                                      jax.device_put(same, fns.batch_sharding)))
+      if cfg.kl_coef:
+        b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
+    return gaps, proximal
+
+  def _apply_minibatches(self, batches: list[list[dict]], denominators) -> tuple[list, list]:
+    """One optimizer update per minibatch, its micro-batches' gradients accumulated; (stats, grad norms) per update,
+    still on the devices."""
+    fns, poison = self.fns, faults.hit("nan_grads")
+    sums, grad_norms = [], []
+    for minibatch, n in zip(batches, denominators):
+      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1e-9)), fns.replicated)
+      grads, stats = fns.zero_accumulators()
+      for b in minibatch:
+        grads, stats = fns.accumulate(self.params, grads, stats, b, inv_tokens)
+      if poison:
+        grads = jax.tree.map(lambda g: g * np.float32("nan"), grads)
+      self.params, self.opt_state, grad_norm = fns.apply(self.params, self.opt_state, grads)
+      sums.append(stats)
+      grad_norms.append(grad_norm)
+    return sums, grad_norms
 
   def _critic_targets(self, batches: list[list[dict]]) -> tuple[list, list]:
     """The critic's values at the step's start, then GAE, on the devices: each micro-batch's `advantages` replaced

@@ -23,6 +23,7 @@ Each compiles once per row length (bucket); `apply` and the initialisers compile
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -208,6 +209,20 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicat
   return jax.tree_util.tree_map_with_path(pick, abstract_opt)
 
 
+def _zeros(abstract_trained, skeys):
+  """Zero gradient and statistic accumulators of a step."""
+  grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_trained)
+  return grads, {k: jnp.zeros((STALENESS_BUCKETS,) if k.endswith("_by_staleness") else (), jnp.float32)
+                 for k in skeys}
+
+
+def _logprob_gap(proximal, behavior, mask):
+  """[sum, count, max] of |proximal - behaviour| over the masked tokens where both are finite."""
+  ok = mask & jnp.isfinite(proximal) & jnp.isfinite(behavior)
+  gap = jnp.where(ok, jnp.abs(proximal - behavior), 0.0)
+  return jnp.stack([gap.sum(), ok.sum().astype(jnp.float32), gap.max()])
+
+
 def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temperature: float = 1.0,
                rules: Rules = LEARNER_RULES) -> StepFns:
   """The learner's programs for `model_cfg` on `mesh`, sharded by `rules`; no parameters are created."""
@@ -229,11 +244,6 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   def init_params(seed: int):
     return jax.jit(lambda: nnx.split(create(model_cfg, seed))[1], out_shardings=param_sh)()
 
-  def zeros():
-    grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_trained)
-    return grads, {k: jnp.zeros((STALENESS_BUCKETS,) if k.endswith("_by_staleness") else (), jnp.float32)
-                   for k in skeys}
-
   def logprobs(params, batch):
     model = nnx.merge(graphdef, params)
     (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
@@ -251,11 +261,6 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
     stats = {k: jnp.maximum(stats[k], s[k]) if k.endswith("_max") else stats[k] + s[k] for k in skeys}
     return grads, stats
 
-  def logprob_gap(proximal, behavior, mask):
-    ok = mask & jnp.isfinite(proximal) & jnp.isfinite(behavior)
-    gap = jnp.where(ok, jnp.abs(proximal - behavior), 0.0)
-    return jnp.stack([gap.sum(), ok.sum().astype(jnp.float32), gap.max()])
-
   def apply(params, opt_state, grads):
     trained, frozen = split(params)
     grad_norm = optax.tree.norm(grads)
@@ -269,13 +274,14 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
       batch_keys=batch_keys(cfg), stat_keys=skeys, init_params=init_params,
       init_opt_state=jax.jit(lambda p: tx.init(split(p)[0]), in_shardings=(param_sh,), out_shardings=opt_sh),
       copy_params=jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(param_sh,), out_shardings=param_sh),
-      zero_accumulators=jax.jit(zeros, out_shardings=(trained_sh, replicated)),
+      zero_accumulators=jax.jit(functools.partial(_zeros, abstract_trained, skeys),
+                                out_shardings=(trained_sh, replicated)),
       logprobs=jax.jit(ruled(logprobs), in_shardings=(param_sh, batch_sh), out_shardings=batch_sh),
       accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, trained_sh, replicated, batch_sh, replicated),
                          out_shardings=(trained_sh, replicated), donate_argnums=(1, 2)),
       apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, trained_sh),
                     out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1)),
-      logprob_gap=jax.jit(logprob_gap, in_shardings=(batch_sh,) * 3, out_shardings=replicated),
+      logprob_gap=jax.jit(_logprob_gap, in_shardings=(batch_sh,) * 3, out_shardings=replicated),
       gather=jax.jit(lambda x: x, in_shardings=batch_sh, out_shardings=replicated),
   )
 

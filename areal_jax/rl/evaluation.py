@@ -26,9 +26,9 @@ from areal_jax.distributed import weight_transfer
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
 from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.driver import Driver
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, SamplingParams
-from areal_jax.sampler.scheduler import Scheduler
 
 def heldout_jsonl(workdir: str, eval_path: str, records: Sequence[PromptRecord]) -> str:
   """A JSONL of the run's held-out problems for `tools/evaluate.py --benchmarks`: `eval_path` when the config names
@@ -89,14 +89,11 @@ class Evaluator:
     sampling = dataclasses.replace(self.sampling, **{k: v for k, v in (("temperature", temperature), ("top_p", top_p))
                                                      if v is not None})
     params = weight_transfer.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
-    sched = Scheduler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
-    for i, r in enumerate(records):
-      sched.submit(Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling))
-    answers: dict[tuple[int, int], list[int]] = {}
+    driver = Driver(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
     faults.reach("evaluation")
-    while not sched.idle:
-      for seq in sched.step():
-        answers[(seq.request.group_id, seq.answer)] = list(seq.tokens)
+    finished = driver.run([Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling)
+                           for i, r in enumerate(records)])
+    answers = {(i, j): list(seq.tokens) for i, row in enumerate(finished) for j, seq in enumerate(row)}
     keys = sorted(answers)
     texts = [self.detokenize([t for t in answers[k] if t not in self.eos_ids]) for k in keys]
     rewards = self.score([(records[i].kind, text, records[i].reference) for (i, _), text in zip(keys, texts)])

@@ -51,7 +51,7 @@ from areal_jax.models import lora, orbax_io
 from areal_jax.reward import sandbox
 from areal_jax.rl import initial_weights, step_metrics
 from areal_jax.rl.batches import save_batch
-from areal_jax.rl.checkpoint import Checkpointer, check_resumable
+from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer, check_resumable
 from areal_jax.rl.controller import Stalled
 from areal_jax.rl.evaluation import heldout_jsonl
 from areal_jax.rl.metrics import cut_logs
@@ -205,10 +205,12 @@ def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout:
     learner.params = initial_weights.initial_params(config, learner, train, tokenizer, workdir)
   if latest is not None:
     meta = learner.restore(ckpt, latest)
-    if "base" in meta:
-      lora.check_base(meta["base"], learner.fns.split(learner.params)[1], where=where)
-    step, controller_state = meta["step"], meta["controller"]
-    start_time -= meta.get("elapsed_s", 0.0)  # time/elapsed_s goes on from the checkpoint's
+    if meta.base is not None:
+      lora.check_base(meta.base, learner.fns.split(learner.params)[1], where=where)
+    if meta.controller is None:
+      raise ValueError(f"{where}: its meta holds no rollout controller state (not written by a run's leader)")
+    step, controller_state = meta.step, meta.controller
+    start_time -= meta.elapsed_s  # time/elapsed_s goes on from the checkpoint's
     train.restore(controller_state["dataset"])
     logging.info("resumed %s at step %d (version %d)", workdir, step, learner.version)
   else:
@@ -297,14 +299,15 @@ def _saver(config, workdir: epath.Path, st: _Start, learners: LearnerGroup) -> C
   """`save(step, controller_state, force=False)`: the checkpoint of every learner process, on the schedule or forced,
   with the leader's meta. Under LoRA it holds the adapters alone and names the base they adapt."""
   learner = st.learner
-  base = {}
+  base = None
   if st.settings.model.lora_rank:
-    base = {"base": lora.base_meta(initial_weights.base_source(config, workdir), learner.fns.split(learner.params)[1])}
+    base = lora.base_meta(initial_weights.base_source(config, workdir), learner.fns.split(learner.params)[1])
 
   def save(step: int, controller_state: dict, force: bool = False) -> None:
-    meta = {"step": step, "version": learner.version, "updates": learner.updates, "controller": controller_state,
-            "elapsed_s": time.time() - st.start_time, "model_config": orbax_io.config_to_json(st.settings.model),
-            "critic": learner.config.critic, **base}
+    meta = CheckpointMeta(step=step, version=learner.version, updates=learner.updates, controller=controller_state,
+                          elapsed_s=time.time() - st.start_time,
+                          model_config=orbax_io.config_to_json(st.settings.model), critic=learner.config.critic,
+                          base=base)
     if learners.save(st.ckpt, step, meta=meta, force=force):
       faults.reach("checkpoint_write")  # the asynchronous write is in flight
 

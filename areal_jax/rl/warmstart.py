@@ -69,6 +69,55 @@ def _match(logprobs, fns: StepFns, params: nnx.State, examples: list[Trajectory]
   return float(np.mean(probs))
 
 
+def _programs(fns: StepFns, optimizer):
+  """(step, grad_sum, add, apply), compiled: one update on a packed micro-batch; or a piece's summed loss and
+  gradients, their sum, and one update from the sum (a batch split in pieces with `accumulate`)."""
+  graphdef = fns.graphdef
+
+  def loss_sum(p, batch):
+    model = nnx.merge(graphdef, p)
+    (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature=1.0)
+    return -(lp * batch["loss_mask"]).sum()
+
+  def loss_fn(p, batch):
+    return loss_sum(p, batch) / jnp.maximum(batch["loss_mask"].sum(), 1.0)
+
+  def step(p, o, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+    updates, o = optimizer.update(grads, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  def apply(p, o, grads, tokens):
+    updates, o = optimizer.update(jax.tree.map(lambda g: g / tokens, grads), o, p)
+    return optax.apply_updates(p, updates), o
+
+  return (jax.jit(step, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None, None)),
+          jax.jit(jax.value_and_grad(loss_sum)), jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
+          jax.jit(apply, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None)))
+
+
+def _train_batch(programs, fns: StepFns, params, opt_state, batch: list[Trajectory], *, max_tokens: int,
+                 accumulate: bool):
+  """One batch: normally one micro-batch and one update; a batch too long for one is split, one update per piece
+  (or, with `accumulate`, one for the pieces' summed gradients). Returns (params, opt_state, loss)."""
+  step, grad_sum, add, apply = programs
+  layouts = plan_packed([t.num_tokens for t in batch], max_tokens=max_tokens, rows=fns.rows)
+  total, grads, tokens, loss = 0.0, None, 0.0, None
+  for layout in layouts:
+    mb = assemble(layout, batch, [np.ones(len(t.response_ids), np.float32) for t in batch])
+    arrays = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + ("loss_mask",)}, fns.batch_sharding)
+    if not accumulate:
+      params, opt_state, loss = step(params, opt_state, arrays)
+      continue
+    piece, g = grad_sum(params, arrays)
+    grads = g if grads is None else add(grads, g)
+    total, tokens = total + piece, tokens + float(mb.loss_mask.sum())
+  if accumulate:
+    params, opt_state = apply(params, opt_state, grads, tokens)
+    loss = total / tokens
+  return params, opt_state, loss
+
+
 def sft(fns: StepFns, params: nnx.State, pairs: Examples, *, steps: int, batch_size: int, lr: float, max_tokens: int,
         seed: int = 0, target_loss: float = 0.0, log_every: int = 50, accumulate: bool = False,
         heldout: Examples = (), target_match: float = 0.0) -> tuple[nnx.State, float, int]:
@@ -92,30 +141,7 @@ def sft(fns: StepFns, params: nnx.State, pairs: Examples, *, steps: int, batch_s
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1)  # steps >= 1
   optimizer = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0)
   opt_state = jax.jit(optimizer.init)(params)
-  graphdef = fns.graphdef
-
-  def loss_sum(p, batch):
-    model = nnx.merge(graphdef, p)
-    (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"], temperature=1.0)
-    return -(lp * batch["loss_mask"]).sum()
-
-  def loss_fn(p, batch):
-    return loss_sum(p, batch) / jnp.maximum(batch["loss_mask"].sum(), 1.0)
-
-  def step(p, o, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-    updates, o = optimizer.update(grads, o, p)
-    return optax.apply_updates(p, updates), o, loss
-
-  step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None, None))
-
-  def apply(p, o, grads, tokens):
-    updates, o = optimizer.update(jax.tree.map(lambda g: g / tokens, grads), o, p)
-    return optax.apply_updates(p, updates), o
-
-  grad_sum = jax.jit(jax.value_and_grad(loss_sum))
-  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-  apply = jax.jit(apply, donate_argnums=(0, 1), out_shardings=(fns.param_shardings, None))
+  programs = _programs(fns, optimizer)
 
   examples, held = _examples(pairs), _examples(heldout)
   if target_match > 0 and not held:
@@ -129,22 +155,8 @@ def sft(fns: StepFns, params: nnx.State, pairs: Examples, *, steps: int, batch_s
       order, pos = rng.permutation(len(examples)), 0
     idx = order[pos:pos + batch_size]
     pos += batch_size
-    batch_ex = [examples[j] for j in idx]
-    # Normally one micro-batch; a batch too long for one is split, one update per piece.
-    layouts = plan_packed([t.num_tokens for t in batch_ex], max_tokens=max_tokens, rows=fns.rows)
-    total, grads, tokens = 0.0, None, 0.0
-    for layout in layouts:
-      mb = assemble(layout, batch_ex, [np.ones(len(t.response_ids), np.float32) for t in batch_ex])
-      arrays = jax.device_put({k: getattr(mb, k) for k in BATCH_INT_KEYS + ("loss_mask",)}, fns.batch_sharding)
-      if not accumulate:
-        params, opt_state, loss_arr = step(params, opt_state, arrays)
-        continue
-      piece, g = grad_sum(params, arrays)
-      grads = g if grads is None else add(grads, g)
-      total, tokens = total + piece, tokens + float(mb.loss_mask.sum())
-    if accumulate:
-      params, opt_state = apply(params, opt_state, grads, tokens)
-      loss_arr = total / tokens
+    params, opt_state, loss_arr = _train_batch(programs, fns, params, opt_state, [examples[j] for j in idx],
+                                                max_tokens=max_tokens, accumulate=accumulate)
     recent = recent[-(_WINDOW - 1):] + [loss_arr]
     check = (i + 1) % _WINDOW == 0
     match = _match(logprobs, fns, params, held, max_tokens) if check and target_match > 0 else None

@@ -117,6 +117,48 @@ def _insert(write_chunks, state: DecodeState, prefix: PrefixArrays, first, chunk
       top_k=put(state.top_k, upd.top_k))
 
 
+def _decode(graphdef, mesh, decode_attend, draw, k_steps: int, params, state: DecodeState, budget, stop_eos, eos, grow,
+            refill_at):
+  """Up to `k_steps` decode steps for every live slot in one `lax.while_loop` (see `Programs.decode`)."""
+  model = nnx.merge(graphdef, params)
+  state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
+  ends = lambda tokens: stop_eos & jnp.any(tokens[:, None] == eos[None, :], axis=-1)
+
+  def step(carry):
+    i, st, live, count, out_tokens, out_logp = carry
+    pos = st.lengths
+    with use_rules(mesh, SAMPLER_RULES):
+      def attend(layer, q, k, v):
+        out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], st.k[layer], st.v[layer], st.page_table, pos, live)
+        return out[:, None], (kp, vp)
+
+      h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False,
+                               unroll=True)
+      tokens, log_prob = draw(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
+    inc = live.astype(jnp.int32)
+    st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),
+                    lengths=pos + inc, index=st.index + inc)
+    out_tokens = out_tokens.at[:, i].set(jnp.where(live, tokens, -1))
+    out_logp = out_logp.at[:, i].set(jnp.where(live, log_prob, 0.0))
+    count = count + inc
+    return i + 1, st, live & (count < budget) & ~ends(tokens), count, out_tokens, out_logp
+
+  s = budget.shape[0]
+  live = (budget > 0) & ~ends(state.tokens)
+  started = jnp.sum(live)
+
+  def more(carry):
+    i, live = carry[0], carry[2]
+    stopped = started - jnp.sum(live)
+    return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
+
+  init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
+          jnp.zeros((s, k_steps), jnp.float32))
+  loop = step if k_steps == 1 else functools.partial(jax.lax.while_loop, more, step)
+  _, state, _, count, tokens, log_prob = loop(init)
+  return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
+
+
 @functools.lru_cache(maxsize=16)
 def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh) -> Programs:
   """Cached: engines with the same graph, configs and mesh share compiled programs."""
@@ -156,44 +198,8 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
     return PrefixArrays(k=pin(k), v=pin(v)), logits
 
   def decode(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at):
-    model = nnx.merge(graphdef, params)
-    state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
-    k_steps = cfg.decode_steps
-    ends = lambda tokens: stop_eos & jnp.any(tokens[:, None] == eos[None, :], axis=-1)
-
-    def step(carry):
-      i, st, live, count, out_tokens, out_logp = carry
-      pos = st.lengths
-      with use_rules(mesh, SAMPLER_RULES):
-        def attend(layer, q, k, v):
-          out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], st.k[layer], st.v[layer], st.page_table, pos, live)
-          return out[:, None], (kp, vp)
-
-        h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False,
-                                 unroll=True)
-        tokens, log_prob = draw(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
-      inc = live.astype(jnp.int32)
-      st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),
-                      lengths=pos + inc, index=st.index + inc)
-      out_tokens = out_tokens.at[:, i].set(jnp.where(live, tokens, -1))
-      out_logp = out_logp.at[:, i].set(jnp.where(live, log_prob, 0.0))
-      count = count + inc
-      return i + 1, st, live & (count < budget) & ~ends(tokens), count, out_tokens, out_logp
-
-    s = budget.shape[0]
-    live = (budget > 0) & ~ends(state.tokens)
-    started = jnp.sum(live)
-
-    def more(carry):
-      i, live = carry[0], carry[2]
-      stopped = started - jnp.sum(live)
-      return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
-
-    init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
-            jnp.zeros((s, k_steps), jnp.float32))
-    loop = step if k_steps == 1 else functools.partial(jax.lax.while_loop, more, step)
-    _, state, _, count, tokens, log_prob = loop(init)
-    return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
+    return _decode(graphdef, mesh, decode_attend, draw, cfg.decode_steps, params, state, budget, stop_eos, eos, grow,
+                   refill_at)
 
   def prefill_after(params, k_pool, v_pool, page_rows, row_shard, start, tokens, lengths, rows):
     return prefill(params, tokens, lengths, rows, past=(k_pool, v_pool, page_rows, row_shard, start))

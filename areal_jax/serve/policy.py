@@ -83,9 +83,8 @@ def describe(checkpoint_dir: str, *, step: str = "latest", dtype: str = "") -> P
   else:
     raise ValueError(f"step={step!r}: not a complete checkpoint of {src.path} (complete: {found.complete})")
   meta = checkpoints.read_meta(src.path, chosen)
-  return PolicySource(kind="run", path=src.path, step=chosen, model_cfg=orbax_io.config_from_json(meta["model_config"]),
-                      version=int(meta.get("version", chosen)), tokenizer=tokenizer,
-                      run_sampler=run.get("sampler", {}), eos_ids=(), name=_name(src.path, chosen))
+  return PolicySource(kind="run", path=src.path, step=chosen, model_cfg=meta.model_cfg, version=meta.version,
+                      tokenizer=tokenizer, run_sampler=run.get("sampler", {}), eos_ids=(), name=_name(src.path, chosen))
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

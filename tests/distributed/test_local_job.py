@@ -167,7 +167,7 @@ def test_two_learner_processes_take_the_single_process_step(tmp_path):
   ckpt = Checkpointer(os.path.join(tmp_path, "checkpoints"), every_steps=1)
   want, _, meta = ckpt.restore(1, params=learner.params, opt_state=learner.opt_state)
   ckpt.close()
-  assert meta["version"] == 1
+  assert meta.version == 1
   learner.train_step(load_batch(str(tmp_path), 1))
   got = jax.tree_util.tree_flatten_with_path(jax.device_get(learner.params))[0]
   for (path, a), b in zip(got, jax.tree.leaves(jax.device_get(want))):

@@ -144,7 +144,7 @@ def test_every_checkpoint_is_scored_then_skipped(gcs_run, bench):
 
   # The greedy answers are those of the sampler's own generate() on the checkpoint's parameters.
   meta = checkpoints.read_meta(f"{RUN}/checkpoints", 2)
-  model_cfg = orbax_io.config_from_json(meta["model_config"])
+  model_cfg = meta.model_cfg
   graphdef, abstract = orbax_io.abstract_params(model_cfg)
   shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
   model = nnx.merge(graphdef, checkpoints.load_params(f"{RUN}/checkpoints", 2, model_cfg, shardings=shardings))
@@ -227,7 +227,7 @@ def test_watch_evaluates_each_checkpoint_as_it_appears(gcs_run, bench, fs, caplo
 def test_hf_baseline_scores_like_the_checkpoint_it_was_exported_from(gcs_run, bench, tmp_path):
   del gcs_run
   meta = checkpoints.read_meta(f"{RUN}/checkpoints", 2)
-  model_cfg = orbax_io.config_from_json(meta["model_config"])
+  model_cfg = meta.model_cfg
   graphdef, abstract = orbax_io.abstract_params(model_cfg)
   shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
   hf_dir = str(tmp_path / "hf")

@@ -63,7 +63,7 @@ def test_checkpoints_with_per_layer_parameters_still_load(tmp_path):
   from areal_jax.learner.learner import Learner
   from areal_jax.learner.step import make_learner_mesh
   from areal_jax.models import orbax_io
-  from areal_jax.rl.checkpoint import Checkpointer
+  from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 
   def learner(seed):
     return Learner(model_cfg=CFG, config=LearnerConfig(lr=1e-3, warmup_steps=0),
@@ -73,12 +73,12 @@ def test_checkpoints_with_per_layer_parameters_still_load(tmp_path):
   old = learner(0)
   old.opt_state = jax.tree.map(lambda x: x + 1, old.opt_state)  # moments that differ from a fresh init
   ckpt = Checkpointer(str(tmp_path / "run"), every_steps=1)
-  ckpt.save(3, params=orbax_io.per_layer(old.params), opt_state=orbax_io.per_layer(old.opt_state), meta={"step": 3})
+  ckpt.save(3, params=orbax_io.per_layer(old.params), opt_state=orbax_io.per_layer(old.opt_state), meta=CheckpointMeta(step=3))
   ckpt.close()
   new = learner(1)
   params, opt_state, meta = Checkpointer(str(tmp_path / "run"), every_steps=1).restore(
       3, params=new.params, opt_state=new.opt_state)
-  assert meta == {"step": 3}
+  assert meta == CheckpointMeta(step=3)
   for got, want, like in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((old.params, old.opt_state)),
                              jax.tree.leaves((new.params, new.opt_state))):
     np.testing.assert_array_equal(got, want)

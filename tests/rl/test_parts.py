@@ -14,7 +14,7 @@ from areal_jax.config import load_config
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.slices import build_slices
 from areal_jax.models import ModelConfig, create, weights
-from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.rl.metrics import MetricsWriter, read_metrics
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory
@@ -172,15 +172,16 @@ def test_checkpoint_roundtrip_onto_shardings(tmp_path):
   params = {"w": jax.device_put(jnp.arange(32.).reshape(8, 4), NamedSharding(mesh, P("fsdp")))}
   opt = {"mu": jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("fsdp"))), "count": jnp.array(3)}
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=2)
-  assert not ckpt.save(1, params=params, opt_state=opt, meta={"step": 1})
-  assert ckpt.save(2, params=params, opt_state=opt, meta={"step": 2, "data": {"epoch": 0, "index": 7}})
+  assert not ckpt.save(1, params=params, opt_state=opt, meta=CheckpointMeta(step=1))
+  meta = CheckpointMeta(step=2, controller={"dataset": {"epoch": 0, "index": 7}})
+  assert ckpt.save(2, params=params, opt_state=opt, meta=meta)
   ckpt.close()
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=2)
   assert ckpt.latest_step() == 2
-  p2, o2, meta = ckpt.restore(2, params=params, opt_state=opt)
+  p2, o2, restored = ckpt.restore(2, params=params, opt_state=opt)
   np.testing.assert_array_equal(np.asarray(p2["w"]), np.asarray(params["w"]))
   assert p2["w"].sharding.is_equivalent_to(params["w"].sharding, 2) and int(o2["count"]) == 3
-  assert meta == {"step": 2, "data": {"epoch": 0, "index": 7}}
+  assert restored == meta
   ckpt.close()
 
 

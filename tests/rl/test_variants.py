@@ -35,9 +35,9 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=2)
   meta = ckpt.read_meta(2)
   ckpt.close()
-  assert meta["base"]["source"] == {"warmstart": os.path.join(workdir, "warmstart")} and meta["base"]["fingerprint"]
-  assert meta["model_config"]["lora_rank"] == 4 and meta["model_config"]["lora_base_quant"] == "nf4"
-  assert meta["critic"] == "lora"
+  assert meta.base["source"] == {"warmstart": os.path.join(workdir, "warmstart")} and meta.base["fingerprint"]
+  assert meta.model_cfg.lora_rank == 4 and meta.model_cfg.lora_base_quant == "nf4"
+  assert meta.critic == "lora"
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2", "critic_params"))
 
   rows = trainer.run(load_config(FAST, total_steps=3, **VARIANT), workdir)
@@ -60,7 +60,7 @@ def test_lora_and_critic_run_publishes_adapters_checkpoints_and_resumes(tmp_path
 
 
 def test_full_weight_checkpoint_refuses_a_lora_run():
-  meta = {"model_config": {"lora_rank": 0}}
+  meta = checkpoint.CheckpointMeta(step=1, model_config={"lora_rank": 0})
   with pytest.raises(config_lib.ConfigError, match=r"config.learner.lora.rank=8: ckpt holds full weights"):
     checkpoint.check_resumable(meta, ModelConfig.from_config(load_config(CONFIG).model).replace(lora_rank=8), "",
                                where="ckpt")

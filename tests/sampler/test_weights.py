@@ -171,7 +171,7 @@ def test_an_idle_loop_gathers_a_burst_of_requests_into_one_step(models, engine):
   with loop:
     [warm] = loop.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=sampling))
     warm.result(timeout=120)
-    loop._last_step_s = 1.0  # pylint: disable=protected-access  # a long step: a 0.25 s window
+    loop.driver._last_step_s = 1.0  # pylint: disable=protected-access  # a long step: a 0.25 s window
     calls = loop.stats()["decode_calls"]
     futures = []
     for g in range(1, 7):

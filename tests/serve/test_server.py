@@ -27,7 +27,7 @@ import tokenizers
 from flax import nnx
 
 from areal_jax.models import orbax_io, save_hf
-from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.sampler import Request, SamplingParams, generate
 from areal_jax.serve import QueueFull, build
 from areal_jax.tokenizer import load_tokenizer
@@ -266,7 +266,7 @@ def test_a_run_checkpoint_serves_its_step_and_version(hf_dir, model, tmp_path):
   run = tmp_path / "myrun"
   ckpt = Checkpointer(str(run / "checkpoints"), every_steps=1)
   ckpt.save(3, params=nnx.state(model, nnx.Param), opt_state={"count": jnp.zeros(())},
-            meta={"version": 11, "model_config": orbax_io.config_to_json(model.cfg)}, force=True)
+            meta=CheckpointMeta(step=3, version=11, model_config=orbax_io.config_to_json(model.cfg)), force=True)
   ckpt.close()
   (run / "config.json").write_text(json.dumps({"model": {"tokenizer": hf_dir}, "sampler": {"max_seq_len": 64}}))
   sizing = dict(SIZING, max_seq_len=None)  # the run's own

@@ -47,7 +47,7 @@ def test_load_orbax_reads_a_run_checkpoint(tmp_path):
 
   from areal_jax import sharding as shd
   from areal_jax.models import ModelConfig, create
-  from areal_jax.rl.checkpoint import Checkpointer
+  from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 
   cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8)
@@ -57,7 +57,7 @@ def test_load_orbax_reads_a_run_checkpoint(tmp_path):
                           shd.state_shardings(nnx.state(model, nnx.Param), mesh, shd.LEARNER_RULES))
   ckpt = Checkpointer(str(tmp_path), every_steps=1)
   ckpt.save(3, params=params, opt_state={"count": jnp.array(1)},
-            meta={"step": 3, "model_config": orbax_io.config_to_json(cfg)})
+            meta=CheckpointMeta(step=3, model_config=orbax_io.config_to_json(cfg)))
   ckpt.close()
   loaded = orbax_io.load_orbax(str(tmp_path))
   tokens = jnp.arange(12, dtype=jnp.int32)[None] % 40

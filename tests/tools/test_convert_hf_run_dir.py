@@ -14,7 +14,7 @@ import transformers
 from flax import nnx
 
 from areal_jax.models import ModelConfig, create, orbax_io
-from areal_jax.rl.checkpoint import Checkpointer
+from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -31,7 +31,7 @@ def test_run_directory_to_hf(tmp_path):
     models[step] = create(cfg, seed=seed)
     params = jax.device_put(nnx.state(models[step], nnx.Param), jax.devices()[0])
     ckpt.save(step, params=params, opt_state={"count": jnp.array(step)},
-              meta={"step": step, "model_config": orbax_io.config_to_json(cfg)})
+              meta=CheckpointMeta(step=step, model_config=orbax_io.config_to_json(cfg)))
   ckpt.close()
   (run / "config.json").write_text(json.dumps({"model": {}, "sampler": {}}))  # the trainer's config.json
 
@@ -68,8 +68,8 @@ def test_lora_run_directory_to_merged_hf_and_peft(tmp_path):
   run = tmp_path / "run"
   ckpt = Checkpointer(str(run / "checkpoints"), every_steps=2)
   ckpt.save(2, params=jax.device_put(adapters, jax.devices()[0]), opt_state={"count": jnp.array(2)},
-            meta={"step": 2, "model_config": orbax_io.config_to_json(cfg),
-                  "base": lora.base_meta({"warmstart": str(tmp_path / "warmstart")}, base_state)})
+            meta=CheckpointMeta(step=2, model_config=orbax_io.config_to_json(cfg),
+                                base=lora.base_meta({"warmstart": str(tmp_path / "warmstart")}, base_state)))
   ckpt.close()
 
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -96,8 +96,8 @@ def test_lora_run_directory_to_merged_hf_and_peft(tmp_path):
   qbase = lora.quantize_base(base_state, qcfg)
   ckpt = Checkpointer(str(tmp_path / "qrun" / "checkpoints"), every_steps=2)
   ckpt.save(2, params=jax.device_put(adapters, jax.devices()[0]), opt_state={"count": jnp.array(2)},
-            meta={"step": 2, "model_config": orbax_io.config_to_json(qcfg),
-                  "base": lora.base_meta({"warmstart": str(tmp_path / "warmstart")}, qbase)})
+            meta=CheckpointMeta(step=2, model_config=orbax_io.config_to_json(qcfg),
+                                base=lora.base_meta({"warmstart": str(tmp_path / "warmstart")}, qbase)))
   ckpt.close()
   out = convert(f"--orbax_dir={tmp_path / 'qrun'}", f"--hf_dir={tmp_path / 'qmerged'}", "--to=hf")
   assert out.returncode == 0, out.stderr[-3000:]
