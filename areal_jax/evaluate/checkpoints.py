@@ -139,9 +139,9 @@ def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, 
 
 
 def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.State:
-  """The base weights a LoRA run's checkpoints name (`rl.initial_weights.base_source`), onto `target`'s shardings and dtypes:
-  `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its seed;
-  quantized as the learner stored it under QLoRA."""
+  """The base weights a LoRA run's checkpoints name (`rl.initial_weights.base_source`), onto `target`'s shardings and
+  dtypes: `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its
+  seed; quantized as the learner stored it under QLoRA."""
   shardings = jax.tree.map(lambda t: t.sharding, target)
   if "random_seed" in source:  # the learner's own init: the base part of the adapted model's
     init = lambda: lora.split(nnx.state(create(model_cfg, source["random_seed"]), nnx.Param))[1]

@@ -82,8 +82,8 @@ def _why_stalled(dropped: int) -> str:
 
 class RolloutController:
   """See the module docstring. `rollout` is a `Rollout` (`submit` returns one future per answer); `version` is the
-  policy version published to it (`admit` moves it on); `episodes`, with an agent, runs its episodes instead (on its `thread`, which the
-  controller then shares)."""
+  policy version published to it (`admit` moves it on); `episodes`, with an agent, runs its episodes instead (on its
+  `thread`, which the controller then shares)."""
 
   def __init__(self, *, dataset, rollout, rewards: RewardService, buffer: RolloutBuffer, version: int,
                group_size: int, sampling: SamplingParams, filter_uniform: bool, next_group_id: int = 0,

@@ -73,7 +73,8 @@ def test_checkpoints_with_per_layer_parameters_still_load(tmp_path):
   old = learner(0)
   old.opt_state = jax.tree.map(lambda x: x + 1, old.opt_state)  # moments that differ from a fresh init
   ckpt = Checkpointer(str(tmp_path / "run"), every_steps=1)
-  ckpt.save(3, params=orbax_io.per_layer(old.params), opt_state=orbax_io.per_layer(old.opt_state), meta=CheckpointMeta(step=3))
+  ckpt.save(3, params=orbax_io.per_layer(old.params), opt_state=orbax_io.per_layer(old.opt_state),
+            meta=CheckpointMeta(step=3))
   ckpt.close()
   new = learner(1)
   params, opt_state, meta = Checkpointer(str(tmp_path / "run"), every_steps=1).restore(

@@ -28,7 +28,8 @@ def test_async_run_respects_staleness_and_writes_metrics(tmp_path):
   """With bfloat16 sampler weights (the real-size presets' setting): the float32 learner's weights reach the sampler
   cast, and every step logs how far the sampler's logprobs are from the learner's (`sampler/logprob_gap`)."""
   eta = 1
-  config = load_config(FAST, total_steps=4, **{"rollout.max_head_offpolicyness": eta, "sampler.param_dtype": "bfloat16"})
+  config = load_config(FAST, total_steps=4,
+                       **{"rollout.max_head_offpolicyness": eta, "sampler.param_dtype": "bfloat16"})
   rows = trainer.run(config, str(tmp_path))
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
   metrics = read_metrics(str(tmp_path))
