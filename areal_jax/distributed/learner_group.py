@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
 
 from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import Save, Start, Stop, TrainStep
@@ -28,20 +27,6 @@ from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.types import Trajectory
 
 LEARNER = "learner"  # the control messages' kind; the payload is a `messages` record
-
-
-
-
-def critic_items(learner: Learner) -> dict[str, Any]:
-  """The critic's checkpoint items ({} without one)."""
-  if learner.critic is None:
-    return {}
-  return {"critic_params": learner.critic_params, "critic_opt_state": learner.critic_opt}
-
-
-def _save(learner: Learner, ckpt: Checkpointer, step: int, meta: CheckpointMeta, force: bool) -> bool:
-  return ckpt.save(step, params=learner.fns.split(learner.params)[0], opt_state=learner.opt_state, force=force,
-                   meta=meta, extra=critic_items(learner))
 
 
 class LearnerGroup:
@@ -70,7 +55,7 @@ class LearnerGroup:
   def save(self, ckpt: Checkpointer, step: int, *, meta: CheckpointMeta, force: bool = False) -> bool:
     """Step `step`'s checkpoint on its schedule (or `force`d), every process its shards; the leader's `meta`."""
     self._send(Save(step=step, force=force))
-    return _save(self.learner, ckpt, step, meta, force)
+    return self.learner.save(ckpt, step, meta=meta, force=force)
 
   def stop(self) -> None:
     """Best effort: a follower whose connection is gone is skipped."""
@@ -122,4 +107,4 @@ def follow(leader: Peer, learner: Learner, ckpt: Checkpointer) -> None:
         step, force = record.step, record.force
       case _:
         raise RuntimeError(f"learner follower: unknown message {record!r}")
-    _save(learner, ckpt, step, CheckpointMeta(step=step), force)  # only the primary process writes the meta
+    learner.save(ckpt, step, meta=CheckpointMeta(step=step), force=force)  # only the primary process writes it

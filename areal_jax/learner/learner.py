@@ -165,7 +165,7 @@ class Learner:
       params, opt = self.critic.abstract_state()
       saved = ckpt.restore_extra(step, {"critic_params": params, "critic_opt_state": opt})
       self.critic_params, self.critic_opt = saved["critic_params"], saved["critic_opt_state"]
-    self.version, self._updates = meta.version, meta.updates
+    self.restore_counters(version=meta.version, updates=meta.updates)
     return meta
 
   def init_critic(self) -> None:
