@@ -3,8 +3,8 @@
 No TPU is needed: libtpu describes a topology (`v5e:4x4`, `v5p:2x2x2`, ...) whose devices can be put in a mesh and
 compiled for. Parameters, optimizer state, KV pool and batches are abstract shapes; nothing is materialised.
 
-    reports = check(load_config("configs/math.py:qwen2.5-1.5b"), sampler_topology="v5e:2x4",
-                    learner_topology="v5e:2x4")
+    settings = validate(load_config("configs/math.py:qwen2.5-1.5b"), data=False)  # no dataset needed
+    reports = check(settings, sampler_topology="v5e:2x4", learner_topology="v5e:2x4")
     print(format_table(reports)); assert all(r.fits for r in reports)
 
 Programs (per device, from XLA's memory analysis of the partitioned program; FLOPs are the model's, as MFU counts
@@ -38,11 +38,10 @@ import re
 import time
 
 import jax
-import ml_collections
 from jax.extend import core as jax_core
 import numpy as np
 
-from areal_jax.config import validate
+from areal_jax.config import Settings
 from areal_jax.learner.critic import build_critic
 from areal_jax.learner.step import BATCH_INT_KEYS, build_step
 from areal_jax.models.config import ModelConfig
@@ -219,16 +218,15 @@ def _compile(lowered, **fields) -> ProgramReport:
                        kernels=pallas_kernels(compiled), **fields)
 
 
-def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0,
+def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
                   flop_seq_len: int | None = 4096) -> list[ProgramReport]:
-  """`logprobs`, `accumulate`, `apply` of the config's learner on `topology` (mesh fsdp × mesh.learner_tensor).
+  """`logprobs`, `accumulate`, `apply` of the run's learner on `topology` (mesh fsdp × mesh.learner_tensor).
   Model FLOPs are for rows packed with sequences of `flop_seq_len` tokens (at most the row and `max_seq_len`), and
   the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest)."""
   devices = topology_devices(topology)
-  mesh = make_mesh(devices, {"fsdp": -1, "tensor": config.mesh.learner_tensor})
-  settings = validate(config, data=False)
-  cfg, model_cfg = settings.learner, settings.model
-  fns = build_step(model_cfg, cfg, mesh, temperature=config.sampler.temperature)
+  mesh = make_mesh(devices, {"fsdp": -1, "tensor": settings.mesh.learner_tensor})
+  cfg, model_cfg, max_seq_len = settings.learner, settings.model, settings.sampler.max_seq_len
+  fns = build_step(model_cfg, cfg, mesh, temperature=settings.sampler.temperature)
   params, opt = fns.abstract_state()
   ref = device_bytes(params) if cfg.kl_coef else 0
   critic = None if not cfg.critic else build_critic(model_cfg, cfg, mesh, batch_sharding=fns.batch_sharding,
@@ -236,7 +234,7 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
   # With a critic each role's state stays in HBM while the other's programs run.
   ref += device_bytes(critic.abstract_state()) if critic else 0
   resident = {"logprobs": device_bytes(opt) + ref, "accumulate": device_bytes(opt) + ref, "apply": ref}
-  seq_len = min(flop_seq_len or config.sampler.max_seq_len, cfg.max_tokens_per_mb, config.sampler.max_seq_len)
+  seq_len = min(flop_seq_len or max_seq_len, cfg.max_tokens_per_mb, max_seq_len)
   note = f"{fns.rows} rows x {cfg.max_tokens_per_mb} tokens (FLOPs: sequences of {seq_len})"
   hbm = hbm_bytes(devices, hbm_gib)
   forward = _model_flops(model_cfg, fns.rows * cfg.max_tokens_per_mb, seq_len, len(devices))
@@ -258,12 +256,11 @@ def check_learner(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
           for name in lowered]
 
 
-def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
-  """`prefill`, `decode`, `insert` of the config's sampler on `topology` (mesh data × mesh.sampler_tensor), and
+def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
+  """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_tensor), and
   `prefill_after` with `sampler.prefix_cache`."""
   devices = topology_devices(topology)
-  mesh = make_mesh(devices, {"data": -1, "tensor": config.mesh.sampler_tensor})
-  settings = validate(config, data=False)
+  mesh = make_mesh(devices, {"data": -1, "tensor": settings.mesh.sampler_tensor})
   model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
@@ -283,15 +280,16 @@ def check_sampler(config: ml_collections.ConfigDict, topology: str, *, hbm_gib: 
           for name in ("prefill", "decode", "insert") + ("prefill_after",) * cfg.prefix_cache]
 
 
-def check(config: ml_collections.ConfigDict, *, sampler_topology: str | None, learner_topology: str | None,
+def check(settings: Settings, *, sampler_topology: str | None, learner_topology: str | None,
           hbm_gib: float = 0.0, flop_seq_len: int | None = 4096) -> list[ProgramReport]:
   """Compiles the learner's programs for `learner_topology` and the sampler's for `sampler_topology` (either may be
-  None to skip that role); each role gets its own slice, as in a run. `flop_seq_len`: see `check_learner`."""
+  None to skip that role); each role gets its own slice, as in a run. `settings`: `validate(config, data=False)`.
+  `flop_seq_len`: see `check_learner`."""
   reports = []
   if learner_topology:
-    reports += check_learner(config, learner_topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len)
+    reports += check_learner(settings, learner_topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len)
   if sampler_topology:
-    reports += check_sampler(config, sampler_topology, hbm_gib=hbm_gib)
+    reports += check_sampler(settings, sampler_topology, hbm_gib=hbm_gib)
   return reports
 
 

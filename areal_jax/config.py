@@ -1,8 +1,9 @@
 """Loading and validating run configs (`configs/*.py` files with `get_config(preset)`).
 
-Unknown keys are caught by the locked ConfigDict itself. `validate` builds a run's typed `Settings` once: the model,
-learner, sampler and agent records each check their own fields and own their choice lists; `validate` adds what
-depends on several groups, and every error names the field at fault as `config.FIELD=VALUE: why`.
+Unknown keys are caught by the locked ConfigDict itself. `validate` builds a run's typed `Settings` once: one frozen
+record per config group, each next to the code that reads it, checks its own fields and owns its choice lists;
+`validate` adds what depends on several groups, and every error names the field at fault as `config.FIELD=VALUE: why`.
+Below `rl/`, code takes these records, not the ConfigDict.
 """
 
 from __future__ import annotations
@@ -16,32 +17,39 @@ import ml_collections
 from etils import epath
 
 from areal_jax.agents.agent import AgentConfig
-from areal_jax.data import prompts, synthetic
-from areal_jax.data.dataset import SOURCES
+from areal_jax.data.config import DataConfig
+from areal_jax.distributed.slices import MeshConfig, split_devices
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.models import hf_io
-from areal_jax.models.config import ModelConfig
-from areal_jax.reward.sandbox import ISOLATIONS
+from areal_jax.models.config import ModelConfig, ModelSource
+from areal_jax.reward.config import RewardConfig
+from areal_jax.rl.rollout_buffer import RolloutConfig
+from areal_jax.rl.run_config import CheckpointConfig, EvalConfig, MetricsConfig, WarmstartConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.tokenizer import CharTokenizer
 
-# Choices of the groups without a typed record of their own (the records check theirs).
-_CHOICES = {
-    "data.source": SOURCES,
-    "data.prompt_template": prompts.TEMPLATES,
-    "data.synthetic_task": synthetic.TASKS,
-    "reward.code_isolation": ISOLATIONS,
-}
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
-  """A run's typed settings, built and checked once (`validate`)."""
+  """A run's typed settings, built and checked once (`validate`): one record per config group, and the top-level
+  fields."""
 
   model: ModelConfig  # the architecture (a HF `model.init_from`'s own), with `learner.lora`'s adapters
+  model_source: ModelSource  # init_from, tokenizer: the `model` group's other fields
   learner: LearnerConfig
   sampler: SamplerConfig
   agent: AgentConfig
+  data: DataConfig
+  rollout: RolloutConfig
+  reward: RewardConfig
+  mesh: MeshConfig
+  eval: EvalConfig
+  checkpoint: CheckpointConfig
+  metrics: MetricsConfig
+  warmstart: WarmstartConfig
+  seed: int = 0  # model init, sampling and data order
+  total_steps: int = 0  # learner steps (policy versions) to train
+  preset: str = ""  # the preset the config was built from
 
 
 def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
@@ -71,29 +79,6 @@ def _fail(field: str, value, why: str):
   raise ConfigError(f"config.{field}={value!r}: {why}")
 
 
-def _positive(c, *fields):
-  for f in fields:
-    group, name = f.split(".")
-    v = c[group][name]
-    if not v > 0:
-      _fail(f, v, "must be positive")
-
-
-def split_devices(num_devices: int, sampler_devices: int | float) -> tuple[int, int]:
-  """(sampler, learner) device counts; with one device both roles share it (returns (1, 1))."""
-  if num_devices == 1:
-    return 1, 1
-  if isinstance(sampler_devices, float) and not sampler_devices.is_integer():
-    if not 0 < sampler_devices < 1:
-      _fail("mesh.sampler_devices", sampler_devices, "a fraction must lie in (0, 1)")
-    n = max(1, min(num_devices - 1, round(num_devices * sampler_devices)))
-  else:
-    n = int(sampler_devices)
-    if not 0 < n < num_devices:
-      _fail("mesh.sampler_devices", sampler_devices, f"must leave at least one of {num_devices} devices to the learner")
-  return n, num_devices - n
-
-
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The run's model: `model.init_from`'s architecture when it is a HF directory, else the `model` group's; with
   `learner.lora`'s adapters."""
@@ -105,38 +90,40 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   return model.with_lora(c.learner.lora)
 
 
+def _records(c: ml_collections.ConfigDict, data: bool) -> Settings:
+  """Every group's record, each checking its own fields (`data=False`: not the data source's path or name)."""
+  return Settings(
+      model=model_config(c), model_source=ModelSource.from_config(c.model),
+      learner=LearnerConfig.from_config(c.learner, max_new_tokens=c.sampler.max_new_tokens),
+      sampler=SamplerConfig.from_config(c.sampler), agent=AgentConfig.from_config(c.agent),
+      data=DataConfig.from_config(c.data, source=data), rollout=RolloutConfig.from_config(c.rollout),
+      reward=RewardConfig.from_config(c.reward), mesh=MeshConfig.from_config(c.mesh),
+      eval=EvalConfig.from_config(c.eval), checkpoint=CheckpointConfig.from_config(c.checkpoint),
+      metrics=MetricsConfig.from_config(c.metrics), warmstart=WarmstartConfig.from_config(c.warmstart),
+      seed=int(c.seed), total_steps=int(c.total_steps), preset=str(c.get("preset", "")))
+
+
 def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, data: bool = True) -> Settings:
   """The run's `Settings`; raises ConfigError (a ValueError) naming the first inconsistent field. With
-  `num_devices`, also checks the device split; `data=False` skips the dataset's fields (a compile check reads none)."""
-  for field, choices in _CHOICES.items():
-    group, name = field.split(".")
-    if c[group][name] not in choices:
-      _fail(field, c[group][name], f"choose one of {choices}")
+  `num_devices`, also checks the device split; `data=False` skips the dataset's path and name (a compile check reads
+  none)."""
   try:
-    settings = Settings(model=model_config(c),
-                        learner=LearnerConfig.from_config(c.learner, max_new_tokens=c.sampler.max_new_tokens),
-                        sampler=SamplerConfig.from_config(c.sampler), agent=AgentConfig.from_config(c.agent))
+    settings = _records(c, data)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
   model = settings.model
+  if settings.total_steps < 0:
+    _fail("total_steps", settings.total_steps, "must be >= 0")
   if settings.learner.critic == "lora" and not model.lora_rank:
     _fail("learner.critic", "lora", "a LoRA branch needs the policy's adapters: set learner.lora.rank > 0, or use "
           "critic='copy'")
-  if c.model.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
+  if settings.model_source.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
     _fail("model.vocab_size", model.vocab_size, f"smaller than the char tokenizer's {CharTokenizer().vocab_size} ids")
 
-  if data and c.data.source == "jsonl" and not c.data.path:
-    _fail("data.path", c.data.path, "data.source='jsonl' needs a path to a .jsonl file")
-  if data and c.data.source == "tfds" and not c.data.tfds_name:
-    _fail("data.tfds_name", c.data.tfds_name, "data.source='tfds' needs a dataset name")
-  _positive(c, "data.max_prompt_len", "rollout.batch_size", "rollout.group_size", "rollout.max_concurrent_rollouts",
-            "rollout.stall_timeout_s", "reward.num_workers", "reward.timeout_s", "checkpoint.every_steps",
-            "eval.every_steps", "eval.num_samples")
-
-  s, lr = settings.sampler, settings.learner
-  if c.data.max_prompt_len + s.max_new_tokens > s.max_seq_len:
+  s, lr, prompt_len = settings.sampler, settings.learner, settings.data.max_prompt_len
+  if prompt_len + s.max_new_tokens > s.max_seq_len:
     _fail("sampler.max_seq_len", s.max_seq_len,
-          f"must hold data.max_prompt_len={c.data.max_prompt_len} + sampler.max_new_tokens={s.max_new_tokens}")
+          f"must hold data.max_prompt_len={prompt_len} + sampler.max_new_tokens={s.max_new_tokens}")
   if s.max_seq_len > model.max_position_embeddings:
     _fail("sampler.max_seq_len", s.max_seq_len,
           f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
@@ -145,31 +132,28 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, da
   if lr.max_tokens_per_mb < s.max_seq_len:
     _fail("learner.max_tokens_per_mb", lr.max_tokens_per_mb,
           f"must hold one whole sequence (sampler.max_seq_len={s.max_seq_len})")
-  groups = c.rollout.batch_size
-  if groups % lr.ppo_n_minibatches:
+  r = settings.rollout
+  if r.batch_size % lr.ppo_n_minibatches:
     _fail("learner.ppo_n_minibatches", lr.ppo_n_minibatches,
-          f"must divide rollout.batch_size={groups} (minibatches hold whole prompt groups)")
-  r = c.rollout
-  if r.max_head_offpolicyness < 0:
-    _fail("rollout.max_head_offpolicyness", r.max_head_offpolicyness, "must be >= 0 (0 = synchronous RL)")
-  if r.target_staleness is not None and not 0 <= r.target_staleness <= r.max_head_offpolicyness:
-    _fail("rollout.target_staleness", r.target_staleness,
-          f"must lie in [0, rollout.max_head_offpolicyness={r.max_head_offpolicyness}] (None = the bound)")
+          f"must divide rollout.batch_size={r.batch_size} (minibatches hold whole prompt groups)")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
-  _check_mesh(c, model, num_devices)
+  _check_mesh(settings, num_devices)
   return settings
 
 
-def _check_mesh(c: ml_collections.ConfigDict, model: ModelConfig, num_devices: int | None) -> None:
+def _check_mesh(settings: Settings, num_devices: int | None) -> None:
   """Tensor parallelism that divides the heads; with `num_devices`, a device split that the meshes divide."""
-  m, s = c.mesh, c.sampler
+  m, s, model = settings.mesh, settings.sampler, settings.model
   for role in ("sampler", "learner"):
-    t = m[f"{role}_tensor"]
+    t = getattr(m, f"{role}_tensor")
     if t < 1 or model.num_heads % t:
       _fail(f"mesh.{role}_tensor", t, f"must divide model.num_heads={model.num_heads}")
   if num_devices is not None:
-    n_sampler, n_learner = split_devices(num_devices, m.sampler_devices)
+    try:
+      n_sampler, n_learner = split_devices(num_devices, m.sampler_devices)
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from None
     if n_sampler % m.sampler_tensor:
       _fail("mesh.sampler_tensor", m.sampler_tensor, f"must divide the {n_sampler} sampler devices")
     if n_learner % m.learner_tensor:

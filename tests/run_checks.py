@@ -4,7 +4,7 @@ or run as processes) trained every prompt exactly once."""
 import json
 import os
 
-from areal_jax.data import build_dataset
+from areal_jax.data import DataConfig, build_dataset
 from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.tokenizer import load_tokenizer
@@ -20,7 +20,7 @@ def rollouts(workdir):
 
 
 def _epoch_order(config, n):
-  ds = build_dataset(config.data, load_tokenizer(config.model.tokenizer), split="train")
+  ds = build_dataset(DataConfig.from_config(config.data), load_tokenizer(config.model.tokenizer), split="train")
   return [next(ds).uid for _ in range(n)]
 
 

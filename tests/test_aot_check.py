@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 pytest.importorskip("libtpu")
 
 from areal_jax import aot_check  # noqa: E402
-from areal_jax.config import load_config  # noqa: E402
+from areal_jax.config import load_config, validate  # noqa: E402
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -26,8 +26,8 @@ SMALL = {"model.num_layers": 1, "learner.max_tokens_per_mb": 128}
 
 @pytest.fixture(scope="module")
 def reports():
-  config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL)
-  return aot_check.check(config, sampler_topology="v5e:2x2", learner_topology="v5e:2x2")
+  settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL), data=False)
+  return aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology="v5e:2x2")
 
 
 def test_tiny_compiles_and_fits(reports):
@@ -75,7 +75,7 @@ def _learner(attention: str, length: int = 384):
   config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **{
       "model.num_layers": 2, "learner.max_tokens_per_mb": length, "model.attention": attention})
   mesh = aot_check.make_mesh(aot_check.topology_devices("v5e:2x2"), {"fsdp": -1, "tensor": 1})
-  settings = aot_check.validate(config)
+  settings = validate(config)
   return aot_check.build_step(settings.model, settings.learner, mesh), settings.model
 
 
@@ -125,13 +125,13 @@ def test_cli_exits_nonzero_when_a_program_does_not_fit():
 
 
 def test_qlora_and_critic_programs_compile_with_each_others_state_resident():
-  config = load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL, **{
-      "learner.lora.rank": 4, "learner.lora.quantize_base": "nf4", "learner.critic": "lora"})
-  by_name = {r.program: r for r in aot_check.check_learner(config, "v5e:2x2", flop_seq_len=None)}
+  settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL, **{
+      "learner.lora.rank": 4, "learner.lora.quantize_base": "nf4", "learner.critic": "lora"}), data=False)
+  by_name = {r.program: r for r in aot_check.check_learner(settings, "v5e:2x2", flop_seq_len=None)}
   assert list(by_name) == ["logprobs", "accumulate", "apply", "critic_values", "critic_accumulate", "critic_apply"]
   assert all(r.fits for r in by_name.values()), [r.verdict() for r in by_name.values()]
-  plain = {r.program: r for r in aot_check.check_learner(load_config(os.path.join(ROOT, "configs/math.py:tiny"),
-                                                                     **SMALL), "v5e:2x2", flop_seq_len=None)}
+  tiny = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL), data=False)
+  plain = {r.program: r for r in aot_check.check_learner(tiny, "v5e:2x2", flop_seq_len=None)}
   # LoRA: the optimizer state and the update cover the adapters alone (the base in 4 bits); the critic's state (a
   # LoRA branch: adapters and a head) is resident beside them.
   assert by_name["apply"].argument_bytes < plain["apply"].argument_bytes / 2

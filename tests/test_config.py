@@ -11,8 +11,12 @@ from absl import flags
 from ml_collections import config_flags
 
 from areal_jax.config import load_config, split_devices, validate
+from areal_jax.data import DataConfig
 from areal_jax.models import ModelConfig
+from areal_jax.rl.rollout_buffer import RolloutConfig
+from areal_jax.rl.run_config import EvalConfig
 from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.requests import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
@@ -120,6 +124,27 @@ def test_sampler_config_rejects_a_bad_param_dtype():
     SamplerConfig.from_config(c.sampler)
   assert SamplerConfig.from_config(load_config(CONFIG, **{"sampler.param_dtype": "bfloat16"}).sampler).weight_dtype \
       == jnp.bfloat16
+
+
+def test_settings_hold_a_typed_record_per_group():
+  """Every group a run reads has its frozen record in `Settings`; each record checks its own fields without
+  `validate` too, and takes its defaults for keys a group lacks."""
+  c = load_config(CONFIG)
+  s = validate(c)
+  assert (s.data.source, s.rollout.batch_size, s.reward.num_workers, s.mesh.sampler_tensor) == (
+      c.data.source, c.rollout.batch_size, c.reward.num_workers, c.mesh.sampler_tensor)
+  assert (s.eval.every_steps, s.checkpoint.max_to_keep, s.metrics.tensorboard, s.warmstart.steps) == (
+      c.eval.every_steps, c.checkpoint.max_to_keep, c.metrics.tensorboard, c.warmstart.steps)
+  assert (s.seed, s.total_steps, s.preset, s.model_source.tokenizer) == (0, 90, "tiny", "char")
+  assert s.sampler.sampling(seed=3) == SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=64, seed=3)
+  with pytest.raises(ValueError, match=r"rollout\.target_staleness=5\.0: must lie in \[0, rollout\.max_head_"):
+    RolloutConfig(target_staleness=5.0)
+  with pytest.raises(ValueError, match=r"unknown eval config keys \['every'\]"):
+    EvalConfig.from_config({"every": 1})
+  assert DataConfig.from_config({"source": "synthetic"}) == DataConfig()
+  with pytest.raises(ValueError, match=r"data\.path='': data\.source='jsonl' needs a path"):
+    DataConfig.from_config({"source": "jsonl"})
+  assert DataConfig.from_config({"source": "jsonl"}, source=False).path == ""  # a compile check reads no data
 
 
 def test_a_saved_config_loads_with_fields_added_since(tmp_path):

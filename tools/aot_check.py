@@ -16,6 +16,7 @@ from absl import flags
 
 from areal_jax import cli
 from areal_jax.aot_check import check, format_table
+from areal_jax.config import validate
 
 _CONFIG = cli.define_config()
 _SAMPLER = flags.DEFINE_string("sampler_topology", "v5e:2x2", "The sampler slice's TPU topology ('' = skip).")
@@ -28,8 +29,9 @@ _FLOP_SEQ_LEN = flags.DEFINE_integer(
 
 def main(argv):
   del argv
-  reports = check(_CONFIG.value, sampler_topology=_SAMPLER.value, learner_topology=_LEARNER.value,
-                  hbm_gib=_HBM.value, flop_seq_len=_FLOP_SEQ_LEN.value or None)
+  settings = validate(_CONFIG.value, data=False)  # a compile check reads no dataset
+  reports = check(settings, sampler_topology=_SAMPLER.value, learner_topology=_LEARNER.value, hbm_gib=_HBM.value,
+                  flop_seq_len=_FLOP_SEQ_LEN.value or None)
   print(format_table(reports))
   unfit = [r for r in reports if not r.fits]
   for r in unfit:

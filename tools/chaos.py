@@ -183,7 +183,7 @@ def _read_jsonl(path: str, violations: list[str]) -> list[dict]:
 def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
   """(check, violations) for each check."""
   from areal_jax.config import load_config
-  from areal_jax.data import build_dataset
+  from areal_jax.data import DataConfig, build_dataset
   from areal_jax.learner.config import LearnerConfig
   from areal_jax.learner.step import build_step, make_learner_mesh
   from areal_jax.models import ModelConfig
@@ -218,7 +218,7 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
     prompts.append(f"the latest checkpoint is step {latest}, expected {args.steps}")
   if set(undone) & set(uids):
     prompts.append(f"prompts both done and pending: {sorted(set(undone) & set(uids))[:3]}")
-  dataset = build_dataset(config.data, load_tokenizer(config.model.tokenizer), split="train")
+  dataset = build_dataset(DataConfig.from_config(config.data), load_tokenizer(config.model.tokenizer), split="train")
   order = [next(dataset).uid for _ in range(len(uids) + len(undone))]
   if sorted(uids + undone) != sorted(order):
     missing = sorted(set(order) - set(uids) - set(undone))

@@ -27,6 +27,7 @@ AgentFn = Callable[[dict[str, Any], Any], Awaitable[Any]]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentConfig:
   path: str = ""  # "module:attribute"; empty = single-turn answers scored by the reward service
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments for a class at `path`
   max_turns: int = 8
   timeout_s: float = 600.0
   turn_discount: float = 1.0
@@ -46,7 +47,14 @@ class AgentConfig:
 
   @classmethod
   def from_config(cls, c) -> AgentConfig:
-    return cls(path=c.path, max_turns=c.max_turns, timeout_s=float(c.timeout_s), turn_discount=float(c.turn_discount))
+    """From the `agent` group of an ml_collections config."""
+    options = c.get("options") or {}
+    return cls(path=c.path, options=options.to_dict() if hasattr(options, "to_dict") else dict(options),
+               max_turns=c.max_turns, timeout_s=float(c.timeout_s), turn_discount=float(c.turn_discount))
+
+  def load(self) -> AgentFn | None:
+    """The agent at `path` with `options` (`load`); None without a path (single-turn answers)."""
+    return load(self.path, self.options) if self.path else None
 
 
 def load(path: str, options: Mapping[str, Any] | None = None) -> AgentFn:

@@ -1,10 +1,10 @@
 """Prompt datasets for the controller: a seeded, epoch-shuffled, resumable stream of PromptRecords.
 
-    train = build_dataset(config.data, tokenizer, split="train")
+    train = build_dataset(settings.data, tokenizer, split="train")   # settings = config.validate(config)
     record = next(train)                 # PromptRecord(uid, prompt, prompt_ids, reference, kind, solution)
     state = train.state()                # {"epoch": 3, "index": 17, "seed": 0, "size": 20000}: save with checkpoints
     train.restore(state)                 # after a restart: continues exactly where it stopped
-    evalset = build_dataset(config.data, tokenizer, split="eval")   # held out; `evalset.records` in fixed order
+    evalset = build_dataset(settings.data, tokenizer, split="eval")   # held out; `evalset.records` in fixed order
 
 Sources (`data.source`): "synthetic" (`data.synthetic.generate`), "jsonl" (`data.path`), "tfds" (`data.tfds_name`
 from `data.tfds_data_dir`, split `data.split`). The eval set is `data.eval_path` / `data.eval_split` when given,
@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from areal_jax.data import prompts, sources, synthetic
+from areal_jax.data.config import SOURCES, DataConfig
 from areal_jax.data.records import DataError, Problem, PromptRecord
 
 _log = logging.getLogger(__name__)
@@ -95,17 +96,14 @@ def _hold_out(problems: list[Problem], n: int, seed: int, where: str) -> tuple[l
   return ([p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held])
 
 
-SOURCES = ("synthetic", "jsonl", "tfds")  # data.source
-
-
-def load_problems(data, *, split: str) -> tuple[list[Problem], dict[str, int]]:
-  """The problems of `split` ("train" | "eval") for the `data` config group, and counts of what was skipped."""
+def load_problems(data: DataConfig, *, split: str) -> tuple[list[Problem], dict[str, int]]:
+  """The problems of `split` ("train" | "eval") for the run's `data` settings, and counts of what was skipped."""
   if split not in SPLITS:
     raise ValueError(f"split={split!r}: choose one of {SPLITS}")
   stats = {"bad_rows": 0}
   if data.source == "synthetic":
     difficulty = synthetic.parse_mix(data.synthetic_mix) if data.synthetic_mix else data.synthetic_difficulty
-    task = data.get("synthetic_task", "arithmetic")  # (absent from configs saved before it existed)
+    task = data.synthetic_task
     held = synthetic.generate(data.eval_size, difficulty=difficulty, seed=data.shuffle_seed, split="eval",
                               distinct=True, task=task)
     if split == "eval":
@@ -158,7 +156,7 @@ def to_records(problems: Sequence[Problem], tokenizer, *, template: str, instruc
   return records, len(too_long)
 
 
-def build_dataset(data, tokenizer, *, split: str = "train") -> PromptDataset:
+def build_dataset(data: DataConfig, tokenizer, *, split: str = "train") -> PromptDataset:
   """The train stream (shuffled by `data.shuffle_seed`, epoch after epoch) or the eval set (fixed order)."""
   problems, stats = load_problems(data, split=split)
   name = f"{data.source}:{split}"

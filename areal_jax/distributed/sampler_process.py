@@ -1,4 +1,4 @@
-"""`run_sampler(config, workdir, layout)`: a sampler process of a multi-process run.
+"""`run_sampler(settings, layout)`: a sampler process of a multi-process run.
 
 It owns its local devices (a data x tensor mesh of its own; it never joins the learner's collectives), connects to
 the leader, and then, until told to stop:
@@ -39,17 +39,18 @@ from areal_jax.tokenizer import load_tokenizer
 PULL_TIMEOUT_S = 600.0
 
 
-def run_sampler(config, settings, workdir: str, layout: ProcessLayout) -> None:
+def run_sampler(settings, layout: ProcessLayout) -> None:
   """A sampler process: `settings` are the run's typed settings (`config.validate`)."""
-  tokenizer = load_tokenizer(config.model.tokenizer)
-  mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": config.mesh.sampler_tensor})
+  tokenizer = load_tokenizer(settings.model_source.tokenizer)
+  tensor = settings.mesh.sampler_tensor
+  mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": tensor})
   abstract_model = nnx.eval_shape(lambda: create(settings.model, 0))
   engine = Engine(model=abstract_model, config=settings.sampler.for_tokenizer(tokenizer.vocab_size), mesh=mesh)
   abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
   leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
-  _Sampler(leader, engine, abstract_params, layout=layout, tensor=config.mesh.sampler_tensor,
-           eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode).run()
+  _Sampler(leader, engine, abstract_params, layout=layout, tensor=tensor, eos_ids=[tokenizer.eos_id],
+           detokenize=tokenizer.decode).run()
 
 
 class _Sampler:

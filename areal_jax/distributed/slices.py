@@ -1,4 +1,5 @@
-"""Splitting the visible devices into a sampler slice and a learner slice, one mesh each."""
+"""Splitting the visible devices into a sampler slice and a learner slice, one mesh each, as the `mesh` group
+(`MeshConfig`) says."""
 
 from __future__ import annotations
 
@@ -9,8 +10,51 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from areal_jax.config import split_devices
+from areal_jax.config_records import from_group
 from areal_jax.sharding import make_mesh
+
+
+def split_devices(num_devices: int, sampler_devices: int | float) -> tuple[int, int]:
+  """(sampler, learner) device counts; with one device both roles share it (returns (1, 1))."""
+  if num_devices == 1:
+    return 1, 1
+  if isinstance(sampler_devices, float) and not sampler_devices.is_integer():
+    if not 0 < sampler_devices < 1:
+      raise ValueError(f"mesh.sampler_devices={sampler_devices!r}: a fraction must lie in (0, 1)")
+    n = max(1, min(num_devices - 1, round(num_devices * sampler_devices)))
+  else:
+    n = int(sampler_devices)
+    if not 0 < n < num_devices:
+      raise ValueError(f"mesh.sampler_devices={sampler_devices!r}: must leave at least one of {num_devices} devices "
+                       "to the learner")
+  return n, num_devices - n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """The `mesh` group as a frozen, validated record; field meanings as in configs/math.py. The tensor axes are
+  checked against the model's heads and the device split against the devices by `config.validate`."""
+
+  cpu_devices: int = 4  # emulated devices per process on CPU
+  sampler_processes: int = 1  # of a multi-process job
+  sampler_devices: int | float = 0.5  # int = count, float in (0, 1) = fraction
+  sampler_tensor: int = 1
+  learner_tensor: int = 1
+
+  def __post_init__(self):
+    if not self.cpu_devices > 0:
+      raise ValueError(f"mesh.cpu_devices={self.cpu_devices!r}: must be positive")
+    if self.sampler_processes < 0:
+      raise ValueError(f"mesh.sampler_processes={self.sampler_processes!r}: must be >= 0")
+
+  def split(self, num_devices: int) -> tuple[int, int]:
+    """(sampler, learner) device counts of `num_devices` (`split_devices`)."""
+    return split_devices(num_devices, self.sampler_devices)
+
+  @classmethod
+  def from_config(cls, c) -> MeshConfig:
+    """From the `mesh` group of an ml_collections config; unknown keys raise."""
+    return from_group(cls, c, "mesh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +76,14 @@ def _by_slice(devices: Sequence[jax.Device], n_sampler: int) -> tuple[list, list
   return ([d for d in devices if d.slice_index in sampler_ids], [d for d in devices if d.slice_index not in sampler_ids])
 
 
-def build_slices(mesh_config, devices: Sequence[jax.Device] | None = None) -> Slices:
+def build_slices(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Slices:
+  """The sampler and learner meshes over `devices` (default: every visible device)."""
   devices = list(devices if devices is not None else jax.devices())
   if len(devices) == 1:
     logging.info("one device: sampler and learner time-share %s", devices[0])
     d = devices
     return Slices(make_mesh(d, {"data": 1, "tensor": 1}), make_mesh(d, {"fsdp": 1, "tensor": 1}), shared=True)
-  n_sampler, _ = split_devices(len(devices), mesh_config.sampler_devices)
+  n_sampler, _ = mesh_config.split(len(devices))
   split = _by_slice(devices, n_sampler) or (devices[:n_sampler], devices[n_sampler:])
   sampler = make_mesh(split[0], {"data": -1, "tensor": mesh_config.sampler_tensor})
   learner = make_mesh(split[1], {"fsdp": -1, "tensor": mesh_config.learner_tensor})

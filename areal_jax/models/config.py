@@ -252,3 +252,17 @@ class ModelConfig:
     dense = 2 * self.num_params() - (0 if self.tie_word_embeddings else 2 * self.vocab_size * d)
     attn = 2 * 2 * self.num_layers * h * hd * seq_len / 2  # causal: half of q.k and p.v on average
     return float(dense + attn)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSource:
+  """Where a run's model comes from: the `model` group's fields beside the architecture (`ModelConfig`)."""
+
+  init_from: str = ""  # HF or Orbax directory; "" = the random init (warm-started when `warmstart.steps` > 0)
+  tokenizer: str = "char"  # "char" or a path
+  param_dtype: str = "float32"  # the base weights' dtype as loaded (before `learner.lora.quantize_base`)
+
+  @classmethod
+  def from_config(cls, c) -> ModelSource:
+    """From the `model` group of an ml_collections config."""
+    return cls(init_from=str(c.init_from), tokenizer=str(c.tokenizer), param_dtype=c.param_dtype)

@@ -1,6 +1,6 @@
 """A pool of reward worker processes that never blocks its caller.
 
-    service = RewardService(num_workers=2, timeout_s=5.0)    # or RewardService.from_config(config.reward)
+    service = RewardService(num_workers=2, timeout_s=5.0)    # or RewardService.from_config(settings.reward)
     future = service.submit(item_id, "math", completion, reference)   # at once (kind "math" or "code")
     r = future.result()                                       # r.item_id, r.reward, r.reason, r.latency_s
     service.close()                                           # no process left behind
@@ -31,6 +31,7 @@ from typing import Any, Hashable
 
 import areal_jax
 from areal_jax.reward import sandbox
+from areal_jax.reward.config import RewardConfig
 
 _log = logging.getLogger(__name__)
 _MAX_FAILED_STARTS = 5  # workers in a row that die before saying "ready": the service gives up
@@ -115,12 +116,9 @@ class RewardService:
     self._thread.start()
 
   @classmethod
-  def from_config(cls, reward, **kw) -> RewardService:
-    """From the config's `reward` group (num_workers, timeout_s, code_test_timeout_s, code_memory_mb,
-    code_isolation)."""
-    limits = sandbox.Limits(wall_s=reward.code_test_timeout_s, cpu_s=reward.code_test_timeout_s,
-                            memory_mb=reward.code_memory_mb, isolation=reward.code_isolation)
-    return cls(num_workers=reward.num_workers, timeout_s=reward.timeout_s, code_limits=limits, **kw)
+  def from_config(cls, reward: RewardConfig, **kw) -> RewardService:
+    """From the run's reward settings (`config.Settings.reward`)."""
+    return cls(num_workers=reward.num_workers, timeout_s=reward.timeout_s, code_limits=reward.code_limits, **kw)
 
   # ---- caller side: nothing here waits for a worker
 

@@ -27,57 +27,58 @@ def place(tree, shardings):
   return jax.device_put(jax.device_get(tree), shardings)
 
 
-def initial_params(config, learner: Learner, train, tokenizer, workdir: epath.Path):
+def initial_params(settings: config_lib.Settings, learner: Learner, train, tokenizer, workdir: epath.Path):
   """The initial weights: the base model (`initial_base`), with the learner's fresh adapters under LoRA."""
   if not learner.model_cfg.lora_rank:
-    return initial_base(config, learner.fns, learner.params, train, tokenizer, workdir)
-  if not config.model.init_from and not config.warmstart.steps:
+    return initial_base(settings, learner.fns, learner.params, train, tokenizer, workdir)
+  if not settings.model_source.init_from and not settings.warmstart.steps:
     return learner.params  # the random init, as `evaluate.checkpoints.load_base` rebuilds it
   adapters, base = lora.split(learner.params)
   # The base is loaded or warm-started in model.param_dtype, then stored as learner.lora.quantize_base says.
-  base_cfg = learner.model_cfg.without_lora().replace(param_dtype=config.model.param_dtype)
+  base_cfg = learner.model_cfg.without_lora().replace(param_dtype=settings.model_source.param_dtype)
   base_fns = build_step(base_cfg, learner.config, learner.mesh, temperature=learner.temperature)
   start = weights.cast(lora.dequantize_base(base), base_cfg.weight_dtype)
-  base = initial_base(config, base_fns, start, train, tokenizer, workdir)
+  base = initial_base(settings, base_fns, start, train, tokenizer, workdir)
   base = lora.quantized_onto(weights.cast(base, learner.model_cfg.weight_dtype), learner.model_cfg,
                              lora.split(learner.fns.param_shardings)[1])
   return nnx.merge_state(base, adapters)
 
 
-def base_source(config, workdir: epath.Path) -> dict:
+def base_source(settings: config_lib.Settings, workdir: epath.Path) -> dict:
   """Where a run's base weights come from, for its LoRA checkpoints' `meta` (`initial_base`'s order)."""
-  if config.model.init_from:
-    return {"init_from": str(config.model.init_from)}
-  if config.warmstart.steps:
+  if settings.model_source.init_from:
+    return {"init_from": settings.model_source.init_from}
+  if settings.warmstart.steps:
     return {"warmstart": str(workdir / "warmstart")}
-  return {"random_seed": int(config.seed)}
+  return {"random_seed": settings.seed}
 
 
-def initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
+def initial_base(settings: config_lib.Settings, fns, params, train, tokenizer, workdir: epath.Path):
   """HF or Orbax weights from `model.init_from`; else the random init `params`, warm-started on worked solutions
   (cached) by `fns` (every weight trains, adapters or not)."""
-  init = config.model.init_from
+  init, dtype = settings.model_source.init_from, settings.model.dtype
   shardings = fns.param_shardings
   if init:
     if epath.Path(init, "config.json").exists():
-      model = hf_io.load_hf(init, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+      model = hf_io.load_hf(init, dtype=dtype, param_dtype=settings.model_source.param_dtype)
     else:
-      model = orbax_io.load_orbax(init, dtype=config.model.dtype)
+      model = orbax_io.load_orbax(init, dtype=dtype)
     return place(nnx.state(model, nnx.Param), shardings)
-  if not config.warmstart.steps:
+  if not settings.warmstart.steps:
     return params
   cache = workdir / "warmstart"
   if (cache / "model_config.json").exists():
     logging.info("warm-start: loading cached %s", cache)
     return place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
-  agent = agents.load(config.agent.path, config.agent.options) if config.agent.path else None
+  agent = settings.agent.load()
   demonstration = agents.demonstrator(agent) if agent else None
+  max_response_len = settings.sampler.max_new_tokens
   if demonstration is not None:  # the agent's transcripts, turns merged as in its recorded episodes
     examples = agents.demonstration_episodes([demonstration(problem(r)) for r in train.records], tokenizer,
-                                             max_response_len=config.sampler.max_new_tokens)
+                                             max_response_len=max_response_len)
   else:
-    examples = warmstart_pairs(train.records, tokenizer, max_response_len=config.sampler.max_new_tokens)
-  w = config.warmstart
+    examples = warmstart_pairs(train.records, tokenizer, max_response_len=max_response_len)
+  w = settings.warmstart
   heldout = []
   if w.target_match > 0:  # the last `heldout` examples are not trained on: they measure the match
     if not 0 < w.heldout < len(examples):
@@ -87,7 +88,7 @@ def initial_base(config, fns, params, train, tokenizer, workdir: epath.Path):
   logging.info("warm-start: up to %d steps on %d %s", w.steps, len(examples),
                "demonstrated episodes" if demonstration else "worked solutions")
   params, loss, taken = warmstart.sft(fns, params, examples, steps=w.steps, batch_size=w.batch_size,
-                                      lr=w.lr, max_tokens=config.learner.max_tokens_per_mb, seed=config.seed,
+                                      lr=w.lr, max_tokens=settings.learner.max_tokens_per_mb, seed=settings.seed,
                                       target_loss=w.target_loss, accumulate=w.accumulate, heldout=heldout,
                                       target_match=w.target_match)
   orbax_io.save_orbax(nnx.merge(fns.graphdef, params), str(cache))

@@ -1,6 +1,6 @@
 """The leader's running parts around its learner group: the samplers (in process or sampler processes), reward
 workers, the rollout buffer and controller (with an agent's episode runner), the evaluator and the metrics writer;
-built from the config and the learner's starting state (`leader_parts`), stopped together."""
+built from the run's typed settings and the learner's starting state (`leader_parts`), stopped together."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from areal_jax.rl.metrics import MetricsWriter
 from areal_jax.rl.rollout import LocalRollout, Rollout
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
 
 
@@ -53,69 +52,69 @@ class LeaderParts:
     self.metrics.close()
 
 
-def leader_parts(config, workdir: str, st, layout: ProcessLayout, control: ControlServer | None,
-                 learners: LearnerGroup, local, learner_mesh, sampler_mesh) -> LeaderParts:
+def leader_parts(workdir: str, st, layout: ProcessLayout, control: ControlServer | None, learners: LearnerGroup,
+                 local, learner_mesh, sampler_mesh) -> LeaderParts:
   """Everything the leader's loop drives, the samplers holding `local` (the learner's starting weights). `st` is the
   trainer's start state: data, tokenizer, settings, learner, the checkpoint's controller state."""
+  settings = st.settings
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
-  sampler_cfg = st.settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
-  rollout = _start_rollout(config, layout, control, sampler_cfg, st.learner, local, sampler_mesh, learner_local,
-                           st.tokenizer)
-  rewards = RewardService.from_config(config.reward)
-  buffer = RolloutBuffer.from_config(config.rollout, version=st.learner.version)
-  controller = _controller(config, st, rollout, rewards, buffer)
+  sampler_cfg = settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
+  rollout = _start_rollout(settings.mesh.sampler_tensor, layout, control, sampler_cfg, st.learner, local,
+                           sampler_mesh, learner_local, st.tokenizer)
+  rewards = RewardService.from_config(settings.reward)
+  buffer = RolloutBuffer.from_config(settings.rollout, version=st.learner.version)
+  controller = _controller(st, rollout, rewards, buffer)
   return LeaderParts(learners=learners, rollout=rollout, rewards=rewards, buffer=buffer, controller=controller,
-                     evaluator=_evaluator(config, st, controller, sampler_cfg, learner_local, rewards),
-                     metrics=MetricsWriter(workdir, total_steps=config.total_steps,
-                                           tensorboard=config.metrics.tensorboard))
+                     evaluator=_evaluator(st, controller, sampler_cfg, learner_local, rewards),
+                     metrics=MetricsWriter(workdir, total_steps=settings.total_steps,
+                                           tensorboard=settings.metrics.tensorboard))
 
 
-def _controller(config, st, rollout: Rollout, rewards: RewardService,
-                buffer: RolloutBuffer) -> RolloutController:
+def _controller(st, rollout: Rollout, rewards: RewardService, buffer: RolloutBuffer) -> RolloutController:
   """The rollout controller, continuing from the checkpoint's state (undone prompts first, group ids on)."""
-  s, state = config.sampler, st.controller_state
+  settings, state = st.settings, st.controller_state
   by_uid = {rec.uid: rec for rec in st.train.records}
-  sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                            seed=config.seed)
+  sampling = settings.sampler.sampling(seed=settings.seed)
   episodes = None
-  if config.agent.path:
+  if settings.agent.path:
     episodes = agents.EpisodeRunner(
-        agent=agents.load(config.agent.path, config.agent.options), config=st.settings.agent, rollout=rollout,
-        tokenizer=st.tokenizer, sampling=sampling,
-        limits={"max_seq_len": s.max_seq_len, "vocab_size": st.settings.model.vocab_size},
-        version=lambda: controller.version)
+        agent=settings.agent.load(), config=settings.agent, rollout=rollout, tokenizer=st.tokenizer,
+        sampling=sampling, version=lambda: controller.version,
+        limits={"max_seq_len": settings.sampler.max_seq_len, "vocab_size": settings.model.vocab_size})
   controller = RolloutController(
       dataset=st.train, rollout=rollout, rewards=rewards, buffer=buffer, version=st.learner.version,
-      group_size=config.rollout.group_size, sampling=sampling, filter_uniform=config.learner.filter_uniform_groups,
+      group_size=settings.rollout.group_size, sampling=sampling, filter_uniform=settings.learner.filter_uniform_groups,
       next_group_id=state["next_group_id"] if state else 0,
       replay=[by_uid[u] for u in state["undone"]] if state else (), episodes=episodes)
   return controller
 
 
-def _evaluator(config, st, controller: RolloutController, sampler_cfg: SamplerConfig, learner_local,
+def _evaluator(st, controller: RolloutController, sampler_cfg: SamplerConfig, learner_local,
                rewards: RewardService) -> Evaluator | EpisodeEvaluator:
   """With an agent, its episodes on the eval problems; else evaluation on the leader's learner devices (a data x
   tensor mesh), scored by the run's reward workers."""
+  settings = st.settings
   if controller.episodes is not None:
     return EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
-                            num_samples=config.eval.num_samples)
-  return Evaluator(model_cfg=st.settings.model, records=st.evalset.records,
-                   mesh=make_mesh(learner_local, {"data": -1, "tensor": config.mesh.learner_tensor}),
+                            num_samples=settings.eval.num_samples)
+  return Evaluator(model_cfg=settings.model, records=st.evalset.records,
+                   mesh=make_mesh(learner_local, {"data": -1, "tensor": settings.mesh.learner_tensor}),
                    sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5), eos_ids=[st.tokenizer.eos_id],
                    detokenize=st.tokenizer.decode, score=functools.partial(score_all, rewards),
-                   num_samples=config.eval.num_samples, temperature=config.eval.temperature, seed=config.seed)
+                   num_samples=settings.eval.num_samples, temperature=settings.eval.temperature, seed=settings.seed)
 
 
-def _start_rollout(config, layout: ProcessLayout, control: ControlServer | None, sampler_cfg: SamplerConfig,
-                   learner: Learner, local, sampler_mesh, learner_local, tokenizer) -> Rollout:
+def _start_rollout(sampler_tensor: int, layout: ProcessLayout, control: ControlServer | None,
+                   sampler_cfg: SamplerConfig, learner: Learner, local, sampler_mesh, learner_local,
+                   tokenizer) -> Rollout:
   """The samplers, holding the learner's current weights: a `SamplerHub` over the sampler processes of a
-  multi-process job, else a `LocalRollout` on this process's sampler slice."""
+  multi-process job (their meshes `sampler_tensor` wide), else a `LocalRollout` on this process's sampler slice."""
   if not layout.multi_process:
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
     return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, mesh=sampler_mesh, params=local,
                         version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
   publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
-                              tensor=config.mesh.sampler_tensor, devices=learner_local, host=layout.host)
+                              tensor=sampler_tensor, devices=learner_local, host=layout.host)
   peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
   hub = SamplerHub(peers=peers, publisher=publisher).start()
   hub.publish(local, learner.version)

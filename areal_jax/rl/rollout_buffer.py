@@ -19,11 +19,44 @@ polls.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
 import threading
 from typing import Any
+
+from areal_jax.config_records import from_group
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """The `rollout` group as a frozen, validated record; field meanings as in configs/math.py."""
+
+  batch_size: int = 16  # B: prompt groups per learner step
+  group_size: int = 8  # G: answers per prompt
+  max_head_offpolicyness: int = 4  # eta
+  max_concurrent_rollouts: int = 16
+  target_staleness: float | None = None  # None = eta
+  stall_timeout_s: float = 300.0
+
+  def __post_init__(self):
+    def bad(field, why):
+      raise ValueError(f"rollout.{field}={getattr(self, field)!r}: {why}")
+
+    for f in ("batch_size", "group_size", "max_concurrent_rollouts", "stall_timeout_s"):
+      if not getattr(self, f) > 0:
+        bad(f, "must be positive")
+    eta = self.max_head_offpolicyness
+    if eta < 0:
+      bad("max_head_offpolicyness", "must be >= 0 (0 = synchronous RL)")
+    if self.target_staleness is not None and not 0 <= self.target_staleness <= eta:
+      bad("target_staleness", f"must lie in [0, rollout.max_head_offpolicyness={eta}] (None = the bound)")
+
+  @classmethod
+  def from_config(cls, c) -> RolloutConfig:
+    """From the `rollout` group of an ml_collections config; unknown keys raise."""
+    return from_group(cls, c, "rollout")
 
 
 class RolloutBuffer:
@@ -42,8 +75,8 @@ class RolloutBuffer:
     self._cond = threading.Condition()
 
   @classmethod
-  def from_config(cls, r, *, version: int) -> RolloutBuffer:
-    """From the `rollout` config group, resuming at policy `version` (every earlier version took one batch)."""
+  def from_config(cls, r: RolloutConfig, *, version: int) -> RolloutBuffer:
+    """From the run's rollout settings, resuming at policy `version` (every earlier version took one batch)."""
     return cls(batch_size=r.batch_size, max_offpolicyness=r.max_head_offpolicyness,
                max_concurrent=r.max_concurrent_rollouts, accepted=version * r.batch_size,
                target_staleness=r.target_staleness)

@@ -44,11 +44,12 @@ from areal_jax.distributed import learner_group, sampler_process
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
 from areal_jax.distributed.learner_group import LearnerGroup
 from areal_jax.distributed.roles import ProcessLayout, authkey
-from areal_jax.distributed.slices import build_slices
+from areal_jax.distributed.slices import MeshConfig, build_slices
 from areal_jax.sharding import make_mesh
 from areal_jax.learner.learner import Learner
 from areal_jax.models import lora, orbax_io
 from areal_jax.reward import sandbox
+from areal_jax.reward.config import RewardConfig
 from areal_jax.rl import initial_weights, step_metrics
 from areal_jax.rl.batches import save_batch
 from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer, check_resumable
@@ -69,16 +70,16 @@ class _QuietLibraries(logging.Filter):
 
 
 
-def _learner_mesh(config, layout: ProcessLayout):
+def _learner_mesh(mesh: MeshConfig, layout: ProcessLayout):
   """(learner mesh, in-process sampler mesh or None): the device split of one process, or every learner
   process's devices in one fsdp x tensor mesh."""
   if not layout.multi_process:
-    slices = build_slices(config.mesh)
+    slices = build_slices(mesh)
     return slices.learner, slices.sampler
   try:
-    return make_mesh(jax.devices(), {"fsdp": -1, "tensor": config.mesh.learner_tensor}), None
+    return make_mesh(jax.devices(), {"fsdp": -1, "tensor": mesh.learner_tensor}), None
   except ValueError as e:
-    raise config_lib.ConfigError(f"config.mesh.learner_tensor={config.mesh.learner_tensor}: {e}") from e
+    raise config_lib.ConfigError(f"config.mesh.learner_tensor={mesh.learner_tensor}: {e}") from e
 
 
 def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]:
@@ -113,10 +114,10 @@ def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   # It listens at once, so the other processes can connect while it compiles.
   control = ControlServer(layout, authkey()) if layout.multi_process else None
   try:
-    learner_mesh, sampler_mesh = _learner_mesh(config, layout)
+    learner_mesh, sampler_mesh = _learner_mesh(settings.mesh, layout)
     st = _prepare(config, settings, workdir, layout, learner_mesh, start_time, control, None)
     cut_logs(workdir, st.step if st.latest is not None else None)  # no checkpoint: the killed attempts' rows go too
-    return _lead(config, workdir, layout, control, st, learner_mesh, sampler_mesh)
+    return _lead(workdir, layout, control, st, learner_mesh, sampler_mesh)
   finally:
     if control is not None:
       control.close()
@@ -128,7 +129,7 @@ def follow(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   start_time, workdir, settings = _start(config, workdir, layout)
   leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S)
   try:
-    learner_mesh, _ = _learner_mesh(config, layout)
+    learner_mesh, _ = _learner_mesh(settings.mesh, layout)
     st = _prepare(config, settings, workdir, layout, learner_mesh, start_time, None, leader)
     try:
       learner_group.follow(leader, st.learner, st.ckpt)
@@ -141,8 +142,8 @@ def follow(config, workdir: str, layout: ProcessLayout) -> list[dict]:
 
 def sample(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   """A sampler process: the engine on this process's devices, serving the leader (`sampler_process.run_sampler`)."""
-  _, workdir, settings = _start(config, workdir, layout)
-  sampler_process.run_sampler(config, settings, str(workdir), layout)
+  _, _, settings = _start(config, workdir, layout)
+  sampler_process.run_sampler(settings, layout)
   return []
 
 
@@ -163,7 +164,7 @@ class _Start:
   followers: dict[int, Peer]
 
 
-def _check_code_sandbox(reward, datasets) -> None:
+def _check_code_sandbox(reward: RewardConfig, datasets) -> None:
   """Code problems are scored in the sandbox the config names: refuse to start where the host cannot build it."""
   isolation = reward.code_isolation
   if isolation == "bwrap" and any(r.kind == "code" for d in datasets for r in d.records):
@@ -175,34 +176,35 @@ def _check_code_sandbox(reward, datasets) -> None:
 
 def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout: ProcessLayout, learner_mesh,
              start_time: float, control: ControlServer | None, leader: Peer | None) -> _Start:
-  """Data, model and learner; the run's directory (leader); the latest checkpoint restored, or the initial weights.
-  A checkpoint the settings cannot resume is refused before the learner is built or anything is written."""
-  tokenizer = load_tokenizer(config.model.tokenizer)
-  train = build_dataset(config.data, tokenizer, split="train")
-  evalset = build_dataset(config.data, tokenizer, split="eval")
+  """Data, model and learner; the run's directory (leader, which saves `config` there); the latest checkpoint
+  restored, or the initial weights. A checkpoint the settings cannot resume is refused before the learner is built or
+  anything is written."""
+  tokenizer = load_tokenizer(settings.model_source.tokenizer)
+  train = build_dataset(settings.data, tokenizer, split="train")
+  evalset = build_dataset(settings.data, tokenizer, split="eval")
   logging.info("data: %d train prompts %s, %d eval prompts", len(train), train.stats, len(evalset))
-  _check_code_sandbox(config.reward, [train, evalset])
+  _check_code_sandbox(settings.reward, [train, evalset])
   model_cfg, learner_cfg = settings.model, settings.learner
   if model_cfg.vocab_size < tokenizer.vocab_size:
     raise config_lib.ConfigError(f"config.model.vocab_size={model_cfg.vocab_size}: smaller than the tokenizer's "
                                  f"{tokenizer.vocab_size} ids")
-  ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=config.checkpoint.every_steps,
-                      max_to_keep=config.checkpoint.max_to_keep)
+  ckpt = Checkpointer(str(workdir / "checkpoints"), every_steps=settings.checkpoint.every_steps,
+                      max_to_keep=settings.checkpoint.max_to_keep)
   latest = ckpt.latest_step()
   where = f"checkpoint {latest} in {ckpt.directory}"
   followers = control.wait(range(1, layout.num_learners), timeout_s=CONNECT_TIMEOUT_S) if control else {}
   learner_group.agree_on_start(latest, followers=followers, leader=leader, where=where)
   if latest is not None:
     check_resumable(ckpt.read_meta(latest), model_cfg, learner_cfg.critic, where=where)
-  learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh, temperature=config.sampler.temperature,
-                    seed=config.seed)
+  learner = Learner(model_cfg=model_cfg, config=learner_cfg, mesh=learner_mesh,
+                    temperature=settings.sampler.temperature, seed=settings.seed)
   logging.info("model: %s, %.2fM parameters", model_cfg.family, model_cfg.num_params() / 1e6)
   if layout.is_leader:  # the settings, data, model and checkpoints agree: the run's settings (a refusal keeps the old)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   step, controller_state = 0, None
   if latest is None or model_cfg.lora_rank:  # a LoRA checkpoint holds the adapters alone: the base first
-    learner.params = initial_weights.initial_params(config, learner, train, tokenizer, workdir)
+    learner.params = initial_weights.initial_params(settings, learner, train, tokenizer, workdir)
   if latest is not None:
     meta = learner.restore(ckpt, latest)
     if meta.base is not None:
@@ -221,28 +223,29 @@ def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout:
                 followers=followers)
 
 
-def _lead(config, workdir: epath.Path, layout: ProcessLayout, control: ControlServer | None, st: _Start,
-          learner_mesh, sampler_mesh) -> list[dict]:
+def _lead(workdir: epath.Path, layout: ProcessLayout, control: ControlServer | None, st: _Start, learner_mesh,
+          sampler_mesh) -> list[dict]:
   """The leader: its parts built around the learner group, the loop (`_train`), then the end-of-run summary."""
   learners = LearnerGroup(st.learner, st.followers)
   local = learners.publish()  # the starting weights
-  parts = leader_parts(config, str(workdir), st, layout, control, learners, local, learner_mesh, sampler_mesh)
+  parts = leader_parts(str(workdir), st, layout, control, learners, local, learner_mesh, sampler_mesh)
   try:
-    rows = _train(config, workdir, st, parts, local)
+    rows = _train(workdir, st, parts, local)
   finally:
     parts.stop()
     st.ckpt.close()
   # Finished (checkpoints written, workers stopped): the summary, printed by the leader alone, which runs this loop.
   parts.metrics.summarize((time.time() - st.start_time) / 60,
-                          eval_path=heldout_jsonl(str(workdir), config.data.eval_path, st.evalset.records))
+                          eval_path=heldout_jsonl(str(workdir), st.settings.data.eval_path, st.evalset.records))
   return rows
 
 
-def _train(config, workdir: epath.Path, st: _Start, parts: LeaderParts, local) -> list[dict]:
+def _train(workdir: epath.Path, st: _Start, parts: LeaderParts, local) -> list[dict]:
   """The loop: a batch from the rollout buffer, one train step, the new weights published and admitted under, a
   metrics row, an evaluation and a checkpoint when due."""
-  learner, controller, r, step = st.learner, parts.controller, config.rollout, st.step
-  save = _saver(config, workdir, st, parts.learners)
+  learner, controller, step, settings = st.learner, parts.controller, st.step, st.settings
+  r, total_steps = settings.rollout, settings.total_steps
+  save = _saver(workdir, st, parts.learners)
   rows, state, stalled = [], None, None
   if step == 0:
     rows.append({"step": 0, "version": 0, **parts.evaluator(local, version=0).metrics(),
@@ -250,14 +253,14 @@ def _train(config, workdir: epath.Path, st: _Start, parts: LeaderParts, local) -
     parts.metrics.write(0, rows[-1])
   controller.start()
   timer = step_metrics.Timer(parts.rollout.stats())
-  while step < config.total_steps:
+  while step < total_steps:
     try:
       groups = controller.next_batch(r.batch_size, step, r.stall_timeout_s)
     except Stalled as e:
       stalled = e  # the last step's checkpoint first, below
       break
     trajectories = [t for g in groups for t in g.trajectories]
-    if config.metrics.save_batches:
+    if settings.metrics.save_batches:
       save_batch(str(workdir), step + 1, trajectories)
     busy_start = time.time()
     stats = parts.learners.train_step(step + 1, trajectories)
@@ -269,14 +272,14 @@ def _train(config, workdir: epath.Path, st: _Start, parts: LeaderParts, local) -
     controller.admit(learner.version)  # the new version's capacity
     row = {"version": learner.version, **_row(parts, timer, stats, groups, trajectories, busy_start, sync_start),
            "time/elapsed_s": time.time() - st.start_time}
-    if step % config.eval.every_steps == 0 or step == config.total_steps:
+    if step % settings.eval.every_steps == 0 or step == total_steps:
       row |= parts.evaluator(local, version=learner.version).metrics()
     parts.metrics.write(step, row)
     state, filtered = controller.snapshot()
     step_metrics.log_rollouts(workdir, step, learner.version, groups, filtered)
     rows.append({"step": step, **row})
     save(step, state)
-  if step % config.checkpoint.every_steps and state is not None:
+  if step % settings.checkpoint.every_steps and state is not None:
     save(step, state, force=True)  # the last step, when not on the checkpoint schedule
   if stalled is not None:
     raise stalled
@@ -295,13 +298,13 @@ def _row(parts: LeaderParts, timer: step_metrics.Timer, stats: dict, groups, tra
           **step_metrics.agent_metrics(controller, groups), **rollout.sync_metrics()}
 
 
-def _saver(config, workdir: epath.Path, st: _Start, learners: LearnerGroup) -> Callable[..., None]:
+def _saver(workdir: epath.Path, st: _Start, learners: LearnerGroup) -> Callable[..., None]:
   """`save(step, controller_state, force=False)`: the checkpoint of every learner process, on the schedule or forced,
   with the leader's meta. Under LoRA it holds the adapters alone and names the base they adapt."""
   learner = st.learner
   base = None
   if st.settings.model.lora_rank:
-    base = lora.base_meta(initial_weights.base_source(config, workdir), learner.fns.split(learner.params)[1])
+    base = lora.base_meta(initial_weights.base_source(st.settings, workdir), learner.fns.split(learner.params)[1])
 
   def save(step: int, controller_state: dict, force: bool = False) -> None:
     meta = CheckpointMeta(step=step, version=learner.version, updates=learner.updates, controller=controller_state,

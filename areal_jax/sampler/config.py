@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from areal_jax.models.config import DTYPES
+from areal_jax.sampler.requests import SamplingParams
 
 ATTENTION_IMPLS = ("auto", "jax", "pallas_tpu")
 
@@ -86,6 +87,11 @@ class SamplerConfig:
   @property
   def pages_per_seq(self) -> int:
     return -(-self.max_seq_len // self.page_size)
+
+  def sampling(self, *, seed: int = 0) -> SamplingParams:
+    """The run's sampling parameters: temperature, top-p, top-k and answer length from this config."""
+    return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                          max_new_tokens=self.max_new_tokens, seed=seed)
 
   def for_tokenizer(self, vocab_size: int) -> SamplerConfig:
     """This config drawing only ids below a tokenizer's `vocab_size`, unless `vocab_limit` is set already."""

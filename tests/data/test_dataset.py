@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from areal_jax.config import load_config
-from areal_jax.data import DataError, PromptDataset, build_dataset, warmstart_pairs
+from areal_jax.data import DataConfig, DataError, PromptDataset, build_dataset, warmstart_pairs
 from areal_jax.reward.math import verify_math
 from areal_jax.tokenizer import CharTokenizer, HFTokenizer
 from helpers import write_bpe_tokenizer
@@ -21,6 +21,11 @@ def _config(**overrides):
   return load_config(CONFIG, **overrides)
 
 
+def _data(c):
+  """The config's typed `data` record (what a run passes to `build_dataset`)."""
+  return DataConfig.from_config(c.data)
+
+
 def _uids(dataset, n):
   return [next(dataset).uid for _ in range(n)]
 
@@ -28,8 +33,8 @@ def _uids(dataset, n):
 def test_synthetic_default_builds_train_and_held_out_eval():
   c = _config(**{"data.synthetic_size": 3000})
   tok = CharTokenizer()
-  train = build_dataset(c.data, tok, split="train")
-  evalset = build_dataset(c.data, tok, split="eval")
+  train = build_dataset(_data(c), tok, split="train")
+  evalset = build_dataset(_data(c), tok, split="eval")
   assert len(train) == 3000 and len(evalset) == c.data.eval_size
   assert not {r.prompt for r in train.records} & {r.prompt for r in evalset.records}
   record = next(train)
@@ -44,7 +49,7 @@ def test_synthetic_default_builds_train_and_held_out_eval():
 
 
 def test_shuffle_is_seeded_and_reshuffles_each_epoch():
-  records = build_dataset(_config().data, CharTokenizer(), split="eval").records
+  records = build_dataset(_data(_config()), CharTokenizer(), split="eval").records
   a = PromptDataset(records, seed=1)
   b = PromptDataset(records, seed=1)
   c = PromptDataset(records, seed=2)
@@ -57,7 +62,7 @@ def test_shuffle_is_seeded_and_reshuffles_each_epoch():
 
 @pytest.mark.parametrize("stop_at", [0, 1, 127, 128, 129, 300, 640])
 def test_resume_continues_exactly_across_epochs(stop_at):
-  records = build_dataset(_config().data, CharTokenizer(), split="eval").records  # 128 records
+  records = build_dataset(_data(_config()), CharTokenizer(), split="eval").records  # 128 records
   reference = _uids(PromptDataset(records, seed=5), 800)
   interrupted = PromptDataset(records, seed=5)
   before = _uids(interrupted, stop_at)
@@ -69,7 +74,7 @@ def test_resume_continues_exactly_across_epochs(stop_at):
 
 
 def test_restore_rejects_a_different_dataset():
-  records = build_dataset(_config().data, CharTokenizer(), split="eval").records
+  records = build_dataset(_data(_config()), CharTokenizer(), split="eval").records
   state = PromptDataset(records, seed=5).state()
   with pytest.raises(DataError, match="saved for seed 5 and 128 records"):
     PromptDataset(records, seed=6).restore(state)
@@ -80,7 +85,7 @@ def test_restore_rejects_a_different_dataset():
 
 
 def test_next_is_thread_safe():
-  records = build_dataset(_config().data, CharTokenizer(), split="eval").records
+  records = build_dataset(_data(_config()), CharTokenizer(), split="eval").records
   dataset = PromptDataset(records, seed=0)
   seen = []
   lock = threading.Lock()
@@ -117,8 +122,8 @@ def test_jsonl_with_chat_template_long_prompts_dropped_and_held_out_eval(tmp_pat
   c = _config(**{"data.source": "jsonl", "data.path": str(path), "data.prompt_template": "chat",
                  "data.max_prompt_len": 200, "data.eval_size": 8})
   with caplog.at_level(logging.WARNING):
-    train = build_dataset(c.data, tok, split="train")
-  evalset = build_dataset(c.data, tok, split="eval")
+    train = build_dataset(_data(c), tok, split="train")
+  evalset = build_dataset(_data(c), tok, split="eval")
   assert "dropped 1 of 32 prompts longer than data.max_prompt_len=200" in caplog.text or \
       "dropped 1 of 8 prompts" in caplog.text
   assert train.stats["too_long"] + evalset.stats["too_long"] == 1
@@ -137,26 +142,26 @@ def test_eval_path_and_bad_rows_through_the_config(tmp_path, hf_tokenizer):
   c = _config(**{"data.source": "jsonl", "data.path": str(train_path), "data.eval_path": str(eval_path),
                  "data.prompt_template": "plain", "data.max_prompt_len": 1000})
   with pytest.raises(DataError, match=r"train\.jsonl:2: malformed JSON"):
-    build_dataset(c.data, hf_tokenizer, split="train")
+    build_dataset(_data(c), hf_tokenizer, split="train")
   c.data.skip_bad_rows = True
-  train = build_dataset(c.data, hf_tokenizer, split="train")
+  train = build_dataset(_data(c), hf_tokenizer, split="train")
   assert len(train) == 2 and train.stats["bad_rows"] == 1
   assert train.records[0].prompt.startswith("Q: 1+1\n\nPlease reason") and train.records[0].prompt.endswith("A: ")
-  evalset = build_dataset(c.data, hf_tokenizer, split="eval")
+  evalset = build_dataset(_data(c), hf_tokenizer, split="eval")
   assert [r.reference for r in evalset.records] == ["10"]
 
 
 def test_every_prompt_too_long_is_an_error():
   c = _config(**{"data.max_prompt_len": 5})
   with pytest.raises(DataError, match="all 128 prompts are longer than data.max_prompt_len=5"):
-    build_dataset(c.data, CharTokenizer(), split="eval")
+    build_dataset(_data(c), CharTokenizer(), split="eval")
 
 
 def test_resume_after_rebuilding_from_the_config():
   c = _config(**{"data.synthetic_size": 500})
-  reference = _uids(build_dataset(c.data, CharTokenizer(), split="train"), 1700)
-  first = build_dataset(c.data, CharTokenizer(), split="train")
+  reference = _uids(build_dataset(_data(c), CharTokenizer(), split="train"), 1700)
+  first = build_dataset(_data(c), CharTokenizer(), split="train")
   head = _uids(first, 1234)
-  second = build_dataset(c.data, CharTokenizer(), split="train")  # a new process would rebuild, then restore
+  second = build_dataset(_data(c), CharTokenizer(), split="train")  # a new process would rebuild, then restore
   second.restore(first.state())
   assert head + _uids(second, 1700 - 1234) == reference

@@ -9,6 +9,7 @@ import pytest
 
 from areal_jax.config import load_config
 from areal_jax.reward import sandbox
+from areal_jax.reward.config import RewardConfig
 from areal_jax.reward.service import RewardService, score_all
 from helpers import SLOW_MATH
 from hostile_code import jailed_processes
@@ -168,7 +169,7 @@ def test_workers_that_cannot_start_break_the_service_loudly():
 
 
 def test_from_config():
-  config = load_config(CONFIG)
-  with RewardService.from_config(config.reward) as service:
-    assert service.num_workers == config.reward.num_workers and service.timeout_s == config.reward.timeout_s
+  reward = RewardConfig.from_config(load_config(CONFIG).reward)
+  with RewardService.from_config(reward) as service:
+    assert service.num_workers == reward.num_workers and service.timeout_s == reward.timeout_s
     assert service.submit(0, "math", r"\boxed{3}", "3").result(30).reward == 1.0

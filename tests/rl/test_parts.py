@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from areal_jax import sharding as shd
 from areal_jax.config import load_config
 from areal_jax.distributed import weight_transfer
-from areal_jax.distributed.slices import build_slices
+from areal_jax.distributed.slices import MeshConfig, build_slices
 from areal_jax.models import ModelConfig, create, weights
 from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.rl.metrics import MetricsWriter, read_metrics
@@ -132,7 +132,7 @@ def test_take_batch_waits_for_groups_at_the_staleness_bound():
 def test_weight_sync_is_device_to_device_and_exact():
   cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8)
-  slices = build_slices(load_config("configs/math.py", **{"mesh.sampler_devices": 3, "mesh.learner_tensor": 1}).mesh)
+  slices = build_slices(MeshConfig(sampler_devices=3, learner_tensor=1))
   model = create(cfg, seed=1)
   state = nnx.state(model, nnx.Param)
   learner_shardings = shd.state_shardings(state, slices.learner, shd.LEARNER_RULES)
@@ -159,11 +159,12 @@ def test_check_compatible_names_the_leaf():
 
 
 def test_slices_split_devices():
-  c = load_config("configs/math.py", **{"mesh.sampler_devices": 0.25, "mesh.learner_tensor": 2})
-  s = build_slices(c.mesh)
+  mesh = MeshConfig.from_config(load_config("configs/math.py", **{"mesh.sampler_devices": 0.25,
+                                                                  "mesh.learner_tensor": 2}).mesh)
+  s = build_slices(mesh)
   assert dict(s.sampler.shape) == {"data": 2, "tensor": 1} and dict(s.learner.shape) == {"fsdp": 3, "tensor": 2}
   assert not set(s.sampler.devices.flat) & set(s.learner.devices.flat)
-  one = build_slices(c.mesh, devices=jax.devices()[:1])
+  one = build_slices(mesh, devices=jax.devices()[:1])
   assert one.shared and one.sampler.devices.size == one.learner.devices.size == 1
 
 
