@@ -18,6 +18,7 @@ setup(
         "ml-collections==1.1.0",
         "absl-py==2.5.1",
         "numpy==2.4.6",
+        "scipy==1.17.1",  # the planner's length distributions (areal_jax/sim/lengths.py)
         "sentencepiece==0.2.3",
         "tokenizers==0.23.3",
         "safetensors==0.8.0",

@@ -160,28 +160,13 @@ def make_static_generate(graphdef, slots: int, cache_len: int):
   return run
 
 
-def measure_bandwidth(device) -> float:
-  """Bytes/s of reading a 256 MiB float32 array once (a jitted sum), best of 5."""
-  import jax
-  import jax.numpy as jnp
-
-  x = jax.device_put(jnp.ones((64 << 20,), jnp.float32), device)
-  total = jax.jit(jnp.sum)
-  total(x).block_until_ready()
-  best = float("inf")
-  for _ in range(5):
-    t = time.perf_counter()
-    total(x).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return x.nbytes / best
-
-
 def main():
   args = parse_args()
   import jax
   import numpy as np
   from flax import nnx
 
+  from areal_jax.learner.flops import measure_bandwidth
   from areal_jax.models import create
   from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
   from areal_jax.sampler.sampling import request_key

@@ -69,6 +69,12 @@ _PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].sp
         "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
 
 
+def pinned(cores: Sequence[int], args: Sequence[str], python: str = sys.executable) -> list[str]:
+  """The command that runs `python *args` on `cores` only (pinned by a small exec wrapper rather than preexec_fn,
+  which is unsafe once threads run in this process)."""
+  return [python, "-c", _PIN, ",".join(map(str, cores)), *args]
+
+
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
               cpus_per_process: int | None = None, python: str = sys.executable) -> int:
   """Starts the job, waits for it, returns 0 if every process finished cleanly (else 1)."""
@@ -79,9 +85,8 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
   env = dict(os.environ, **{AUTHKEY_ENV: secrets.token_hex(16)})
   children: list[_Child] = []
   for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
-    # Pinned by a small exec wrapper rather than preexec_fn (unsafe once threads run in this process).
-    cmd = [python, "-c", _PIN, ",".join(map(str, cores)), "-u", script, *args, f"--num_processes={num_processes}",
-           f"--process_id={layout.process_id}", f"--coordinator_address={address}"]
+    cmd = pinned(cores, ["-u", script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
+                         f"--coordinator_address={address}"], python)
     child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
                      MKL_NUM_THREADS=str(len(cores)))
     proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

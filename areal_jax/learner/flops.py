@@ -61,3 +61,16 @@ def peak_flops(devices: Sequence[jax.Device], dtype=jnp.bfloat16) -> float:
   if all(p is not None for p in table):
     return float(sum(table))
   return _measured(tuple(sorted(d.id for d in devices)), jnp.dtype(dtype).name)
+
+
+def measure_bandwidth(device: jax.Device) -> float:
+  """Bytes/s of reading a 256 MiB float32 array once (a jitted sum), best of 5."""
+  x = jax.device_put(jnp.ones((64 << 20,), jnp.float32), device)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  best = float("inf")
+  for _ in range(5):
+    t = time.perf_counter()
+    total(x).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return x.nbytes / best

@@ -83,11 +83,13 @@ def _why_stalled(dropped: int) -> str:
 class RolloutController:
   """See the module docstring. `rollout` is a `Rollout` (`submit` returns one future per answer); `version` is the
   policy version published to it (`admit` moves it on); `episodes`, with an agent, runs its episodes instead (on its
-  `thread`, which the controller then shares)."""
+  `thread`, which the controller then shares). `thread`: the loop to run on (the simulator's virtual-time loop; by
+  default a thread of the controller's own)."""
 
   def __init__(self, *, dataset, rollout, rewards: RewardService, buffer: RolloutBuffer, version: int,
                group_size: int, sampling: SamplingParams, filter_uniform: bool, next_group_id: int = 0,
-               replay: Sequence[PromptRecord] = (), episodes: EpisodeRunner | None = None):
+               replay: Sequence[PromptRecord] = (), episodes: EpisodeRunner | None = None,
+               thread: AsyncThread | None = None):
     self.dataset, self.rollout, self.rewards, self.buffer = dataset, rollout, rewards, buffer
     self.version = version  # the samplers' newest policy version: groups are admitted under it
     self.episodes = episodes
@@ -100,8 +102,8 @@ class RolloutController:
     self.counters = collections.Counter()
     self.finished_rewards: list[float] = []  # every scored answer since the last `take_rewards()`
     self._filtered: list[Group] = []
-    self._own_thread = episodes is None
-    self.thread = AsyncThread("rollout") if episodes is None else episodes.thread
+    self._own_thread = episodes is None and thread is None
+    self.thread = thread or (AsyncThread("rollout") if episodes is None else episodes.thread)
     self._wake: asyncio.Event | None = None
     self._admission = None
 

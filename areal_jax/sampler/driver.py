@@ -177,6 +177,16 @@ class Driver:
       self._step()
     return [f.result() for f in futures]
 
+  def poll(self) -> None:
+    """Hands the requests submitted so far to the scheduler (each once the next step generates from its
+    `min_version`). With `record`, for a caller that steps `scheduler` itself (the simulator, which sleeps on a
+    virtual clock between a step and its results)."""
+    self._take(block=False)
+
+  def record(self, finished: list[Sequence]) -> None:
+    """A step's results, as the driver's own loop reports them: streams, finished answers, finished requests."""
+    self._record(finished)
+
   # --- the driver's thread ----------------------------------------------------------------------------------------
 
   def _loop(self) -> None:

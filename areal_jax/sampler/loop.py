@@ -43,7 +43,7 @@ class SamplerLoop:
     self.driver = Driver(engine=engine, params=params, version=version, eos_ids=eos_ids, gather=True,
                          idle_wait_s=idle_wait_s, name="sampler-loop")
     self.detokenize = detokenize
-    self._futures: dict[tuple[int, int], Future] = {}  # (group id, answer) -> its future, until finished
+    self._futures: dict[int, dict[int, Future]] = {}  # group id -> answer -> its future, until finished
     self._futures_lock = threading.Lock()
     self.error: BaseException | None = None
     self._finished: queue.Queue = queue.Queue()
@@ -61,9 +61,9 @@ class SamplerLoop:
     self.scheduler.validate(request)
     futures = [Future() for _ in range(request.num_answers)]
     with self._futures_lock:
-      if any(gid == request.group_id for gid, _ in self._futures):  # any answer of it still open
+      if request.group_id in self._futures:  # an answer of it still open
         raise ValueError(f"group {request.group_id} is already in flight")
-      self._futures.update({(request.group_id, i): f for i, f in enumerate(futures)})
+      self._futures[request.group_id] = dict(enumerate(futures))
     [whole] = self.driver.submit_many([request], on_answer=lambda _, seq: self._finished.put(seq))
     whole.add_done_callback(lambda f: self._failed(f, request.group_id))
     return futures
@@ -119,22 +119,38 @@ class SamplerLoop:
     if error is None or self.driver.error is None:
       return  # finished, or abandoned at a stop
     with self._futures_lock:
-      futures = [self._futures.pop(k) for k in [k for k in self._futures if k[0] == group_id]]
+      futures = list(self._futures.pop(group_id, {}).values())
     end_futures(futures, error)
 
   def _end_futures(self, error: BaseException | None) -> None:
     with self._futures_lock:
-      futures, self._futures = list(self._futures.values()), {}
+      futures, self._futures = [f for group in self._futures.values() for f in group.values()], {}
     end_futures(futures, error)
+
+  def drain(self) -> None:
+    """Completes the futures of the answers finished so far, in the caller's thread: for a loop whose threads never
+    start (the simulator steps `driver` itself)."""
+    while True:
+      try:
+        seq = self._finished.get_nowait()
+      except queue.Empty:
+        return
+      self._complete(seq)
+
+  def _complete(self, seq) -> None:
+    text = self.detokenize(seq.tokens) if self.detokenize else ""
+    with self._futures_lock:
+      group = self._futures.get(seq.request.group_id, {})
+      future = group.pop(seq.answer, None)
+      if not group:
+        self._futures.pop(seq.request.group_id, None)
+    if future is not None:  # None: cancelled by stop()
+      future.set_result(seq.trajectory(text))
 
   def _detokenize(self) -> None:
     try:
       while (seq := self._finished.get()) is not None:
-        text = self.detokenize(seq.tokens) if self.detokenize else ""
-        with self._futures_lock:
-          future = self._futures.pop((seq.request.group_id, seq.answer), None)
-        if future is not None:  # None: cancelled by stop()
-          future.set_result(seq.trajectory(text))
+        self._complete(seq)
     except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()/stop() and the open futures
       self.error = e
       self.driver.stop(timeout=0, error=e)

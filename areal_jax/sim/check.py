@@ -1,0 +1,102 @@
+"""The planner against measurement: predicts the runs of a `tools/bench_async.py --processes` workdir from this
+machine's calibrated costs, and sets the predictions beside what the bench measured.
+
+Each run is simulated in its layout (colocated: one process, sampler and learner on 2 emulated devices each, both
+cores, generate-then-train; split: a sampler and a learner process of one emulated device on one core each), with its
+η, loss (PPO at η = 0: no proximal pass) and variant overrides, the bench's answer lengths and per-prompt success
+rates (from its `rollouts.jsonl`, so uniform groups are dropped as often as they were), B x G and slots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from areal_jax.sim.calibrate import Calibration
+from areal_jax.sim.costs import CostModel
+from areal_jax.sim.job import Job, simulate
+from areal_jax.sim.lengths import Lengths
+
+# Tolerances the planner is held to (the planner issue): trained answers/s, staleness mean, busy shares.
+TOLERANCE = {"samples_per_s": 0.15, "staleness_mean": 0.3, "busy": 0.10}
+
+
+def _rollouts(bench_dir: str, names) -> tuple[Lengths, tuple[float, ...]]:
+  lengths, success = [], []
+  for name in names:
+    path = os.path.join(bench_dir, name, "rollouts.jsonl")
+    with open(path) as f:
+      for line in f:
+        row = json.loads(line)
+        lengths += row["lengths"]
+        success.append(float(np.mean(row["rewards"])))
+  return Lengths(lengths, source=f"{bench_dir}/*/rollouts.jsonl"), tuple(success)
+
+
+def mean_prompt_len(settings, mix: str = "1:12,4:1", n: int = 1000) -> int:
+  """Mean prompt tokens of the run's training data under the bench's `data.synthetic_mix`."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.data.dataset import build_dataset  # pylint: disable=g-import-not-at-top
+  from areal_jax.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+
+  data = settings.data
+  if data.source == "synthetic":
+    data = dataclasses.replace(data, synthetic_mix=mix)
+  records = build_dataset(data, load_tokenizer(settings.model_source.tokenizer), split="train").records[:n]
+  return round(float(np.mean([r.num_prompt_tokens for r in records])))
+
+
+def predict(bench_dir: str, settings, calibrations: dict[str, Calibration], *, steps: int, skip: int,
+            prompt_len: int) -> list[dict]:
+  """One row per run of `bench_dir/bench_async.json`: measured (mean over seeds) and predicted figures."""
+  with open(os.path.join(bench_dir, "bench_async.json")) as f:
+    runs = json.load(f)
+  lengths, success = _rollouts(bench_dir, [n for n, r in runs.items() if len(r["seeds"]) == 1])
+  rows = []
+  for name, run in runs.items():
+    colocated = run["processes"] == 1
+    cal = calibrations["colocated" if colocated else "split"]
+    shards = cal.samples["devices"]
+    overrides = dict(run["overrides"])
+    eta = run["eta"]
+    costs = CostModel(model=settings.model, device=cal.device, sampler_chips=1, learner_chips=1,
+                      sampler_shards=shards, colocated=colocated, weight_bytes=4, kv_bytes=4,
+                      passes=4.0 if eta else 3.0, remat=0.0, max_tokens_per_mb=settings.learner.max_tokens_per_mb,
+                      minibatches=settings.learner.ppo_n_minibatches, eff=cal.eff)
+    target = overrides.get("rollout.target_staleness")
+    job = Job(model=settings.model, sampler=settings.sampler, num_shards=shards,
+              batch_prompts=settings.rollout.batch_size, answers=settings.rollout.group_size,
+              prompt_len=prompt_len, eta=eta, max_concurrent=settings.rollout.max_concurrent_rollouts,
+              steps=steps, target_staleness=float(target) if target is not None else None, success=success,
+              filter_uniform=settings.learner.filter_uniform_groups, seed=0)
+    r = simulate(job, costs, lengths)
+    measured = {k: float(np.mean([s[k] for s in run["per_seed"]]))
+                for k in ("samples_per_s", "staleness_mean", "sampler_busy", "learner_busy")}
+    sampler_busy, learner_busy = r.busy(skip)
+    predicted = {"samples_per_s": r.answers_per_s(skip), "staleness_mean": float(np.mean(np.concatenate(
+        [np.array(s, float) for s in r.staleness]))), "sampler_busy": sampler_busy, "learner_busy": learner_busy}
+    rows.append({"run": run["label"], "measured": measured, "predicted": predicted})
+  return rows
+
+
+def within(row: dict) -> dict[str, bool]:
+  m, p = row["measured"], row["predicted"]
+  return {"samples_per_s": abs(p["samples_per_s"] / m["samples_per_s"] - 1) <= TOLERANCE["samples_per_s"],
+          "staleness_mean": abs(p["staleness_mean"] - m["staleness_mean"]) <= TOLERANCE["staleness_mean"],
+          "busy": all(abs(p[k] - m[k]) <= TOLERANCE["busy"] for k in ("sampler_busy", "learner_busy"))}
+
+
+def format_check(rows: list[dict]) -> str:
+  head = ("run", "answers/s measured", "predicted", "staleness measured", "predicted", "sampler busy measured",
+          "predicted", "learner busy measured", "predicted", "within tolerance")
+  lines = [" | ".join(head), " | ".join("---" for _ in head)]
+  for row in rows:
+    m, p, ok = row["measured"], row["predicted"], within(row)
+    lines.append(f"{row['run']} | {m['samples_per_s']:.2f} | {p['samples_per_s']:.2f} | {m['staleness_mean']:.2f} | "
+                 f"{p['staleness_mean']:.2f} | {m['sampler_busy']:.0%} | {p['sampler_busy']:.0%} | "
+                 f"{m['learner_busy']:.0%} | {p['learner_busy']:.0%} | "
+                 + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in ok.items()))
+  return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""What each device call of a run costs: max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) plus a
+fixed overhead per call, for the sampler's decode steps and prefills, the learner's step and the weight transfer.
+
+FLOPs and bytes are counted from the model's shapes (`ModelConfig.num_params`, `flops_per_token`): a decode step
+reads every weight once and the keys/values of every live answer's context; a prefill and a training pass are
+compute-bound matmuls. `Efficiency` holds what the programs reach of the peaks; `calibrate.py` fits it for this
+machine's CPU from the project's own programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.sim.devices import Device
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+  """Shares of the peaks the programs reach, and fixed costs per call. Defaults: what well-tuned JAX programs reach
+  on TPUs/GPUs (MaxText-style training at 40-50% MFU, bandwidth-bound decode at 60-80% of HBM bandwidth)."""
+
+  decode_flops: float = 0.5
+  decode_bw: float = 0.7
+  decode_call_s: float = 2e-3  # per decode call: dispatch, the host's read of the tokens, admission
+  decode_step_s: float = 1e-4  # per decode step within a call (the device loop's own cost beyond the model)
+  prefill_flops: float = 0.5
+  prefill_call_s: float = 2e-3
+  learner_mfu: float = 0.4
+  learner_bw: float = 0.7  # the optimizer's pass over parameters and moments
+  micro_batch_s: float = 5e-3  # per learner micro-batch (dispatch; a host-side packing step)
+  step_s: float = 0.05  # per learner step: advantages, packing, metrics on the host
+  link: float = 0.7  # of the chip-to-chip bandwidth a weight transfer reaches
+  transfer_s: float = 0.05  # per weight transfer: gathering shards, the sampler's swap
+
+  def replace(self, **kw) -> Efficiency:
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+  """Seconds per device call for one job layout: `sampler_chips` split in `sampler_shards` data shards (on TPUs and
+  GPUs, of `mesh.sampler_tensor` chips each; emulated CPU devices may share a core), `learner_chips` training;
+  `colocated` when both roles share the same chips (weights are then resharded in HBM)."""
+
+  model: ModelConfig
+  device: Device
+  sampler_chips: float
+  learner_chips: float
+  sampler_shards: int = 1
+  colocated: bool = False
+  weight_bytes: int = 2  # bytes per sampler weight (bfloat16)
+  kv_bytes: int = 2  # bytes per cached key/value element
+  passes: float = 4.0  # learner FLOP passes per token: forward + backward (3), the proximal forward (1)
+  remat: float = 1.0  # extra forwards for rematerialisation: "full" = 1, "dots" ~ 0.3, "none" = 0
+  max_tokens_per_mb: int = 32768
+  minibatches: int = 4  # optimizer updates per learner step
+  eff: Efficiency = Efficiency()
+
+  @property
+  def params(self) -> int:
+    return self.model.num_params()
+
+  @property
+  def shard_chips(self) -> float:
+    return self.sampler_chips / self.sampler_shards
+
+  @property
+  def kv_per_token(self) -> int:
+    """Bytes of keys and values one context token holds in the cache, over all layers."""
+    m = self.model
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.kv_bytes
+
+  def decode_step(self, batch: np.ndarray, context: np.ndarray) -> float:
+    """One decode step; per data shard `batch[i]` live answers holding `context[i]` cached tokens in all. The
+    shards run in lockstep: the slowest decides."""
+    m, d, t, e = self.model, self.device, self.shard_chips, self.eff
+    dense = 2 * self.params - (0 if m.tie_word_embeddings else 2 * m.vocab_size * m.hidden_size)
+    flops = batch * dense + 4 * m.num_layers * m.num_heads * m.head_dim * context
+    bytes_ = np.where(batch > 0, self.params * self.weight_bytes + context * self.kv_per_token, 0)
+    seconds = np.maximum(flops / (t * d.flops * e.decode_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
+    return float(seconds.max(initial=0.0)) + e.decode_step_s
+
+  def prefill(self, rows: int, length: int) -> float:
+    """One batched prefill of `rows` rows padded to `length` tokens; its rows spread over the data shards."""
+    d, e = self.device, self.eff
+    flops = rows * length * self.model.flops_per_token(length)
+    shards = max(1, min(rows, self.sampler_shards))
+    bytes_ = self.params * self.weight_bytes + rows * length * self.kv_per_token / shards
+    t = self.shard_chips
+    seconds = max(flops / (shards * t * d.flops * e.prefill_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
+    return seconds + e.prefill_call_s
+
+  def train_step(self, lengths: np.ndarray) -> float:
+    """One learner step on sequences of `lengths` tokens (prompt + answer): the passes over every token, the
+    optimizer's `minibatches` updates over fp32 parameters and Adam moments, and a fixed cost per micro-batch."""
+    d, e, n = self.device, self.eff, self.learner_chips
+    flops = sum((self.passes + self.remat) * length * self.model.flops_per_token(length) for length in lengths)
+    micro_batches = max(self.minibatches, math.ceil(float(np.sum(lengths)) / self.max_tokens_per_mb))
+    optimizer_bytes = self.minibatches * self.params * 4 * 7  # read params, grads, m, v; write params, m, v
+    return (flops / (n * d.flops * e.learner_mfu) + optimizer_bytes / (n * d.hbm_bw * e.learner_bw)
+            + micro_batches * e.micro_batch_s + e.step_s)
+
+  def transfer(self) -> float:
+    """New weights from the learner to the sampler: over the links of the smaller side, or resharded in HBM when
+    both roles share the chips."""
+    d, e, size = self.device, self.eff, self.params * self.weight_bytes
+    if self.colocated:
+      return 2 * size / (self.sampler_chips * d.hbm_bw * e.decode_bw) + e.transfer_s
+    return size / (min(self.sampler_chips, self.learner_chips) * d.link * e.link) + e.transfer_s
+
+  def pages_per_shard(self, page_size: int, memory_fraction: float = 0.8) -> int:
+    """KV-cache pages one data shard holds: what is left of its chips' HBM beside the weights (and, colocated, beside
+    the learner's fp32 parameters, gradients and Adam moments, sharded over every chip)."""
+    free = self.shard_chips * self.device.hbm * memory_fraction - self.params * self.weight_bytes
+    if self.colocated:
+      free -= self.shard_chips * self.params * 16 / self.learner_chips
+    return max(0, int(free // (page_size * self.kv_per_token)))

@@ -1,0 +1,286 @@
+"""A run in virtual time: the project's own orchestration with device calls that cost predicted seconds.
+
+Shared with a real run, unchanged: `RolloutBuffer` (η, target staleness), `RolloutController` (admission, one
+coroutine per prompt group, its rewards), `SamplerLoop`/`Driver`/`Scheduler` (slots, pages, preemption, the weight
+swap with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs (`engine.SimEngine`), the reward
+service (an answer is right with probability `success`, scored after `reward_s`), and the learner, whose loop below
+follows `rl/trainer.py:_train` (a batch from the buffer, a train step, the weights published, the new version
+admitted) with a step and a transfer that sleep their predicted seconds. Everything runs on one virtual-time loop
+(`clock.virtual_loop`), so a simulated hour takes seconds and the same inputs give the same timeline.
+
+    result = simulate(job, costs, lengths)
+    result.tokens_per_s(), result.staleness_of(), result.busy()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+
+from areal_jax.data.records import PromptRecord
+from areal_jax.models.config import ModelConfig
+from areal_jax.reward.service import RewardResult
+from areal_jax.rl.controller import RolloutController, Stalled
+from areal_jax.rl.rollout_buffer import RolloutBuffer
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sampler.requests import SamplingParams
+from areal_jax.sampler.sampling import request_key
+from areal_jax.sim.clock import virtual_loop
+from areal_jax.sim.costs import CostModel
+from areal_jax.sim.engine import SimEngine
+from areal_jax.sim.lengths import Lengths
+
+EOS = 0
+_STALL_GROUPS = 100
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Job:
+  """One simulated run: the model and sampler (real tokens), the batch (`batch_prompts` x `answers`), η and the
+  target staleness, and what the rewards look like."""
+
+  model: ModelConfig
+  sampler: SamplerConfig  # num_slots counts the whole sampler mesh
+  num_shards: int  # the sampler's data shards
+  batch_prompts: int
+  answers: int
+  prompt_len: int
+  eta: int
+  steps: int
+  target_staleness: float | None = None
+  max_concurrent: int = 0  # rollout.max_concurrent_rollouts; 0 = no limit beyond η
+  success: float | tuple[float, ...] = 0.5  # chance an answer is right; a tuple: per-prompt chances to draw from
+  filter_uniform: bool = False
+  reward_s: float = 0.0
+  scale: int = 1  # real tokens per simulated one (engine.SimEngine)
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class Result:
+  """Per learner step: when it ended, its answers' real tokens and staleness; busy seconds at each step's end."""
+
+  job: Job
+  step_end: list[float] = dataclasses.field(default_factory=list)
+  tokens: list[int] = dataclasses.field(default_factory=list)  # answer tokens trained
+  answers: list[int] = dataclasses.field(default_factory=list)
+  staleness: list[list[int]] = dataclasses.field(default_factory=list)  # per trajectory, as the learner counts it
+  sampler_busy: list[float] = dataclasses.field(default_factory=list)
+  learner_busy: list[float] = dataclasses.field(default_factory=list)
+  start: float = 0.0  # when step 1's batch was first awaited (after the starting evaluation: t = 0)
+  sampler_stats: dict = dataclasses.field(default_factory=dict)  # the driver's counters at the end
+
+  def _window(self, warmup: int) -> tuple[int, float]:
+    w = min(warmup, len(self.step_end) - 1)
+    return w, self.step_end[-1] - (self.step_end[w - 1] if w else self.start)
+
+  def tokens_per_s(self, warmup: int = 2) -> float:
+    w, seconds = self._window(warmup)
+    return sum(self.tokens[w:]) / seconds
+
+  def answers_per_s(self, warmup: int = 2) -> float:
+    w, seconds = self._window(warmup)
+    return sum(self.answers[w:]) / seconds
+
+  def step_s(self, warmup: int = 2) -> float:
+    w, seconds = self._window(warmup)
+    return seconds / (len(self.step_end) - w)
+
+  def busy(self, warmup: int = 2) -> tuple[float, float]:
+    """(sampler, learner) seconds busy over the timed window."""
+    w, seconds = self._window(warmup)
+    before = lambda xs: xs[w - 1] if w else 0.0
+    return ((self.sampler_busy[-1] - before(self.sampler_busy)) / seconds,
+            (self.learner_busy[-1] - before(self.learner_busy)) / seconds)
+
+  def staleness_of(self, warmup: int = 2) -> np.ndarray:
+    w = min(warmup, len(self.staleness) - 1)
+    return np.array([s for step in self.staleness[w:] for s in step], np.float64)
+
+
+def simulate(job: Job, costs: CostModel, lengths: Lengths) -> Result:
+  """Runs `job` to its last learner step on a virtual clock; see the module docstring."""
+  loop = virtual_loop()
+  try:
+    return loop.run_until_complete(_run(job, costs, lengths))
+  finally:
+    loop.close()
+
+
+class _OnLoop:
+  """`AsyncThread`'s interface on the running loop: the simulator has one thread."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+
+  def submit(self, coro):
+    return self.loop.create_task(coro)
+
+  def call(self, fn, *args) -> None:
+    self.loop.call_soon(fn, *args)
+
+  def stop(self) -> None:
+    pass
+
+
+class _Buffer(RolloutBuffer):
+  """The run's buffer, telling the simulated learner when a group finished."""
+
+  def __init__(self, changed: asyncio.Event, **kw):
+    super().__init__(**kw)
+    self.changed = changed
+
+  def finish(self, group_id: int, group=None, *, version: int = 0) -> None:
+    super().finish(group_id, group, version=version)
+    self.changed.set()
+
+
+class _Rollout:
+  """The controller's sampler: a `SamplerLoop` whose threads never start; `_sample` steps its driver."""
+
+  def __init__(self, loop: SamplerLoop, wake: asyncio.Event):
+    self.loop, self.wake = loop, wake
+
+  def submit(self, request):
+    futures = self.loop.submit(request)
+    self.wake.set()
+    return futures
+
+  def publish(self, version: int) -> None:
+    self.loop.update_params({}, version)
+    self.wake.set()
+
+  def check(self) -> None:
+    self.loop.check()
+
+
+class _Rewards:
+  """The reward service: answer i of group g is right with group g's chance (one of `success`, drawn by the
+  group's id; everything fixed by the seed)."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop, success, latency_s: float, seed: int):
+    self.loop, self.latency_s, self.seed = loop, latency_s, seed
+    self.success = np.atleast_1d(np.asarray(success, np.float64))
+
+  def submit(self, item_id, kind, text, reference) -> concurrent.futures.Future:
+    del kind, text, reference
+    group, index = item_id
+    chance = self.success[int(request_key(self.seed + 2, group)[1]) % len(self.success)]
+    u = int(request_key(self.seed + 1, group, index)[1]) / 2**32  # [0] is the seed itself
+    future = concurrent.futures.Future()
+    result = RewardResult(item_id=item_id, reward=float(u < chance), reason="simulated",
+                          latency_s=self.latency_s, run_s=0.0)
+    self.loop.call_later(self.latency_s, future.set_result, result)
+    return future
+
+
+def _prompts(job: Job):
+  n = max(1, -(-job.prompt_len // job.scale))
+  i = 0
+  while True:
+    yield PromptRecord(uid=f"sim-{i}", prompt="", prompt_ids=np.full(n, 2, np.int32), reference="")
+    i += 1
+
+
+class _Busy:
+  """Seconds a serial worker has been busy: each piece of work counted as it elapses, not when it starts."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop, self.total, self.until = loop, 0.0, 0.0
+
+  def add(self, seconds: float) -> None:
+    self.total += seconds
+    self.until = self.loop.time() + seconds
+
+  def now(self) -> float:
+    return self.total - max(0.0, self.until - self.loop.time())
+
+
+async def _sample(rollout: _Rollout, engine: SimEngine, busy: _Busy) -> None:
+  """The sampler's thread (`Driver._loop`), stepping on the virtual clock: a step's results arrive after its cost."""
+  sampler, wake = rollout.loop, rollout.wake
+  driver, sched = sampler.driver, sampler.driver.scheduler
+  while True:
+    driver.poll()
+    if sched.idle and not sched.has_update:
+      wake.clear()
+      await wake.wait()
+      continue
+    finished = sched.step()
+    spent = engine.take_spent()
+    busy.add(spent)
+    await asyncio.sleep(spent)
+    driver.record(finished)
+    sampler.drain()
+
+
+async def _run(job: Job, costs: CostModel, lengths: Lengths) -> Result:
+  loop = asyncio.get_running_loop()
+  engine = SimEngine(model_cfg=job.model, cfg=job.sampler, num_shards=job.num_shards,
+                     pages_per_shard=costs.pages_per_shard(job.sampler.page_size, job.sampler.memory_fraction),
+                     costs=costs, lengths=lengths, eos_id=EOS, scale=job.scale)
+  rollout = _Rollout(SamplerLoop(engine=engine, params={}, version=0, eos_ids=[EOS]), asyncio.Event())
+  changed = asyncio.Event()
+  b = job.batch_prompts
+  buffer = _Buffer(changed, batch_size=b, max_offpolicyness=job.eta, target_staleness=job.target_staleness,
+                   max_concurrent=job.max_concurrent or (job.eta + 1) * b)
+  sampling = SamplingParams(max_new_tokens=engine.cfg.max_new_tokens, seed=job.seed)
+  controller = RolloutController(dataset=_prompts(job), rollout=rollout, rewards=_Rewards(loop, job.success,
+                                 job.reward_s, job.seed), buffer=buffer, version=0, group_size=job.answers,
+                                 sampling=sampling, filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
+  result, sampler_busy = Result(job=job), _Busy(loop)
+  sampler = loop.create_task(_sample(rollout, engine, sampler_busy))
+  controller.start()
+  version, learner_busy = 0, 0.0
+  try:
+    for _ in range(job.steps):
+      groups = await _next_batch(controller, buffer, rollout, sampler, b)
+      trajectories = [t for g in groups for t in g.trajectories]
+      seconds = costs.train_step(np.array([(len(t.prompt_ids) + len(t.response_ids)) * job.scale
+                                           for t in trajectories]))
+      result.staleness.append([version - t.version_start for t in trajectories])
+      await asyncio.sleep(seconds)
+      controller.mark_trained(groups)
+      transfer = costs.transfer()
+      await asyncio.sleep(transfer)  # the learner's publish: the sampler swaps at its next step
+      version += 1
+      rollout.publish(version)
+      controller.admit(version)
+      learner_busy += seconds + transfer
+      result.step_end.append(loop.time())
+      result.tokens.append(sum(len(t.response_ids) for t in trajectories) * job.scale)
+      result.answers.append(len(trajectories))
+      result.sampler_busy.append(sampler_busy.now())
+      result.learner_busy.append(learner_busy)
+    result.sampler_stats = rollout.loop.stats()
+  finally:
+    controller.stop()
+    sampler.cancel()
+    await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()),
+                         return_exceptions=True)
+  return result
+
+
+async def _next_batch(controller, buffer: _Buffer, rollout: _Rollout, sampler: asyncio.Task, n: int) -> list:
+  """`RolloutController.next_batch` on the virtual clock: waits for a group to finish instead of polling; raises
+  `Stalled` when `_STALL_GROUPS` x n groups in a row were dropped as uniform."""
+  accepted, filtered = buffer.accepted, controller.counters["groups_filtered"]
+  while True:
+    buffer.changed.clear()
+    groups = buffer.take_batch(n, controller.version, timeout=0)
+    if groups is not None:
+      return groups
+    controller.check()
+    rollout.check()
+    if sampler.done():
+      sampler.result()  # its error
+    if buffer.accepted != accepted:
+      accepted, filtered = buffer.accepted, controller.counters["groups_filtered"]
+    elif controller.counters["groups_filtered"] - filtered > _STALL_GROUPS * n:
+      raise Stalled(f"the last {_STALL_GROUPS * n} groups all scored uniformly and were dropped: no batch can form "
+                    "(the success rates are all 0 or 1?)")
+    await buffer.changed.wait()

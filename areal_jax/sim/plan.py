@@ -1,0 +1,149 @@
+"""Sizing a job: how many chips should sample, how many learn, and at which η, by simulating each choice
+(`job.simulate`: the run's own orchestration in virtual time) against colocated synchronous RL on all the chips.
+
+    setup = Setup(model=..., device=devices.device("v5p"), chips=64, sampler=..., batch_prompts=512, answers=16, ...)
+    result = plan(setup, etas=(0, 1, 2, 4, 8))   # {"rows": [...], "sync": {...}, "recommended": {...}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sim.costs import CostModel, Efficiency
+from areal_jax.sim.devices import Device
+from areal_jax.sim.job import Job, Result, simulate
+from areal_jax.sim.lengths import Lengths
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setup:
+  """What stays fixed across the sweep: the model, the chips, the sampler per data shard, the batch, the lengths."""
+
+  model: ModelConfig
+  device: Device
+  chips: int
+  sampler: SamplerConfig  # per data shard: num_slots is the slots of one shard
+  tensor: int = 1  # chips per sampler data shard
+  batch_prompts: int
+  answers: int
+  prompt_len: int
+  lengths: Lengths
+  steps: int = 10
+  warmup: int = 2  # learner steps not timed (the pipeline filling)
+  target_staleness: float | None = None
+  max_concurrent: int = 0
+  success: float = 0.5
+  max_tokens_per_mb: int = 32768
+  minibatches: int = 4
+  passes: float = 4.0  # learner passes per token with the decoupled loss; η = 0 trains plain PPO, one fewer
+  remat: float = 0.0
+  eff: Efficiency = Efficiency()
+  scale: int = 0  # real tokens per simulated one; 0 = chosen from the lengths (a mean answer of ~8-16)
+  seed: int = 0
+
+  @property
+  def token_scale(self) -> int:
+    if self.scale:
+      return self.scale
+    return max(1, 1 << int(math.log2(max(1.0, self.lengths.mean / 8))))
+
+
+def splits(chips: int, tensor: int) -> list[int]:
+  """Sampler chip counts to try: about every eighth of the chips, whole data shards, at least one chip per role."""
+  shards = chips // tensor
+  counts = {max(1, round(shards * k / 8)) * tensor for k in range(1, 8)}
+  return sorted(c for c in counts if 0 < c < chips)
+
+
+def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:
+  """One layout: `sampler_chips` sampling and the rest learning (all of them doing both when `colocated`)."""
+  learner_chips = setup.chips if colocated else setup.chips - sampler_chips
+  costs = CostModel(model=setup.model, device=setup.device, sampler_chips=sampler_chips, learner_chips=learner_chips,
+                    sampler_shards=sampler_chips // setup.tensor, colocated=colocated,
+                    weight_bytes=_bytes(setup.sampler.param_dtype),
+                    kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - 1,
+                    remat=setup.remat,
+                    max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches, eff=setup.eff)
+  shards = sampler_chips // setup.tensor
+  job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=setup.sampler.num_slots * shards),
+            num_shards=shards, batch_prompts=setup.batch_prompts, answers=setup.answers, prompt_len=setup.prompt_len,
+            eta=eta, steps=setup.steps, target_staleness=setup.target_staleness if eta else None,
+            max_concurrent=setup.max_concurrent, success=setup.success, scale=setup.token_scale, seed=setup.seed)
+  return simulate(job, costs, setup.lengths)
+
+
+def _bytes(dtype: str) -> int:
+  return 2 if dtype == "bfloat16" else 4
+
+
+def _figures(setup: Setup, r: Result) -> dict:
+  sampler_busy, learner_busy = r.busy(setup.warmup)
+  stale = r.staleness_of(setup.warmup)
+  return {"tokens_per_s": r.tokens_per_s(setup.warmup), "answers_per_s": r.answers_per_s(setup.warmup),
+          "step_s": r.step_s(setup.warmup), "sampler_busy": sampler_busy, "learner_busy": learner_busy,
+          "staleness_mean": float(stale.mean()), "staleness_p99": float(np.percentile(stale, 99))}
+
+
+def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
+  """Every split x η, and colocated sync on all the chips; `recommended` is the row that trains the most tokens/s
+  (the least staleness among equals)."""
+  if setup.chips < 2 * setup.tensor:
+    raise ValueError(f"--chips={setup.chips}: a split needs at least two sampler data shards' worth "
+                     f"({2 * setup.tensor} chips at --tensor={setup.tensor})")
+  sync = {"sampler_chips": setup.chips, "learner_chips": setup.chips, "eta": 0,
+          **_figures(setup, simulate_split(setup, setup.chips, 0, colocated=True))}
+  rows = []
+  for s in sampler_chips or splits(setup.chips, setup.tensor):
+    split_sync = None
+    for eta in sorted(set(etas) | {0}):  # each split's own sync row, for its speed-up
+      row = {"sampler_chips": s, "learner_chips": setup.chips - s, "eta": eta,
+             **_figures(setup, simulate_split(setup, s, eta))}
+      split_sync = split_sync or row
+      row["speedup_vs_colocated_sync"] = row["tokens_per_s"] / sync["tokens_per_s"]
+      row["speedup_vs_split_sync"] = row["tokens_per_s"] / split_sync["tokens_per_s"]
+      if eta in etas:
+        rows.append(row)
+  best = max(rows, key=lambda r: (round(r["tokens_per_s"], 6), -r["staleness_mean"]))
+  return {"rows": rows, "sync": sync, "recommended": best, "token_scale": setup.token_scale,
+          "lengths": {"source": setup.lengths.source, "mean": setup.lengths.mean, "max": setup.lengths.max}}
+
+
+def format_table(result: dict) -> str:
+  head = ("split (sampler+learner)", "eta", "tokens/s", "step s", "sampler busy", "learner busy", "staleness mean",
+          "staleness p99", "x colocated sync", "x split sync")
+  s = result["sync"]
+  lines = [" | ".join(head), " | ".join("---" for _ in head),
+           f"colocated sync ({s['sampler_chips']}) | 0 | {s['tokens_per_s']:,.0f} | {s['step_s']:.1f} | "
+           f"{s['sampler_busy']:.0%} | {s['learner_busy']:.0%} | 0.00 | 0 | 1.00x | -"]
+  for r in result["rows"]:
+    mark = " *" if r is result["recommended"] else ""
+    lines.append(f"{r['sampler_chips']}+{r['learner_chips']}{mark} | {r['eta']} | {r['tokens_per_s']:,.0f} | "
+                 f"{r['step_s']:.1f} | {r['sampler_busy']:.0%} | {r['learner_busy']:.0%} | "
+                 f"{r['staleness_mean']:.2f} | {r['staleness_p99']:.0f} | {r['speedup_vs_colocated_sync']:.2f}x | "
+                 f"{r['speedup_vs_split_sync']:.2f}x")
+  return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+  """Trained tokens/s against the sampler's share of the chips, one line per η, colocated sync dashed."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for eta in sorted({r["eta"] for r in result["rows"]}):
+    rows = [r for r in result["rows"] if r["eta"] == eta]
+    ax.plot([r["sampler_chips"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=f"split, η={eta}")
+  ax.axhline(result["sync"]["tokens_per_s"], color="k", linestyle="--", label="colocated sync, all chips")
+  ax.set_xlabel("sampler chips (the rest learn)")
+  ax.set_ylabel("trained tokens/s (predicted)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,45 @@
+"""The cost model's regimes: decode reads every weight per step, training is compute-bound, transfers ride links."""
+
+import numpy as np
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax.sim.costs import CostModel, Efficiency
+from areal_jax.sim.devices import DEVICES, device
+
+
+def _model():
+  return config_lib.validate(config_lib.load_config("configs/math.py:qwen2.5-1.5b"), data=False).model
+
+
+def test_a_decode_step_of_one_short_answer_costs_one_read_of_the_weights():
+  m = _model()
+  eff = Efficiency(decode_bw=1.0, decode_step_s=0.0)
+  c = CostModel(model=m, device=device("h100"), sampler_chips=1, learner_chips=1, eff=eff)
+  weights_s = m.num_params() * 2 / device("h100").hbm_bw
+  assert c.decode_step(np.array([1]), np.array([16])) == pytest.approx(weights_s, rel=0.01)
+  # Long contexts add their keys and values; the slowest data shard decides.
+  assert c.decode_step(np.array([1, 64]), np.array([16, 64 * 8000])) > 5 * weights_s
+
+
+def test_training_is_compute_bound_and_scales_with_chips_and_tokens():
+  m = _model()
+  small = CostModel(model=m, device=device("v5p"), sampler_chips=8, learner_chips=8)
+  big = CostModel(model=m, device=device("v5p"), sampler_chips=8, learner_chips=16)
+  lengths = np.full(1024, 4096)
+  assert small.train_step(lengths) == pytest.approx(2 * big.train_step(lengths), rel=0.1)
+  assert small.train_step(np.full(2048, 4096)) == pytest.approx(2 * small.train_step(lengths), rel=0.1)
+
+
+def test_colocated_weights_move_in_hbm_and_split_ones_over_links():
+  m = _model()
+  split = CostModel(model=m, device=device("h800"), sampler_chips=4, learner_chips=4)
+  colocated = CostModel(model=m, device=device("h800"), sampler_chips=8, learner_chips=8, colocated=True)
+  assert colocated.transfer() < split.transfer()
+
+
+def test_every_device_has_positive_peaks_and_an_unknown_one_is_named():
+  assert sorted(DEVICES) == ["a100", "h100", "h200", "h800", "v4", "v5e", "v5p", "v6e"]
+  assert all(d.flops > 0 and d.hbm_bw > 0 and d.hbm > 0 and d.link > 0 for d in DEVICES.values())
+  with pytest.raises(ValueError, match="--device='tpu9'"):
+    device("tpu9")

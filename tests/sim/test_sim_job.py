@@ -1,0 +1,92 @@
+"""A run in virtual time: the real buffer, controller, sampler loop and scheduler, with simulated device calls."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax.rl import rollout_buffer
+from areal_jax.rl.controller import Stalled
+from areal_jax.sim import plan
+from areal_jax.sim.devices import Device, device
+from areal_jax.sim.lengths import Lengths
+
+
+def _setup(**kw) -> plan.Setup:
+  settings = config_lib.validate(config_lib.load_config("configs/math.py:tiny"), data=False)
+  base = dict(model=settings.model, device=device("v5p"), chips=4, sampler=settings.sampler.replace(num_slots=16),
+              batch_prompts=4, answers=4, prompt_len=20, lengths=Lengths.parametric(mean=20, max=64), steps=8,
+              warmup=2)
+  return plan.Setup(**(base | kw))
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_staleness_stays_within_eta_and_grows_with_it(eta):
+  r = plan.simulate_split(_setup(), sampler_chips=2, eta=eta)
+  stale = np.concatenate([np.array(s) for s in r.staleness])
+  assert len(r.step_end) == 8 and np.all(np.diff(r.step_end) > 0)
+  assert stale.max() <= eta
+  if eta == 0:
+    assert stale.max() == 0
+  else:
+    assert stale.mean() > 0.5
+
+
+def test_target_staleness_holds_the_mean_down():
+  loose = plan.simulate_split(_setup(), sampler_chips=2, eta=4).staleness_of(2).mean()
+  held = plan.simulate_split(_setup(target_staleness=1.0), sampler_chips=2, eta=4).staleness_of(2).mean()
+  assert held <= 1.25 < loose
+
+
+def test_the_simulation_runs_the_runs_own_buffer(monkeypatch):
+  """A change to the shared admission rule changes the prediction: a buffer that never looks ahead makes η=2
+  synchronous."""
+  def capacity_without_lookahead(self, version):
+    return max(0, (version + 1) * self.batch_size - (self.accepted + len(self._out)))
+
+  monkeypatch.setattr(rollout_buffer.RolloutBuffer, "_capacity", capacity_without_lookahead)
+  r = plan.simulate_split(_setup(), sampler_chips=2, eta=2)
+  assert max(max(s) for s in r.staleness) == 0
+
+
+def test_answers_run_to_their_lengths_through_preemption():
+  """With a pool too small for every slot, the real scheduler preempts and re-prefills; each answer still ends at
+  the length its key drew, and every answer of every step is trained on."""
+  setup = _setup(lengths=Lengths([30], source="thirty"), steps=4)
+  m = setup.model
+  page_bytes = setup.sampler.page_size * 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+  hbm = (setup.model.num_params() * 4 + 12 * page_bytes) / 0.8  # 12 pages per shard: 8 answers need 32
+  setup = dataclasses.replace(setup, device=Device("tiny", flops=1e12, hbm_bw=1e11, hbm=hbm, link=1e10))
+  r = plan.simulate_split(setup, sampler_chips=2, eta=1)
+  assert r.sampler_stats["preemptions"] > 0
+  assert r.tokens == [4 * 4 * 30] * 4  # batch x answers x the length
+  assert r.answers == [16] * 4
+
+
+def test_the_same_job_gives_the_same_timeline():
+  a = plan.simulate_split(_setup(), sampler_chips=2, eta=2)
+  b = plan.simulate_split(_setup(), sampler_chips=2, eta=2)
+  assert a.step_end == b.step_end and a.staleness == b.staleness
+
+
+def test_a_plan_names_a_recommended_row_with_every_field():
+  setup = dataclasses.replace(_setup(), steps=5)
+  result = plan.plan(setup, etas=(0, 2), sampler_chips=[1, 2])
+  assert {(r["sampler_chips"], r["eta"]) for r in result["rows"]} == {(1, 0), (1, 2), (2, 0), (2, 2)}
+  fields = {"sampler_chips", "learner_chips", "eta", "tokens_per_s", "step_s", "sampler_busy", "learner_busy",
+            "staleness_mean", "speedup_vs_colocated_sync", "speedup_vs_split_sync"}
+  assert all(fields <= set(r) for r in result["rows"])
+  assert {"tokens_per_s", "step_s"} <= set(result["sync"])
+  assert result["recommended"] in result["rows"]
+  assert all(0 <= r["sampler_busy"] <= 1.0001 and 0 <= r["learner_busy"] <= 1.0001 for r in result["rows"])
+  assert "tokens/s" in plan.format_table(result)
+
+
+def test_a_job_whose_groups_are_all_dropped_stalls_as_the_run_would():
+  setup = _setup(success=1.0, steps=2)
+  job = plan.Job(model=setup.model, sampler=setup.sampler, num_shards=1, batch_prompts=2, answers=4, prompt_len=10,
+                 eta=1, steps=2, success=1.0, filter_uniform=True)
+  costs = plan.CostModel(model=setup.model, device=setup.device, sampler_chips=1, learner_chips=1)
+  with pytest.raises(Stalled, match="scored uniformly"):
+    plan.simulate(job, costs, setup.lengths)

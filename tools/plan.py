@@ -1,0 +1,154 @@
+r"""Plans a job: sweeps sampler/learner splits and η in simulation (the run's own orchestration in virtual time,
+device calls priced by a cost model) and prints predicted trained tokens/s, step time, busy shares and staleness,
+against colocated synchronous RL on all the chips; names the recommended split and writes a plot.
+
+  python tools/plan.py --config=configs/math.py:qwen2.5-1.5b --device=v5p --chips=64 --length_mean=8000
+  python tools/plan.py --config=configs/math.py:qwen2.5-1.5b --device=h800 --chips=8 --eta=0,1,4,8 \
+      --lengths=run/rollouts.jsonl --json > plan.json
+
+Devices: v4, v5e, v5p, v6e, a100, h100, h800, h200 (published peaks, `areal_jax/sim/devices.py`). Answer lengths
+come from `--lengths` (a run's rollouts.jsonl, or a file of integers) or a log-normal of `--length_mean` cut at
+`--length_max`. See `areal_jax.sim`.
+
+`--check=DIR` holds the planner to measurement instead: it calibrates the cost model on this machine's CPU (the tiny
+preset's programs in each role's layout; cached in `--calibration`), predicts every run of a
+`tools/bench_async.py --processes` workdir and prints predicted beside measured:
+
+  python tools/bench_async.py --processes --etas=0,2,4 --steps=20 --variant=t1:rollout.target_staleness=1 \
+      --workdir=/tmp/bench_async
+  python tools/plan.py --config=configs/math.py --check=/tmp/bench_async
+"""
+
+import json
+
+from absl import flags
+
+from areal_jax import cli
+
+_CONFIG = cli.define_config()
+_DEVICE = flags.DEFINE_string("device", "v5p", "Accelerator: v4, v5e, v5p, v6e, a100, h100, h800, h200.")
+_CHIPS = flags.DEFINE_integer("chips", 64, "Chips for the whole job (sampler + learner).")
+_MODEL = flags.DEFINE_string("model", "", "A preset of the --config file, or a HF config.json (or its directory); "
+                             "'' = the config's model.")
+_TENSOR = flags.DEFINE_integer("tensor", 0, "Chips per sampler data shard; 0 = mesh.sampler_tensor.")
+_SLOTS = flags.DEFINE_integer("slots_per_shard", 0, "Decode slots per sampler data shard; 0 = sampler.num_slots.")
+_BATCH = flags.DEFINE_integer("batch_prompts", 0, "Prompts per learner step; 0 = rollout.batch_size.")
+_ANSWERS = flags.DEFINE_integer("answers", 0, "Answers per prompt; 0 = rollout.group_size.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "Prompt tokens; 0 = data.max_prompt_len / 2.")
+_MEAN = flags.DEFINE_float("length_mean", 0, "Mean answer tokens (log-normal); 0 = sampler.max_new_tokens / 4.")
+_MAX = flags.DEFINE_integer("length_max", 0, "Longest answer; 0 = sampler.max_new_tokens.")
+_LENGTHS = flags.DEFINE_string("lengths", "", "Answer lengths from a run's rollouts.jsonl or a file of integers.")
+_ETA = flags.DEFINE_string("eta", "0,1,2,4,8", "η (max head off-policyness) to try, comma-separated.")
+_TARGET = flags.DEFINE_float("target_staleness", -1, "rollout.target_staleness for the asynchronous rows; -1 = off.")
+_SPLITS = flags.DEFINE_string("sampler_chips", "", "Sampler chip counts to try, comma-separated; '' = every eighth.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Learner steps simulated per layout (the first --warmup not timed).")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Learner steps not timed.")
+_SUCCESS = flags.DEFINE_float("success", 0.5, "Chance an answer is right (uniform groups are kept).")
+_SCALE = flags.DEFINE_integer("token_scale", 0, "Real tokens per simulated token; 0 = a mean answer of 8-16.")
+_JSON = flags.DEFINE_bool("json", False, "Print the result as one JSON object instead of the table.")
+_PLOT = flags.DEFINE_string("plot", "plan.png", "PNG of throughput against split per η ('' = none).")
+_CHECK = flags.DEFINE_string("check", "", "A tools/bench_async.py --processes workdir: predict its runs from this "
+                             "machine's calibrated costs, beside the measured figures.")
+_CALIBRATION = flags.DEFINE_string("calibration", "", "Calibration JSON for --check: read if it exists, else "
+                                   "measured and written; '' = <--check>/calibration.json.")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+  try:
+    return [int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    raise SystemExit(f"FATAL --{flag}={text!r}: expected comma-separated integers") from None
+
+
+def _setup():
+  from areal_jax import config as config_lib  # pylint: disable=g-import-not-at-top  # after the flags
+  from areal_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+  from areal_jax.sim import devices, lengths, plan  # pylint: disable=g-import-not-at-top
+
+  settings = config_lib.validate(_CONFIG.value, data=False)
+  model = settings.model
+  if _MODEL.value.endswith(".json") or "/" in _MODEL.value:
+    model = hf_io.read_config(_MODEL.value.removesuffix("config.json"), dtype=model.dtype,
+                              param_dtype=model.param_dtype, remat=model.remat)
+  elif _MODEL.value:
+    path = flags.FLAGS["config"].config_filename
+    model = config_lib.validate(config_lib.load_config(f"{path}:{_MODEL.value}"), data=False).model
+  s = settings.sampler.replace(num_slots=_SLOTS.value or settings.sampler.num_slots)
+  max_len = _MAX.value or s.max_new_tokens
+  if _LENGTHS.value:
+    dist = lengths.Lengths.from_file(_LENGTHS.value)
+  else:
+    dist = lengths.Lengths.parametric(_MEAN.value or max_len / 4, max_len)
+  s = s.replace(max_new_tokens=max(s.max_new_tokens, dist.max))
+  prompt_len = _PROMPT_LEN.value or max(1, settings.data.max_prompt_len // 2)
+  s = s.replace(max_seq_len=max(s.max_seq_len, prompt_len + s.max_new_tokens))
+  remat = {"none": 0.0, "dots": 0.5, "full": 1.0}[model.remat]
+  return plan.Setup(model=model, device=devices.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
+                    tensor=_TENSOR.value or settings.mesh.sampler_tensor,
+                    batch_prompts=_BATCH.value or settings.rollout.batch_size,
+                    answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
+                    steps=_STEPS.value, warmup=_WARMUP.value,
+                    target_staleness=None if _TARGET.value < 0 else _TARGET.value, success=_SUCCESS.value,
+                    max_concurrent=settings.rollout.max_concurrent_rollouts,
+                    max_tokens_per_mb=settings.learner.max_tokens_per_mb,
+                    minibatches=settings.learner.ppo_n_minibatches, remat=remat, scale=_SCALE.value, seed=settings.seed)
+
+
+def _check() -> None:
+  """`--check`: the bench's runs predicted beside measured."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  from areal_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from areal_jax.sim import calibrate, check  # pylint: disable=g-import-not-at-top
+
+  path = _CALIBRATION.value or os.path.join(_CHECK.value, "calibration.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      cals = {k: calibrate.Calibration.from_json(v) for k, v in json.load(f).items()}
+  else:
+    cals = calibrate.calibrate(_CONFIG.value, calibrate.LAYOUTS)
+    with open(path, "w") as f:
+      json.dump({k: v.to_json() for k, v in cals.items()}, f, indent=2)
+  settings = config_lib.validate(_CONFIG.value, data=False)
+  rows = check.predict(_CHECK.value, settings, cals, steps=_STEPS.value, skip=_WARMUP.value,
+                       prompt_len=_PROMPT_LEN.value or check.mean_prompt_len(settings))
+  if _JSON.value:
+    print(json.dumps({"rows": rows, "calibration": {k: v.to_json() | {"samples": None} for k, v in cals.items()}}))
+    return
+  for name, cal in cals.items():
+    print(f"calibration {name}: fit error " + ", ".join(f"{k} {v:.0%}" for k, v in cal.error.items()))
+  print(check.format_check(rows))
+
+
+def main(argv):
+  del argv
+  from areal_jax.sim import plan  # pylint: disable=g-import-not-at-top
+
+  if _CHECK.value:
+    _check()
+    return
+
+  try:
+    setup = _setup()
+    result = plan.plan(setup, etas=_ints(_ETA.value, "eta"), sampler_chips=_ints(_SPLITS.value, "sampler_chips"))
+  except ValueError as e:
+    raise SystemExit(f"FATAL {e}") from None
+  if _PLOT.value:
+    plan.plot(result, _PLOT.value)
+  if _JSON.value:
+    print(json.dumps(result))
+    return
+  print(f"{setup.model.num_params() / 1e9:.2f}B parameters on {setup.chips} x {setup.device.name}; "
+        f"{setup.batch_prompts} x {setup.answers} answers per step, lengths {result['lengths']['source']} "
+        f"(mean {result['lengths']['mean']:.0f}); {setup.steps} steps per layout, 1 simulated token = "
+        f"{result['token_scale']} real")
+  print(plan.format_table(result))
+  r = result["recommended"]
+  print(f"recommended: {r['sampler_chips']} sampler + {r['learner_chips']} learner chips at eta={r['eta']}: "
+        f"{r['speedup_vs_colocated_sync']:.2f}x colocated sync, {r['speedup_vs_split_sync']:.2f}x sync on the same "
+        f"split, staleness {r['staleness_mean']:.2f}"
+        + (f"; plot: {_PLOT.value}" if _PLOT.value else ""))
+
+
+if __name__ == "__main__":
+  cli.run(main)
