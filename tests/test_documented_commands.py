@@ -1,7 +1,7 @@
 """Every `python launch/...` and `python tools/...` command shown in the README and the docs still parses: its flags
 are the script's own (absl or argparse) and, for a script with a `--config`, the config loads with its overrides and
-passes `config.validate` (`data=False` for the AOT check, which reads no dataset). Each command runs in a child
-process that stops once its arguments are parsed; the runs themselves are covered by the whole-run tests
+passes `config.validate` (`data=False` for the AOT check and the planner, which read no dataset). Each command runs
+in a child process that stops once its arguments are parsed; the runs themselves are covered by the whole-run tests
 (`tests/rl/test_trainer.py`, `tests/test_faults.py`, `tests/tools/`)."""
 
 import concurrent.futures
@@ -18,7 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 SCRIPTS = ("launch/", "tools/")
-VALIDATE = {"tools/aot_check.py": {"data": False}}  # keyword arguments of `config.validate` per script
+# keyword arguments of `config.validate` per script: the AOT check and the planner read no dataset
+VALIDATE = {"tools/aot_check.py": {"data": False}, "tools/plan.py": {"data": False}}
 
 # Runs SCRIPT as __main__ with the documented arguments, stopped right after they are parsed (absl's `app.run` and
 # argparse's `parse_args` are replaced in this child process alone), then validates the parsed `--config`, if any.
