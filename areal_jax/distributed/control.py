@@ -2,24 +2,15 @@
 
 Every process but the leader (learner process 0) connects to the leader's `multiprocessing.connection` listener,
 both sides prove they hold the job's key ($AREAL_JAX_AUTHKEY, HMAC challenges both ways; `roles.authkey`), and the
-process says who it is; after that each side sends `(kind, payload)` messages of host data (requests, trajectories,
-notices, learner batches) as typed msgpack (`wire.py`: data, never pickles). A connection that has not finished its
-handshake within `HANDSHAKE_TIMEOUT_S` is dropped without holding up the others. Weights never travel here: they go
-over `jax.experimental.transfer` (`weight_transfer.py`).
+process says who it is; after that each side sends `(kind, payload)` messages of host data as typed msgpack
+(`wire.py`: data, never pickles): the payload is one of the typed records of `messages.py` (its diagram: weight
+notices, requests, answers, counters, learner steps), the kind names the role (`messages.SAMPLER`, `LEARNER`). A
+connection that has not finished its handshake within `HANDSHAKE_TIMEOUT_S` is dropped without holding up the others.
+Weights never travel here: they go over `jax.experimental.transfer` (`weight_transfer.py`).
 
-    leader                                         sampler process i
-      ("weights", {version, uuid, fp})  ──────►      pulls, checks fp, swaps between two decode steps
-      ("request", Request)              ──────►      generates the group's answers
-      ("stop", None)                    ──────►      exits
-                                        ◄──────      ("trajectory", (answer, Trajectory))   one finished answer
-                                        ◄──────      ("pulled", {version, seconds})
-                                        ◄──────      ("stats", {tokens, busy_s, ...})
-                                        ◄──────      ("error", traceback)
-                                        ◄──────      ("stopped", signum)   signalled: the leader stops too
-
-    leader                                         learner process k > 0 (a follower)
-      ("step", {step, trajectories})    ──────►      the same train step on its shards (SPMD)
-      ("save", {step}) / ("stop", None) ──────►
+    process i                                      leader
+      answer_challenge, deliver_challenge  ◄─────►   deliver_challenge, answer_challenge   (HMAC with the job's key)
+      ("hello", {process_id, ...})         ──────►   names the peer; then the records of `messages.py`
 """
 
 from __future__ import annotations

@@ -1,17 +1,39 @@
-"""Typed control messages of the learner processes (`learner_group.py`): records `wire.py` sends field by field.
+"""Typed control messages between the leader and the other processes: records `wire.py` sends field by field.
 
-    leader                                          learner process k > 0 (a follower)
+Each side sends them under one kind (`LEARNER`, `SAMPLER`) and matches them by type; anything else it receives is an
+error naming it.
+
+    leader                                          learner process k > 0 (a follower; learner_group.py)
       Start(checkpoint)               ──────►       checks it resumes the same checkpoint
       TrainStep(step, trajectories)   ──────►       the same train step on its shards (SPMD), then the weight copy
       Save(step, force)               ──────►       its shards of the checkpoint
       Stop()                          ──────►       returns
+
+    leader (sampler_hub.py)                         sampler process i (sampler_process.py)
+      Weights(version, uuid, ...)     ──────►       pulls, checks the fingerprint, swaps between two decode steps
+      Generate(request)               ──────►       generates the group's answers
+      Stop()                          ──────►       finishes a pull in flight, says Bye, exits
+                                      ◄──────       Answer(index, trajectory)   one finished answer
+                                      ◄──────       Pulled(version, seconds)
+                                      ◄──────       Stats(counters)             once a second
+                                      ◄──────       Failed(traceback)
+                                      ◄──────       Signalled(signum)           the leader stops too
+                                      ◄──────       Bye()                       the answer to Stop
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from areal_jax.sampler.requests import Request
 from areal_jax.types import Trajectory
+
+LEARNER = "learner"  # the kind the learner processes' records travel under
+SAMPLER = "sampler"  # the kind the sampler processes' records travel under
+
+# --- learner processes ---------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +55,61 @@ class Save:
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
+  """To a learner follower or a sampler process: finish and return."""
+
+
+# --- sampler processes: leader to sampler --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """A published version to pull: `uuid` from the transfer server at `address`, checked against `fingerprint`."""
+
+  version: int
+  uuid: int
+  address: str
+  fingerprint: np.ndarray  # per leaf, as `weight_transfer.fingerprint`
+  part: str = "all"  # "all", or under LoRA (after the first) "adapters"
+
+
+@dataclasses.dataclass(frozen=True)
+class Generate:
+  request: Request  # generated from request.min_version or newer
+
+
+# --- sampler processes: sampler to leader --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+  index: int  # which answer of the group (the trajectory names the group)
+  trajectory: Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+  version: int
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  counters: dict[str, float]  # `SamplerLoop.stats()`
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  traceback: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Signalled:
+  signum: int  # the signal that stopped the sampler process (and so the whole job)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bye:
   pass
 
 
-RECORDS = (Start, TrainStep, Save, Stop)
+RECORDS = (Start, TrainStep, Save, Stop, Weights, Generate, Answer, Pulled, Stats, Failed, Signalled, Bye)

@@ -5,6 +5,7 @@ decided in one place for all sampler processes. A group goes whole to the sample
 outstanding; `submit` returns one future per answer, completed when the answer arrives (on the reader thread of its
 sampler process). `publish` offers a version with `jax.experimental.transfer` and tells every sampler to
 pull it; the notice carries the published fingerprint, and the sampler checks its pull against it before the swap.
+The messages each way are the typed records of `messages.py` (its diagram), sent under the kind `SAMPLER`.
 
 A sampler process that dies, or reports an error, makes `check()` raise with its name: the run stops and is resumed
 from its last checkpoint (prompts in flight are generated again).
@@ -22,6 +23,8 @@ import numpy as np
 
 from areal_jax import cli, faults
 from areal_jax.distributed.control import Peer
+from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Pulled, Signalled, Stats, Stop,
+                                            Weights)
 from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.sampler.loop import end_futures
 from areal_jax.sampler.requests import Request
@@ -39,7 +42,7 @@ class SamplerHub:
     self.version = -1
     self._outstanding = dict.fromkeys(self.peers, 0)
     self._stats = {i: {} for i in self.peers}
-    self._pulls = {i: {} for i in self.peers}  # the latest pull each sampler reported
+    self._pulls: dict[int, Pulled | None] = dict.fromkeys(self.peers)  # the latest pull each sampler reported
     self._publish_s = 0.0  # the latest publish: staged and offered
     self._part = "all"  # what the latest publish held: "all", or under LoRA (after the first) "adapters"
     self._lock = threading.Lock()
@@ -58,7 +61,7 @@ class SamplerHub:
       i = min(self._outstanding, key=lambda k: (self._outstanding[k], k))
       self._outstanding[i] += request.num_answers
       self._futures.update({(request.group_id, a): f for a, f in enumerate(futures)})
-    self.peers[i].send("request", request)  # held there until it generates from request.min_version
+    self.peers[i].send(SAMPLER, Generate(request))  # held there until it generates from request.min_version
     return futures
 
   def publish(self, params, version: int) -> None:
@@ -82,8 +85,8 @@ class SamplerHub:
       self.check()  # a sampler that died never pulls
     uuids, fp = self.publisher.offer(staged, version, list(self.peers))
     for i, peer in self.peers.items():
-      peer.send("weights", {"version": version, "uuid": uuids[i], "address": self.publisher.address,
-                            "fingerprint": fp, "part": part})
+      peer.send(SAMPLER, Weights(version=version, uuid=uuids[i], address=self.publisher.address, fingerprint=fp,
+                                 part=part))
     self.version = version
 
   def check(self) -> None:
@@ -106,18 +109,18 @@ class SamplerHub:
     """`sync/publish_seconds` of the latest publish; `sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the
     latest pulls, and the same per sampler."""
     with self._lock:
-      pulls = {i: p for i, p in self._pulls.items() if p}
+      pulls = {i: p for i, p in self._pulls.items() if p is not None}
     nbytes = self.publisher.nbytes(self._part)
     if not pulls:
       return {"sync/publish_seconds": self._publish_s, "sync/bytes": float(nbytes)}
     mb = nbytes / 1e6
     out = {"sync/publish_seconds": self._publish_s, "sync/bytes": float(nbytes),
-           "sync/seconds": max(p["seconds"] for p in pulls.values()),
-           "sync/mb_per_s": float(np.mean([mb / max(p["seconds"], 1e-9) for p in pulls.values()])),
-           "sync/version_lag": float(self.version - min(p["version"] for p in pulls.values()))}
+           "sync/seconds": max(p.seconds for p in pulls.values()),
+           "sync/mb_per_s": float(np.mean([mb / max(p.seconds, 1e-9) for p in pulls.values()])),
+           "sync/version_lag": float(self.version - min(p.version for p in pulls.values()))}
     for i, p in pulls.items():
-      out[f"sync/sampler{i}/seconds"] = p["seconds"]
-      out[f"sync/sampler{i}/mb_per_s"] = mb / max(p["seconds"], 1e-9)
+      out[f"sync/sampler{i}/seconds"] = p.seconds
+      out[f"sync/sampler{i}/mb_per_s"] = mb / max(p.seconds, 1e-9)
     return out
 
   def stop(self, timeout_s: float = 120.0) -> None:
@@ -126,7 +129,7 @@ class SamplerHub:
     self._stopping = True
     for peer in self.peers.values():
       try:
-        peer.send("stop")
+        peer.send(SAMPLER, Stop())
       except OSError:
         pass
     for t in self._threads:
@@ -140,30 +143,30 @@ class SamplerHub:
     peer = self.peers[i]
     try:
       while True:
-        kind, payload = peer.recv()
-        if kind == "trajectory":
-          answer, traj = payload
-          with self._lock:
-            self._outstanding[i] -= 1
-            future = self._futures.pop((traj.group_id, answer), None)
-          if future is not None:  # None: cancelled by stop()
-            future.set_result(traj)
-        elif kind == "stats":
-          with self._lock:
-            self._stats[i] = payload
-        elif kind == "pulled":
-          self._pulled(i, payload)
-        elif kind == "error":
-          raise RuntimeError(f"{peer.name} (process {peer.process_id}) failed:\n{payload}")
-        elif kind == "bye":
-          return
-        elif kind == "stopped":  # signalled: so is the whole job; stop as if this process got it (no traceback)
-          logging.warning("%s (process %d) stopped by %s", peer.name, peer.process_id, signal.Signals(payload).name)
-          self.error = cli.peer_stopped(payload)
-          self._end_futures(self.error)
-          return
-        else:
-          raise RuntimeError(f"{peer.name} sent an unknown message {kind!r}")
+        kind, msg = peer.recv()
+        match msg:
+          case Answer(index=answer, trajectory=traj):
+            with self._lock:
+              self._outstanding[i] -= 1
+              future = self._futures.pop((traj.group_id, answer), None)
+            if future is not None:  # None: cancelled by stop()
+              future.set_result(traj)
+          case Stats(counters=counters):
+            with self._lock:
+              self._stats[i] = counters
+          case Pulled():
+            self._pulled(i, msg)
+          case Failed(traceback=tb):
+            raise RuntimeError(f"{peer.name} (process {peer.process_id}) failed:\n{tb}")
+          case Bye():
+            return
+          case Signalled(signum=signum):  # so is the whole job: stop as if this process got it (no traceback)
+            logging.warning("%s (process %d) stopped by %s", peer.name, peer.process_id, signal.Signals(signum).name)
+            self.error = cli.peer_stopped(signum)
+            self._end_futures(self.error)
+            return
+          case _:
+            raise RuntimeError(f"{peer.name} sent an unknown message {kind!r}: {msg!r:.300}")
     except BaseException as e:  # pylint: disable=broad-except  # surfaced by check() and the open futures
       if not self._stopping:
         logging.error("%s", e)
@@ -175,8 +178,8 @@ class SamplerHub:
       futures, self._futures = list(self._futures.values()), {}
     end_futures(futures, error)
 
-  def _pulled(self, i: int, report: dict) -> None:
+  def _pulled(self, i: int, report: Pulled) -> None:
     """Sampler `i` has pulled (and checked) a version: its published copy can go once every sampler has it."""
-    self.publisher.pulled(report["version"], i)
+    self.publisher.pulled(report.version, i)
     with self._lock:
       self._pulls[i] = report

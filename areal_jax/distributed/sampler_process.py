@@ -9,6 +9,8 @@ the leader, and then, until told to stop:
   (answers in flight are re-prefilled under it);
 - reports its counters once a second.
 
+The messages each way are the typed records of `messages.py` (its diagram), sent under the kind `SAMPLER`.
+
 Any failure (the leader gone, a pull that hangs or arrives corrupted, a device error) is reported to the leader when
 possible and ends the process with a non-zero status.
 """
@@ -28,6 +30,8 @@ from flax import nnx
 from areal_jax import cli
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
+from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Pulled, Signalled, Stats, Stop,
+                                            Weights)
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
 from areal_jax.models import create, lora
@@ -71,7 +75,7 @@ class _Sampler:
     try:
       self._serve()
     except cli.Stopped as e:
-      self._send("stopped", e.signum)  # a signal, not an error: the leader stops too, quietly
+      self._send(Signalled(e.signum))  # a signal, not an error: the leader stops too, quietly
       raise
     except BaseException as e:
       self._report(e)
@@ -83,26 +87,27 @@ class _Sampler:
       self.leader.close()
 
   def _report(self, e: BaseException) -> None:
-    self._send("error", "".join(traceback.format_exception(e)))
+    self._send(Failed("".join(traceback.format_exception(e))))
 
-  def _send(self, kind: str, payload) -> None:
+  def _send(self, msg) -> None:
+    """Best effort: the leader may be gone."""
     try:
-      self.leader.send(kind, payload)
+      self.leader.send(SAMPLER, msg)
     except OSError:
       pass
 
   def _serve(self) -> None:
     # The first message is the initial weights: pull them before generating anything.
     kind, notice = self.leader.recv()
-    if kind == "stop":
+    if isinstance(notice, Stop):
       return
-    if kind != "weights":
-      raise RuntimeError(f"{self.layout.name}: expected the initial weights, got {kind!r}")
+    if not isinstance(notice, Weights):
+      raise RuntimeError(f"{self.layout.name}: expected the initial weights, got {kind!r}: {notice!r:.300}")
     host = local_ip_towards(self.layout.host)
-    self.puller = WeightPuller(address=notice["address"], abstract_params=self.abstract_params, tensor=self.tensor,
+    self.puller = WeightPuller(address=notice.address, abstract_params=self.abstract_params, tensor=self.tensor,
                                devices=jax.local_devices(), host=host)
     params = self._pull(notice)
-    self.loop = SamplerLoop(engine=self.engine, params=params, version=notice["version"], eos_ids=self.eos_ids,
+    self.loop = SamplerLoop(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,
                             detokenize=self.detokenize).start()
     threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
                for f in (self._report_stats, self._pull_loop)}
@@ -114,21 +119,22 @@ class _Sampler:
       self.loop.check()
       if not self.leader.poll(0.2):
         continue
-      kind, payload = self.leader.recv()
-      if kind == "request":
-        for answer, future in enumerate(self.loop.submit(payload)):
-          future.add_done_callback(functools.partial(self._send_answer, answer))
-      elif kind == "weights":
-        self.notices.put(payload)
-      elif kind == "stop":
-        logging.info("%s: stopping", self.layout.name)
-        self.stop.set()
-        # A pull in flight finishes first: the leader keeps its transfer server up until it hears "bye".
-        threads["_pull_loop"].join(PULL_TIMEOUT_S)
-        threads["_report_stats"].join(10)
-        self.leader.send("bye")
-      else:
-        raise RuntimeError(f"{self.layout.name}: unknown message {kind!r}")
+      kind, msg = self.leader.recv()
+      match msg:
+        case Generate(request=request):
+          for answer, future in enumerate(self.loop.submit(request)):
+            future.add_done_callback(functools.partial(self._send_answer, answer))
+        case Weights():
+          self.notices.put(msg)
+        case Stop():
+          logging.info("%s: stopping", self.layout.name)
+          self.stop.set()
+          # A pull in flight finishes first: the leader keeps its transfer server up until it hears Bye.
+          threads["_pull_loop"].join(PULL_TIMEOUT_S)
+          threads["_report_stats"].join(10)
+          self.leader.send(SAMPLER, Bye())
+        case _:
+          raise RuntimeError(f"{self.layout.name}: unknown message {kind!r}: {msg!r:.300}")
 
   def _guard(self, fn):
     def run():
@@ -143,22 +149,22 @@ class _Sampler:
 
     return run
 
-  def _pull(self, notice: dict):
+  def _pull(self, notice: Weights):
     """Pulls one version, checks it against the published fingerprint (a layout mismatch would copy the wrong bytes),
     reports it and returns it on the engine's shardings."""
     start = time.perf_counter()
-    part = notice.get("part", "all")
-    pulled, fp = self.puller.pull(notice["uuid"], part=part, timeout_s=PULL_TIMEOUT_S)
+    part = notice.part
+    pulled, fp = self.puller.pull(notice.uuid, part=part, timeout_s=PULL_TIMEOUT_S)
     seconds = time.perf_counter() - start
-    check_fingerprint(fp, notice["fingerprint"], paths=self.puller.paths[part],
-                      what=f"weights of version {notice['version']} on {self.layout.name}")
+    check_fingerprint(fp, notice.fingerprint, paths=self.puller.paths[part],
+                      what=f"weights of version {notice.version} on {self.layout.name}")
     # Onto this process's data x tensor mesh; LoRA adapters join the base pulled with the first version.
     params = weight_transfer.transfer(pulled, weight_transfer.part_of(self.engine.param_shardings, part))
     if part == "adapters":
       params = nnx.merge_state(self.base, params)
     elif lora.has_adapters(params):
       self.base = lora.split(params)[1]
-    self.leader.send("pulled", {"version": notice["version"], "seconds": seconds})
+    self.leader.send(SAMPLER, Pulled(version=notice.version, seconds=seconds))
     return params
 
   def _pull_loop(self) -> None:
@@ -168,7 +174,7 @@ class _Sampler:
       except queue.Empty:
         continue
       # Every published version is pulled (the learner holds each until then); the loop swaps in the newest.
-      self.loop.update_params(self._pull(notice), notice["version"])
+      self.loop.update_params(self._pull(notice), notice.version)
 
   def _send_answer(self, answer: int, future) -> None:
     """On the loop's detokenising thread: one finished answer to the leader (a failed future: the loop's error, which
@@ -176,11 +182,11 @@ class _Sampler:
     if future.cancelled() or future.exception() is not None:
       return
     try:
-      self.leader.send("trajectory", (answer, future.result()))
+      self.leader.send(SAMPLER, Answer(index=answer, trajectory=future.result()))
     except OSError as e:
       if not self.stop.is_set():
         self.error = e
 
   def _report_stats(self) -> None:
     while not self.stop.wait(1.0):
-      self.leader.send("stats", self.loop.stats())
+      self.leader.send(SAMPLER, Stats(self.loop.stats()))

@@ -1,7 +1,7 @@
 """The control plane's message format: typed msgpack, never pickle, so a peer can send data but not code.
 
-    data = encode(("trajectory", (answer, trajectory)))     # bytes
-    kind, payload = decode(data)                             # lists where tuples were sent
+    data = encode(("sampler", Answer(index=0, trajectory=t)))   # bytes
+    kind, payload = decode(data)                                 # an Answer again; lists where tuples were sent
 
 Values are None, bools, ints, floats, strings, bytes, lists/tuples and dicts of them, numpy arrays and scalars, and
 the records in `RECORDS` (rebuilt field by field through their constructors, so their own checks run). Anything else

@@ -11,9 +11,13 @@ Handlers never block the event loop on the device: tokenizing, scoring and shapi
 a handler awaits its requests' futures, which the sampler thread resolves; a streamed request gets each decode call's
 new tokens from the sampler thread through an asyncio queue. Errors are OpenAI-style bodies (`{"error": {"message",
 "type", "param", "code"}}`): 401 without the server's API key when it has one (every route but `/health`; clients
-send it as `Authorization: Bearer KEY`, as OpenAI's do), 400 for malformed JSON, wrong types and values the server cannot serve, 404 for another
-model's name, 429 when `max_queue` requests wait beyond the free decode slots, 503 if the sampler thread has stopped
-(in a stream: an error event, then the stream ends). A refused request changes nothing; the next one is served.
+send it as `Authorization: Bearer KEY`, as OpenAI's do), 400 for malformed JSON, wrong types and values the server
+cannot serve, 404 for another model's name, 429 when `max_queue` requests wait beyond the free decode slots, 503 if the
+sampler thread has stopped (in a stream: an error event, then the stream ends). A refused request changes nothing; the
+next one is served.
+
+`create_app` registers the routes in groups (`_completion_routes`, `_info_routes`); the completion routes share a
+`_Generation` (the backend, tokenizer and model name, and a request's way through them).
 """
 
 from __future__ import annotations
@@ -101,67 +105,96 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
   `any_model` serves requests naming any model (in training, whatever name an agent was written with); `api_key`:
   the bearer token every request but `/health` must carry."""
   app = fastapi.FastAPI(title="areal_jax policy server")
-  limits = backend.limits
-  created = int(time.time())
-
   if api_key:
     _require_api_key(app, api_key)
   _openai_errors(app)
+  generation = _Generation(backend=backend, tokenizer=tokenizer, model_name=model_name, episodes=episodes,
+                           any_model=any_model)
+  _completion_routes(app, generation)
+  _info_routes(app, backend, model_name=model_name, max_model_len=generation.limits["max_seq_len"])
+  return app
 
-  def submit(prepared: openai_api.Prepared, on_tokens=None):
+
+class _Generation:
+  """What the completion routes share: a request's way from its body to the backend's answers and back."""
+
+  def __init__(self, *, backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None,
+               any_model: bool):
+    self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+    self.episodes, self.any_model = episodes, any_model
+    self.limits = backend.limits
+
+  def submit(self, prepared: openai_api.Prepared, on_tokens=None):
+    """The prepared requests' futures; the backend's refusals as OpenAI errors (429, 400, 503)."""
     try:
-      return backend.submit_many(prepared.requests, on_tokens)
+      return self.backend.submit_many(prepared.requests, on_tokens)
     except QueueFull as e:
       raise openai_api.ApiError(429, str(e), kind="rate_limit_error") from None
     except ValueError as e:  # what the scheduler itself refuses
       raise openai_api.ApiError(400, str(e)) from None
     except RuntimeError as e:
-      raise openai_api.ApiError(503, f"{e}: {backend.error!r}", kind="server_error") from None
+      raise openai_api.ApiError(503, f"{e}: {self.backend.error!r}", kind="server_error") from None
 
-  def failed(e: BaseException) -> openai_api.ApiError:
-    return openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {backend.error!r})",
+  def failed(self, e: BaseException) -> openai_api.ApiError:
+    return openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {self.backend.error!r})",
                                kind="server_error")
 
-  async def generate(body, to_prompts: Callable, respond: Callable, episode: str | None):
-    if not any_model and body.model is not None and body.model != model_name:
-      raise openai_api.ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`",
-                                param="model", code="model_not_found")
-    if episode is not None and episodes is None:
+  def _check(self, body, episode: str | None) -> None:
+    """404 for another model's name (unless `any_model`), 400 for an episode where none is recorded."""
+    if not self.any_model and body.model is not None and body.model != self.model_name:
+      raise openai_api.ApiError(404, f"The model `{body.model}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model", code="model_not_found")
+    if episode is not None and self.episodes is None:
       raise openai_api.ApiError(400, f"{EPISODE_HEADER}: this server records no episodes", param=EPISODE_HEADER)
 
-    def prepare():
-      prepared = openai_api.prepare(body, to_prompts(body, tokenizer), tokenizer=tokenizer, **limits)
-      return prepared if episode is None else episodes.prepare(episode, prepared)
+  def _prepare(self, body, to_prompts: Callable, episode: str | None) -> openai_api.Prepared:
+    """Tokenizes and checks `body` (in a worker thread): the requests to submit."""
+    prepared = openai_api.prepare(body, to_prompts(body, self.tokenizer), tokenizer=self.tokenizer, **self.limits)
+    return prepared if episode is None else self.episodes.prepare(episode, prepared)
 
-    prepared = await asyncio.to_thread(prepare)
+  async def generate(self, body, to_prompts: Callable, respond: Callable, episode: str | None):
+    """One completion request: `to_prompts` reads its prompts, `respond` shapes the answers (or a stream of them)."""
+    self._check(body, episode)
+    prepared = await asyncio.to_thread(self._prepare, body, to_prompts, episode)
     if prepared.stream:
-      return _stream(prepared, chat=isinstance(body, openai_api.ChatRequest), episode=episode, submit=submit,
-                     failed=failed, backend=backend, tokenizer=tokenizer, model_name=model_name, episodes=episodes)
-    futures = submit(prepared)
+      return _stream(prepared, chat=isinstance(body, openai_api.ChatRequest), episode=episode, submit=self.submit,
+                     failed=self.failed, backend=self.backend, tokenizer=self.tokenizer, model_name=self.model_name,
+                     episodes=self.episodes)
+    futures = self.submit(prepared)
     try:
       seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except Exception as e:  # pylint: disable=broad-except  # the sampler thread stopped (on an error, or shutting down)
-      raise failed(e) from None
-    scored = functools.partial(backend.score, temperature=prepared.temperature)
-    response = await asyncio.to_thread(respond, prepared, seqs, tokenizer=tokenizer, model=model_name, score=scored)
+      raise self.failed(e) from None
+    scored = functools.partial(self.backend.score, temperature=prepared.temperature)
+    response = await asyncio.to_thread(respond, prepared, seqs, tokenizer=self.tokenizer, model=self.model_name,
+                                       score=scored)
     if episode is not None:
-      episodes.record(episode, prepared, seqs, response["id"])
+      self.episodes.record(episode, prepared, seqs, response["id"])
     return JSONResponse(response)  # already plain JSON types: FastAPI's encoder would only walk it again
+
+
+def _completion_routes(app: fastapi.FastAPI, generation: _Generation) -> None:
+  """`POST /v1/completions` and `POST /v1/chat/completions`."""
 
   @app.post("/v1/completions")
   async def completions(body: openai_api.CompletionRequest, request: fastapi.Request):
-    return await generate(body, openai_api.completion_prompts, openai_api.completion_response,
-                          request.headers.get(EPISODE_HEADER))
+    return await generation.generate(body, openai_api.completion_prompts, openai_api.completion_response,
+                                     request.headers.get(EPISODE_HEADER))
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: openai_api.ChatRequest, request: fastapi.Request):
-    return await generate(body, openai_api.chat_prompts, openai_api.chat_response,
-                          request.headers.get(EPISODE_HEADER))
+    return await generation.generate(body, openai_api.chat_prompts, openai_api.chat_response,
+                                     request.headers.get(EPISODE_HEADER))
+
+
+def _info_routes(app: fastapi.FastAPI, backend: Sampling, *, model_name: str, max_model_len: int) -> None:
+  """`GET /v1/models`, `GET /health` and `GET /stats`."""
+  created = int(time.time())
 
   @app.get("/v1/models")
   async def models():
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                        "owned_by": "areal_jax", "max_model_len": limits["max_seq_len"],
+                                        "owned_by": "areal_jax", "max_model_len": max_model_len,
                                         "policy_version": backend.version}]}
 
   @app.get("/health")
@@ -173,8 +206,6 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
   @app.get("/stats")
   async def stats():
     return backend.stats()
-
-  return app
 
 
 def _openai_errors(app: fastapi.FastAPI) -> None:

@@ -1,6 +1,7 @@
 """The control plane: a key that must be given, handshakes that cannot block each other, data that cannot be code."""
 
 import logging
+import multiprocessing
 import os
 import pickle
 import socket
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 
 from areal_jax.config import ConfigError
-from areal_jax.distributed import control, local_job, wire
+from areal_jax.distributed import control, local_job, messages, wire
 from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout, authkey
+from areal_jax.distributed.sampler_hub import SamplerHub
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
 
@@ -62,6 +64,45 @@ def test_wire_round_trips_records_and_refuses_anything_else():
     wire.encode(("x", _Plant("/nonexistent")))
   with pytest.raises(ValueError, match="unreadable"):
     wire.decode(pickle.dumps(("x", 1)))
+
+
+def test_every_control_record_round_trips_by_type():
+  """The sampler processes' and the learners' messages come back as the records sent, field by field."""
+  t = Trajectory(prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(2, dtype=np.int32),
+                 logprobs=np.array([-0.5, -1.0], np.float32), versions=np.array([3, 4], np.int32),
+                 finish_reason="eos", loss_mask=np.ones(2, np.float32), reward=1.0)
+  fp = np.arange(6, dtype=np.float32).reshape(3, 2)
+  sent = [messages.Weights(version=3, uuid=3 * 4096 + 1, address="10.0.0.1:1234", fingerprint=fp, part="adapters"),
+          messages.Generate(Request(group_id=7, prompt_ids=[1, 2], num_answers=2)),
+          messages.Stop(), messages.Bye(), messages.Answer(index=1, trajectory=t),
+          messages.Pulled(version=3, seconds=0.25), messages.Stats({"tokens": 12, "busy_s": 0.5}),
+          messages.Failed("Traceback ..."), messages.Signalled(15), messages.Start(checkpoint=None),
+          messages.TrainStep(step=2, trajectories=(t,)), messages.Save(step=2, force=True)]
+  assert {type(m) for m in sent} == set(messages.RECORDS)
+  for m in sent:
+    kind, got = wire.decode(wire.encode((messages.SAMPLER, m)))
+    assert kind == messages.SAMPLER and type(got) is type(m), (m, got)
+  got = [wire.decode(wire.encode(("k", m)))[1] for m in sent]
+  np.testing.assert_array_equal(got[0].fingerprint, fp)
+  assert (got[0].version, got[0].uuid, got[0].address, got[0].part) == (3, 3 * 4096 + 1, "10.0.0.1:1234", "adapters")
+  assert got[1].request.group_id == 7 and got[1].request.prompt_ids.tolist() == [1, 2]
+  assert got[4].index == 1 and got[4].trajectory.finish_reason == "eos"
+  np.testing.assert_array_equal(got[4].trajectory.logprobs, t.logprobs)
+  assert got[5:9] == sent[5:9] and got[9] == sent[9] and got[11] == sent[11]
+  assert isinstance(got[10].trajectories, tuple) and got[10].trajectories[0].reward == 1.0
+
+
+def test_the_hub_names_a_message_it_does_not_know():
+  ours, theirs = multiprocessing.Pipe()
+  hub = SamplerHub(peers={1: control.Peer(ours, name="sampler 0", process_id=1)}, publisher=None).start()
+  sampler = control.Peer(theirs, name="the leader", process_id=0)
+  sampler.send(messages.SAMPLER, messages.Generate(Request(group_id=1, prompt_ids=[1])))  # leader-to-sampler only
+  deadline = time.time() + 10
+  while hub.error is None and time.time() < deadline:
+    time.sleep(0.01)
+  with pytest.raises(RuntimeError, match=r"sampler 0 sent an unknown message 'sampler': Generate\(request="):
+    hub.check()
+  sampler.close()
 
 
 def test_a_silent_stranger_does_not_hold_up_the_job(monkeypatch, caplog):

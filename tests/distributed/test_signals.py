@@ -11,6 +11,7 @@ import pytest
 
 from areal_jax import cli
 from areal_jax.distributed.control import Peer
+from areal_jax.distributed.messages import SAMPLER, Signalled
 from areal_jax.distributed.sampler_hub import SamplerHub
 
 
@@ -29,7 +30,7 @@ def test_a_sampler_stopped_by_a_signal_stops_the_leader_quietly(signal_handlers)
   ours, theirs = multiprocessing.Pipe()
   hub = SamplerHub(peers={1: Peer(ours, name="sampler 0", process_id=1)}, publisher=None).start()
   sampler = Peer(theirs, name="the leader", process_id=0)
-  sampler.send("stopped", int(signal.SIGTERM))
+  sampler.send(SAMPLER, Signalled(int(signal.SIGTERM)))
   sampler.close()
   deadline = time.time() + 10
   while hub.error is None and time.time() < deadline:
