@@ -45,6 +45,13 @@ class Calibration:
     return {"device": dataclasses.asdict(self.device), "eff": eff, "error": self.error,
             "samples": self.samples}
 
+  def costs(self, model_cfg, learner_cfg, *, shards: int, colocated: bool = False, passes: float = 4.0) -> CostModel:
+    """The cost model of one CPU process's cores (float32 weights and cache) with these efficiencies."""
+    return CostModel(model=model_cfg, device=self.device, sampler_chips=1, learner_chips=1, sampler_shards=shards,
+                     colocated=colocated, weight_bytes=4, kv_bytes=4, passes=passes, remat=0.0,
+                     max_tokens_per_mb=learner_cfg.max_tokens_per_mb, minibatches=learner_cfg.ppo_n_minibatches,
+                     eff=self.eff)
+
   @classmethod
   def from_json(cls, d: dict) -> Calibration:
     return cls(device=Device(**d["device"]), eff=Efficiency(**d["eff"]), error=d["error"], samples=d["samples"])
@@ -166,11 +173,7 @@ def fit(samples: dict, model_cfg, sampler_cfg, learner_cfg) -> Calibration:
   """The device (the process's cores as one chip) and the efficiencies that best predict `samples`."""
   device = Device("cpu", flops=samples["matmul_flops"], hbm_bw=samples["bandwidth"], hbm=float(2**40),
                   link=samples["bandwidth"])
-  shards = samples["devices"]
-  costs = lambda eff: CostModel(model=model_cfg, device=device, sampler_chips=1, learner_chips=1,
-                                sampler_shards=shards, weight_bytes=4, kv_bytes=4, passes=4.0, remat=0.0,
-                                max_tokens_per_mb=learner_cfg.max_tokens_per_mb,
-                                minibatches=learner_cfg.ppo_n_minibatches, eff=eff)
+  costs = lambda eff: Calibration(device, eff, {}, samples).costs(model_cfg, learner_cfg, shards=samples["devices"])
 
   def decode(s, eff):
     live, ctx = np.array(s["live"]), np.array(s["context"], np.float64)

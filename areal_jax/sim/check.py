@@ -15,7 +15,6 @@ import os
 import numpy as np
 
 from areal_jax.sim.calibrate import Calibration
-from areal_jax.sim.costs import CostModel
 from areal_jax.sim.job import Job, simulate
 from areal_jax.sim.lengths import Lengths
 
@@ -62,10 +61,8 @@ def predict(bench_dir: str, settings, calibrations: dict[str, Calibration], *, s
     shards = cal.samples["devices"]
     overrides = dict(run["overrides"])
     eta = run["eta"]
-    costs = CostModel(model=settings.model, device=cal.device, sampler_chips=1, learner_chips=1,
-                      sampler_shards=shards, colocated=colocated, weight_bytes=4, kv_bytes=4,
-                      passes=4.0 if eta else 3.0, remat=0.0, max_tokens_per_mb=settings.learner.max_tokens_per_mb,
-                      minibatches=settings.learner.ppo_n_minibatches, eff=cal.eff)
+    costs = cal.costs(settings.model, settings.learner, shards=shards, colocated=colocated,
+                      passes=4.0 if eta else 3.0)
     target = overrides.get("rollout.target_staleness")
     job = Job(model=settings.model, sampler=settings.sampler, num_shards=shards,
               batch_prompts=settings.rollout.batch_size, answers=settings.rollout.group_size,

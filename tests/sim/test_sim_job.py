@@ -9,6 +9,8 @@ from areal_jax import config as config_lib
 from areal_jax.rl import rollout_buffer
 from areal_jax.rl.controller import Stalled
 from areal_jax.sim import plan
+from areal_jax.sim.costs import CostModel
+from areal_jax.sim.job import Job, simulate
 from areal_jax.sim.devices import Device, device
 from areal_jax.sim.lengths import Lengths
 
@@ -85,8 +87,8 @@ def test_a_plan_names_a_recommended_row_with_every_field():
 
 def test_a_job_whose_groups_are_all_dropped_stalls_as_the_run_would():
   setup = _setup(success=1.0, steps=2)
-  job = plan.Job(model=setup.model, sampler=setup.sampler, num_shards=1, batch_prompts=2, answers=4, prompt_len=10,
+  job = Job(model=setup.model, sampler=setup.sampler, num_shards=1, batch_prompts=2, answers=4, prompt_len=10,
                  eta=1, steps=2, success=1.0, filter_uniform=True)
-  costs = plan.CostModel(model=setup.model, device=setup.device, sampler_chips=1, learner_chips=1)
+  costs = CostModel(model=setup.model, device=setup.device, sampler_chips=1, learner_chips=1)
   with pytest.raises(Stalled, match="scored uniformly"):
-    plan.simulate(job, costs, setup.lengths)
+    simulate(job, costs, setup.lengths)
