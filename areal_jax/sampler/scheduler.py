@@ -114,8 +114,8 @@ class Scheduler:
     self._admit()
     if not self.running:
       return []
-    self._make_room()
     budget, stop_eos = self._budgets()
+    self._make_room(budget)
     # With answers waiting, end the call once an eighth of the slots (at least one) can take them.
     refill_at = max(1, len(budget) // 8) if (self.waiting or self.resume) else 0
     self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
@@ -270,17 +270,19 @@ class Scheduler:
       batches += [group[i:i + rows] for i in range(0, len(group), rows)]
     return batches
 
-  def _make_room(self) -> None:
-    """Preempts the youngest answer of a shard until the pages this step's decode call writes into fit."""
+  def _make_room(self, budget: np.ndarray) -> None:
+    """Preempts the youngest answers of each shard until the pages this step's decode call writes into (`budget`
+    tokens per slot) fit; a preempted answer's budget becomes 0."""
     table = self.engine.slots
-    while True:
-      demand = table.demand(self._budgets()[0])
-      short = [s for s in range(self.engine.num_shards) if demand[s] > table.free_pages(s)]
-      if not short:
-        return
-      victim = max((seq for slot, seq in self.running.items() if table.shard_of(slot) == short[0]),
-                   key=lambda s: s.order)
-      self._release(victim)  # admitted in this step, its first token unread: it restarts as new (same draw)
-      victim.preemptions += 1
-      heapq.heappush(self.resume, (victim.order, victim))
-      self.counters["preemptions"] += 1
+    demand = table.demand(budget)
+    for shard in [s for s in range(self.engine.num_shards) if demand[s] > table.free_pages(s)]:
+      youngest = sorted((seq for slot, seq in self.running.items() if table.shard_of(slot) == shard),
+                        key=lambda s: s.order, reverse=True)
+      for victim in youngest:
+        if table.demand(budget)[shard] <= table.free_pages(shard):
+          break
+        budget[victim.slot] = 0
+        self._release(victim)  # admitted in this step, its first token unread: it restarts as new (same draw)
+        victim.preemptions += 1
+        heapq.heappush(self.resume, (victim.order, victim))
+        self.counters["preemptions"] += 1
