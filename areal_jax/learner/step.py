@@ -223,6 +223,16 @@ def _logprob_gap(proximal, behavior, mask):
   return jnp.stack([gap.sum(), ok.sum().astype(jnp.float32), gap.max()])
 
 
+def _apply(tx, split, params, opt_state, grads):
+  """One optimizer update of the trained parameters (`split` parts them from the frozen ones) and the gradients'
+  norm."""
+  trained, frozen = split(params)
+  grad_norm = optax.tree.norm(grads)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+  updates, opt_state = tx.update(grads, opt_state, trained)
+  return nnx.merge_state(optax.apply_updates(trained, updates), frozen), opt_state, grad_norm
+
+
 def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temperature: float = 1.0,
                rules: Rules = LEARNER_RULES) -> StepFns:
   """The learner's programs for `model_cfg` on `mesh`, sharded by `rules`; no parameters are created."""
@@ -261,13 +271,6 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
     stats = {k: jnp.maximum(stats[k], s[k]) if k.endswith("_max") else stats[k] + s[k] for k in skeys}
     return grads, stats
 
-  def apply(params, opt_state, grads):
-    trained, frozen = split(params)
-    grad_norm = optax.tree.norm(grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
-    updates, opt_state = tx.update(grads, opt_state, trained)
-    return nnx.merge_state(optax.apply_updates(trained, updates), frozen), opt_state, grad_norm
-
   return StepFns(
       mesh=mesh, rows=rows, graphdef=graphdef, abstract_params=abstract_params, param_shardings=param_sh,
       trainable=trainable, opt_shardings=opt_sh, batch_sharding=batch_sh, replicated=replicated, optimizer=tx,
@@ -279,7 +282,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
       logprobs=jax.jit(ruled(logprobs), in_shardings=(param_sh, batch_sh), out_shardings=batch_sh),
       accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, trained_sh, replicated, batch_sh, replicated),
                          out_shardings=(trained_sh, replicated), donate_argnums=(1, 2)),
-      apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, trained_sh),
+      apply=jax.jit(ruled(functools.partial(_apply, tx, split)), in_shardings=(param_sh, opt_sh, trained_sh),
                     out_shardings=(param_sh, opt_sh, replicated), donate_argnums=(0, 1)),
       logprob_gap=jax.jit(_logprob_gap, in_shardings=(batch_sh,) * 3, out_shardings=replicated),
       gather=jax.jit(lambda x: x, in_shardings=batch_sh, out_shardings=replicated),
