@@ -45,6 +45,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Learner steps simulated per layout (
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Learner steps not timed.")
 _SUCCESS = flags.DEFINE_float("success", 0.5, "Chance an answer is right (uniform groups are kept).")
 _SCALE = flags.DEFINE_integer("token_scale", 0, "Real tokens per simulated token; 0 = a mean answer of 8-16.")
+_PROGRAMS = flags.DEFINE_string("learner_programs", "", "A TPU topology (v5p:2x2x2): count the learner's FLOPs per "
+                                 "token in its programs traced for it (libtpu, no TPU) instead of the analytic count.")
 _JSON = flags.DEFINE_bool("json", False, "Print the result as one JSON object instead of the table.")
 _PLOT = flags.DEFINE_string("plot", "plan.png", "PNG of throughput against split per η ('' = none).")
 _CHECK = flags.DEFINE_string("check", "", "A tools/bench_async.py --processes workdir: predict its runs from this "
@@ -83,6 +85,12 @@ def _setup():
   prompt_len = _PROMPT_LEN.value or max(1, settings.data.max_prompt_len // 2)
   s = s.replace(max_seq_len=max(s.max_seq_len, prompt_len + s.max_new_tokens))
   remat = {"none": 0.0, "dots": 0.5, "full": 1.0}[model.remat]
+  passes = {}  # the analytic count, unless counted in the learner's programs
+  if _PROGRAMS.value:
+    from areal_jax.sim import programs  # pylint: disable=g-import-not-at-top  # imports libtpu's topologies
+    counted = programs.learner_passes(settings, _PROGRAMS.value, int(prompt_len + dist.mean), model)
+    passes = dict(passes=counted.total, proximal=counted.proximal)
+    remat = 0.0  # in the counted passes
   return plan.Setup(model=model, device=devices.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
@@ -91,7 +99,8 @@ def _setup():
                     target_staleness=None if _TARGET.value < 0 else _TARGET.value, success=_SUCCESS.value,
                     max_concurrent=settings.rollout.max_concurrent_rollouts,
                     max_tokens_per_mb=settings.learner.max_tokens_per_mb,
-                    minibatches=settings.learner.ppo_n_minibatches, remat=remat, scale=_SCALE.value, seed=settings.seed)
+                    minibatches=settings.learner.ppo_n_minibatches, remat=remat, scale=_SCALE.value, seed=settings.seed,
+                    **passes)
 
 
 def _check() -> None:
@@ -141,7 +150,8 @@ def main(argv):
   print(f"{setup.model.num_params() / 1e9:.2f}B parameters on {setup.chips} x {setup.device.name}; "
         f"{setup.batch_prompts} x {setup.answers} answers per step, lengths {result['lengths']['source']} "
         f"(mean {result['lengths']['mean']:.0f}); {setup.steps} steps per layout, 1 simulated token = "
-        f"{result['token_scale']} real")
+        f"{result['token_scale']} real; learner {setup.passes + setup.remat:.2f} forward passes' FLOPs per token "
+        + (f"(counted in its programs for {_PROGRAMS.value})" if _PROGRAMS.value else "(analytic)"))
   print(plan.format_table(result))
   r = result["recommended"]
   print(f"recommended: {r['sampler_chips']} sampler + {r['learner_chips']} learner chips at eta={r['eta']}: "

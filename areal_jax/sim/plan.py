@@ -40,7 +40,8 @@ class Setup:
   success: float = 0.5
   max_tokens_per_mb: int = 32768
   minibatches: int = 4
-  passes: float = 4.0  # learner passes per token with the decoupled loss; η = 0 trains plain PPO, one fewer
+  passes: float = 4.0  # learner forward passes' FLOPs per token with the decoupled loss (backward = 2)
+  proximal: float = 1.0  # of which the proximal policy's pass: η = 0 trains plain PPO without it
   remat: float = 0.0
   eff: Efficiency = Efficiency()
   scale: int = 0  # real tokens per simulated one; 0 = chosen from the lengths (a mean answer of ~8-16)
@@ -66,7 +67,7 @@ def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: boo
   costs = CostModel(model=setup.model, device=setup.device, sampler_chips=sampler_chips, learner_chips=learner_chips,
                     sampler_shards=sampler_chips // setup.tensor, colocated=colocated,
                     weight_bytes=_bytes(setup.sampler.param_dtype),
-                    kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - 1,
+                    kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
                     remat=setup.remat,
                     max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches, eff=setup.eff)
   shards = sampler_chips // setup.tensor
@@ -110,6 +111,7 @@ def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
         rows.append(row)
   best = max(rows, key=lambda r: (round(r["tokens_per_s"], 6), -r["staleness_mean"]))
   return {"rows": rows, "sync": sync, "recommended": best, "token_scale": setup.token_scale,
+          "learner_passes": setup.passes + setup.remat,
           "lengths": {"source": setup.lengths.source, "mean": setup.lengths.mean, "max": setup.lengths.max}}
 
 

@@ -1,0 +1,25 @@
+"""The planner's learner FLOPs counted in the run's own learner programs, traced for a TPU topology."""
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+from areal_jax import config as config_lib  # noqa: E402
+from areal_jax.sim import programs  # noqa: E402
+
+SMALL = {"model.num_layers": 1, "learner.max_tokens_per_mb": 128}
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_learner_passes_count_the_proximal_pass_and_rematerialisation(remat):
+  """A forward and backward is at least 3 forward passes' FLOPs and the proximal pass at least one (attention over
+  the row's padding and the splash kernel's blocks add a little); full remat adds another forward."""
+  settings = config_lib.validate(config_lib.load_config("configs/math.py:tiny", **SMALL, **{"model.remat": remat}),
+                                 data=False)
+  p = programs.learner_passes(settings, "v5e:2x2", seq_len=64)
+  assert 1.0 <= p.proximal < 1.3, p
+  if remat == "none":
+    assert 4.0 <= p.total < 5.0, p
+  else:
+    assert 5.0 <= p.total < 6.3, p
+  assert p.seq_len == 64 and p.topology == "v5e:2x2"
