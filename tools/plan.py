@@ -41,7 +41,8 @@ _LENGTHS = flags.DEFINE_string("lengths", "", "Answer lengths from a run's rollo
 _ETA = flags.DEFINE_string("eta", "0,1,2,4,8", "η (max head off-policyness) to try, comma-separated.")
 _TARGET = flags.DEFINE_float("target_staleness", -1, "rollout.target_staleness for the asynchronous rows; -1 = off.")
 _SPLITS = flags.DEFINE_string("sampler_chips", "", "Sampler chip counts to try, comma-separated; '' = every eighth.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Learner steps simulated per layout (the first --warmup not timed).")
+_STEPS = flags.DEFINE_integer("steps", 10, "Learner steps simulated per layout (the first --warmup not timed; "
+                              "--check simulates the bench's own).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Learner steps not timed.")
 _SUCCESS = flags.DEFINE_float("success", 0.5, "Chance an answer is right (uniform groups are kept).")
 _SCALE = flags.DEFINE_integer("token_scale", 0, "Real tokens per simulated token; 0 = a mean answer of 8-16.")
@@ -119,7 +120,7 @@ def _check() -> None:
     with open(path, "w") as f:
       json.dump({k: v.to_json() for k, v in cals.items()}, f, indent=2)
   settings = config_lib.validate(_CONFIG.value, data=False)
-  rows = check.predict(_CHECK.value, settings, cals, steps=_STEPS.value, skip=_WARMUP.value,
+  rows = check.predict(_CHECK.value, settings, cals,
                        prompt_len=_PROMPT_LEN.value or check.mean_prompt_len(settings))
   if _JSON.value:
     print(json.dumps({"rows": rows, "calibration": {k: v.to_json() | {"samples": None} for k, v in cals.items()}}))

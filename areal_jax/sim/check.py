@@ -3,8 +3,9 @@ machine's calibrated costs, and sets the predictions beside what the bench measu
 
 Each run is simulated in its layout (colocated: one process, sampler and learner on 2 emulated devices each, both
 cores, generate-then-train; split: a sampler and a learner process of one emulated device on one core each), with its
-η, loss (PPO at η = 0: no proximal pass) and variant overrides, the bench's answer lengths and per-prompt success
-rates (from its `rollouts.jsonl`, so uniform groups are dropped as often as they were), B x G and slots.
+η, loss (PPO at η = 0: no proximal pass) and variant overrides, the bench's prompt groups (from its `rollouts.jsonl`: each
+simulated group replays a recorded one's answer lengths and rewards together, so groups are dropped as uniform as
+often as they were, and are as long as they were), B x G and slots.
 """
 
 from __future__ import annotations
@@ -16,22 +17,10 @@ import numpy as np
 
 from areal_jax.sim.calibrate import Calibration
 from areal_jax.sim.job import Job, simulate
-from areal_jax.sim.lengths import Lengths
+from areal_jax.sim.lengths import RecordedGroups
 
 # Tolerances the planner is held to (the planner issue): trained answers/s, staleness mean, busy shares.
 TOLERANCE = {"samples_per_s": 0.15, "staleness_mean": 0.3, "busy": 0.10}
-
-
-def _rollouts(bench_dir: str, names) -> tuple[Lengths, tuple[float, ...]]:
-  lengths, success = [], []
-  for name in names:
-    path = os.path.join(bench_dir, name, "rollouts.jsonl")
-    with open(path) as f:
-      for line in f:
-        row = json.loads(line)
-        lengths += row["lengths"]
-        success.append(float(np.mean(row["rewards"])))
-  return Lengths(lengths, source=f"{bench_dir}/*/rollouts.jsonl"), tuple(success)
 
 
 def mean_prompt_len(settings, mix: str = "1:12,4:1", n: int = 1000) -> int:
@@ -48,28 +37,36 @@ def mean_prompt_len(settings, mix: str = "1:12,4:1", n: int = 1000) -> int:
   return round(float(np.mean([r.num_prompt_tokens for r in records])))
 
 
-def predict(bench_dir: str, settings, calibrations: dict[str, Calibration], *, steps: int, skip: int,
-            prompt_len: int) -> list[dict]:
-  """One row per run of `bench_dir/bench_async.json`: measured (mean over seeds) and predicted figures."""
+def _steps(bench_dir: str, name: str, run: dict) -> tuple[int, int]:
+  """(learner steps, untimed first steps) of a bench run, as it ran them: its staleness mean counts every step."""
+  with open(os.path.join(bench_dir, name, "bench_config.json")) as f:
+    total = json.load(f)["total_steps"]
+  return total, total - run["per_seed"][0]["steps"]
+
+
+def predict(bench_dir: str, settings, calibrations: dict[str, Calibration], *, prompt_len: int) -> list[dict]:
+  """One row per run of `bench_dir/bench_async.json`: measured (mean over seeds) and predicted figures, each run
+  simulated for as many steps as it ran."""
   with open(os.path.join(bench_dir, "bench_async.json")) as f:
     runs = json.load(f)
-  lengths, success = _rollouts(bench_dir, [n for n, r in runs.items() if len(r["seeds"]) == 1])
+  recorded = RecordedGroups.from_rollouts([os.path.join(bench_dir, n, "rollouts.jsonl")
+                                           for n, r in runs.items() if len(r["seeds"]) == 1])
   rows = []
   for name, run in runs.items():
     colocated = run["processes"] == 1
     cal = calibrations["colocated" if colocated else "split"]
     shards = cal.samples["devices"]
     overrides = dict(run["overrides"])
-    eta = run["eta"]
+    eta, (steps, skip) = run["eta"], _steps(bench_dir, name, run)
     costs = cal.costs(settings.model, settings.learner, shards=shards, colocated=colocated,
                       passes=4.0 if eta else 3.0)
     target = overrides.get("rollout.target_staleness")
     job = Job(model=settings.model, sampler=settings.sampler, num_shards=shards,
               batch_prompts=settings.rollout.batch_size, answers=settings.rollout.group_size,
               prompt_len=prompt_len, eta=eta, max_concurrent=settings.rollout.max_concurrent_rollouts,
-              steps=steps, target_staleness=float(target) if target is not None else None, success=success,
+              steps=steps, target_staleness=float(target) if target is not None else None, recorded=recorded,
               filter_uniform=settings.learner.filter_uniform_groups, seed=0)
-    r = simulate(job, costs, lengths)
+    r = simulate(job, costs)
     measured = {k: float(np.mean([s[k] for s in run["per_seed"]]))
                 for k in ("samples_per_s", "staleness_mean", "sampler_busy", "learner_busy")}
     sampler_busy, learner_busy = r.busy(skip)

@@ -3,9 +3,10 @@
 Shared with a real run, unchanged: `RolloutBuffer` (η, target staleness), `RolloutController` (admission, one
 coroutine per prompt group, its rewards), `SamplerLoop`/`Driver`/`Scheduler` (slots, pages, preemption, the weight
 swap with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs (`engine.SimEngine`), the reward
-service (an answer is right with probability `success`, scored after `reward_s`), and the learner, whose loop below
-follows `rl/trainer.py:_train` (a batch from the buffer, a train step, the weights published, the new version
-admitted) with a step and a transfer that sleep their predicted seconds. Everything runs on one virtual-time loop
+service (an answer is right with probability `success`, or a recorded group is replayed whole; scored after
+`reward_s`), and the learner, whose loop below follows `rl/trainer.py:_train` (a batch from the buffer, a train
+step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
+seconds. Everything runs on one virtual-time loop
 (`clock.virtual_loop`), so a simulated hour takes seconds and the same inputs give the same timeline.
 
     result = simulate(job, costs, lengths)
@@ -32,7 +33,7 @@ from areal_jax.sampler.sampling import request_key
 from areal_jax.sim.clock import virtual_loop
 from areal_jax.sim.costs import CostModel
 from areal_jax.sim.engine import SimEngine
-from areal_jax.sim.lengths import Lengths
+from areal_jax.sim.lengths import Lengths, RecordedGroups
 
 EOS = 0
 _STALL_GROUPS = 100
@@ -53,7 +54,8 @@ class Job:
   steps: int
   target_staleness: float | None = None
   max_concurrent: int = 0  # rollout.max_concurrent_rollouts; 0 = no limit beyond η
-  success: float | tuple[float, ...] = 0.5  # chance an answer is right; a tuple: per-prompt chances to draw from
+  success: float = 0.5  # chance an answer is right
+  recorded: RecordedGroups | None = None  # each group replays a recorded one's lengths and rewards (not success)
   filter_uniform: bool = False
   reward_s: float = 0.0
   scale: int = 1  # real tokens per simulated one (engine.SimEngine)
@@ -102,8 +104,11 @@ class Result:
     return np.array([s for step in self.staleness[w:] for s in step], np.float64)
 
 
-def simulate(job: Job, costs: CostModel, lengths: Lengths) -> Result:
-  """Runs `job` to its last learner step on a virtual clock; see the module docstring."""
+def simulate(job: Job, costs: CostModel, lengths: Lengths | None = None) -> Result:
+  """Runs `job` to its last learner step on a virtual clock; see the module docstring. Answer lengths come from
+  `lengths`, or from `job.recorded`."""
+  if (lengths is None) == (job.recorded is None):
+    raise ValueError("simulate: give answer lengths or Job.recorded, not both or neither")
   loop = virtual_loop()
   try:
     return loop.run_until_complete(_run(job, costs, lengths))
@@ -142,10 +147,12 @@ class _Buffer(RolloutBuffer):
 class _Rollout:
   """The controller's sampler: a `SamplerLoop` whose threads never start; `_sample` steps its driver."""
 
-  def __init__(self, loop: SamplerLoop, wake: asyncio.Event):
-    self.loop, self.wake = loop, wake
+  def __init__(self, loop: SamplerLoop, wake: asyncio.Event, replay: _Replay | None):
+    self.loop, self.wake, self.replay = loop, wake, replay
 
   def submit(self, request):
+    if self.replay is not None:
+      self.replay.register(request)
     futures = self.loop.submit(request)
     self.wake.set()
     return futures
@@ -158,21 +165,50 @@ class _Rollout:
     self.loop.check()
 
 
-class _Rewards:
-  """The reward service: answer i of group g is right with group g's chance (one of `success`, drawn by the
-  group's id; everything fixed by the seed)."""
+class _Replay:
+  """`Job.recorded` replayed: group g takes the recorded group its id draws, whole. Its answers' lengths are
+  registered by their PRNG keys when the group is submitted (the engine knows an answer only by its key)."""
 
-  def __init__(self, loop: asyncio.AbstractEventLoop, success, latency_s: float, seed: int):
-    self.loop, self.latency_s, self.seed = loop, latency_s, seed
-    self.success = np.atleast_1d(np.asarray(success, np.float64))
+  def __init__(self, recorded: RecordedGroups, seed: int):
+    self.groups, self.seed = recorded.groups, seed
+    self.by_key: dict[tuple[int, int], int] = {}
+
+  def pick(self, group_id: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    return self.groups[int(request_key(self.seed + 2, group_id)[1]) % len(self.groups)]
+
+  def register(self, request) -> None:
+    lengths, _ = self.pick(request.group_id)
+    for i in range(request.num_answers):
+      key = request_key(request.sampling.seed, request.group_id, i)
+      self.by_key[int(key[0]), int(key[1])] = lengths[i % len(lengths)]
+
+  def lengths(self, keys: np.ndarray) -> np.ndarray:
+    keys = np.asarray(keys)
+    flat = [self.by_key.get((int(a), int(b)), 1) for a, b in keys.reshape(-1, 2)]  # padding rows: 1
+    return np.array(flat, np.int64).reshape(keys.shape[:-1])
+
+  def reward(self, group_id: int, index: int) -> float:
+    _, rewards = self.pick(group_id)
+    return rewards[index % len(rewards)]
+
+
+class _Rewards:
+  """The reward service: answer i of group g is right with chance `success` (or replays its recorded reward);
+  everything fixed by the seed."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop, job: Job, replay: _Replay | None):
+    self.loop, self.latency_s, self.seed, self.success, self.replay = loop, job.reward_s, job.seed, job.success, replay
+
+  def _reward(self, group: int, index: int) -> float:
+    if self.replay is not None:
+      return self.replay.reward(group, index)
+    u = int(request_key(self.seed + 1, group, index)[1]) / 2**32  # [0] is the seed itself
+    return float(u < self.success)
 
   def submit(self, item_id, kind, text, reference) -> concurrent.futures.Future:
     del kind, text, reference
-    group, index = item_id
-    chance = self.success[int(request_key(self.seed + 2, group)[1]) % len(self.success)]
-    u = int(request_key(self.seed + 1, group, index)[1]) / 2**32  # [0] is the seed itself
     future = concurrent.futures.Future()
-    result = RewardResult(item_id=item_id, reward=float(u < chance), reason="simulated",
+    result = RewardResult(item_id=item_id, reward=self._reward(*item_id), reason="simulated",
                           latency_s=self.latency_s, run_s=0.0)
     self.loop.call_later(self.latency_s, future.set_result, result)
     return future
@@ -218,19 +254,19 @@ async def _sample(rollout: _Rollout, engine: SimEngine, busy: _Busy) -> None:
     sampler.drain()
 
 
-async def _run(job: Job, costs: CostModel, lengths: Lengths) -> Result:
+async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
   loop = asyncio.get_running_loop()
+  replay = _Replay(job.recorded, job.seed) if job.recorded is not None else None
   engine = SimEngine(model_cfg=job.model, cfg=job.sampler, num_shards=job.num_shards,
                      pages_per_shard=costs.pages_per_shard(job.sampler.page_size, job.sampler.memory_fraction),
-                     costs=costs, lengths=lengths, eos_id=EOS, scale=job.scale)
-  rollout = _Rollout(SamplerLoop(engine=engine, params={}, version=0, eos_ids=[EOS]), asyncio.Event())
+                     costs=costs, lengths=replay.lengths if replay else lengths, eos_id=EOS, scale=job.scale)
+  rollout = _Rollout(SamplerLoop(engine=engine, params={}, version=0, eos_ids=[EOS]), asyncio.Event(), replay)
   changed = asyncio.Event()
   b = job.batch_prompts
   buffer = _Buffer(changed, batch_size=b, max_offpolicyness=job.eta, target_staleness=job.target_staleness,
                    max_concurrent=job.max_concurrent or (job.eta + 1) * b)
   sampling = SamplingParams(max_new_tokens=engine.cfg.max_new_tokens, seed=job.seed)
-  controller = RolloutController(dataset=_prompts(job), rollout=rollout, rewards=_Rewards(loop, job.success,
-                                 job.reward_s, job.seed), buffer=buffer, version=0, group_size=job.answers,
+  controller = RolloutController(dataset=_prompts(job), rollout=rollout, rewards=_Rewards(loop, job, replay), buffer=buffer, version=0, group_size=job.answers,
                                  sampling=sampling, filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
   result, sampler_busy = Result(job=job), _Busy(loop)
   sampler = loop.create_task(_sample(rollout, engine, sampler_busy))

@@ -3,6 +3,7 @@ length through preemption and weight swaps).
 
     Lengths.parametric(mean=8000, max=27648)       # log-normal with a long tail, cut at max (cut answers end there)
     Lengths.from_file("run/rollouts.jsonl")        # a run's own answers (or a text file of lengths)
+    RecordedGroups.from_rollouts(["run/rollouts.jsonl"])  # its groups whole: lengths and rewards (`Job.recorded`)
 """
 
 from __future__ import annotations
@@ -76,3 +77,28 @@ class Lengths:
         raise ValueError(f"{path}: expected whitespace-separated integer lengths ({e})") from None
     return cls(lengths, source=path)
 
+
+
+class RecordedGroups:
+  """A run's prompt groups as recorded in its `rollouts.jsonl` (each group's answer lengths and rewards, dropped
+  groups included), for a simulation that replays whole groups: lengths and rewards stay paired, so groups that
+  were dropped as uniform are as long as they were (easy prompts' groups are often short)."""
+
+  def __init__(self, groups, *, source: str):
+    self.groups = [(tuple(int(n) for n in lengths), tuple(float(r) for r in rewards)) for lengths, rewards in groups]
+    if not self.groups or any(not lengths or min(lengths) < 1 or len(lengths) != len(rewards)
+                              for lengths, rewards in self.groups):
+      raise ValueError(f"{source}: no groups, or a group without lengths >= 1 and one reward per answer")
+    self.source = source
+
+  @classmethod
+  def from_rollouts(cls, paths) -> RecordedGroups:
+    groups = []
+    for path in paths:
+      for i, line in enumerate(epath.Path(path).read_text().splitlines(), 1):
+        try:
+          row = json.loads(line)
+          groups.append((row["lengths"], row["rewards"]))
+        except (ValueError, KeyError) as e:
+          raise ValueError(f"{path}:{i}: not a rollouts.jsonl line with 'lengths' and 'rewards' ({e})") from None
+    return cls(groups, source=", ".join(paths))

@@ -15,12 +15,13 @@ def _bench(tmp_path):
   """A bench_async workdir as the tool writes it: bench_async.json and each run's rollouts.jsonl."""
   runs = {"colocated_sync": ("colocated sync", 0, 1, ()), "split_eta2": ("split η=2", 2, 2, ()),
           "split_eta2_t1": ("split η=2 t1", 2, 2, (("rollout.target_staleness", "1"),))}
-  summary = {"samples_per_s": 40.0, "staleness_mean": 1.0, "sampler_busy": 0.5, "learner_busy": 0.5}
+  summary = {"steps": 4, "samples_per_s": 40.0, "staleness_mean": 1.0, "sampler_busy": 0.5, "learner_busy": 0.5}
   out = {}
   for name, (label, eta, processes, overrides) in runs.items():
     out[name] = {"name": name, "label": label, "eta": eta, "processes": processes, "cpu_devices": None,
                  "overrides": [list(o) for o in overrides], "seeds": [0], "per_seed": [summary]}
     (tmp_path / name).mkdir()
+    (tmp_path / name / "bench_config.json").write_text(json.dumps({"total_steps": 6}))  # 2 untimed
     rng = np.random.default_rng(0)
     (tmp_path / name / "rollouts.jsonl").write_text("\n".join(
         json.dumps({"lengths": rng.integers(5, 60, 8).tolist(), "rewards": rng.integers(0, 2, 8).tolist()})
@@ -36,7 +37,7 @@ def test_every_run_is_predicted_in_its_layout_beside_its_measurement(tmp_path):
   eff = Efficiency(decode_call_s=0.05, prefill_call_s=0.005, step_s=0.1, learner_mfu=0.2, transfer_s=0.01)
   cals = {"colocated": Calibration(device=cpu, eff=eff, error={}, samples={"devices": 2}),
           "split": Calibration(device=cpu, eff=eff, error={}, samples={"devices": 1})}
-  rows = check.predict(str(_bench(tmp_path)), settings, cals, steps=6, skip=2, prompt_len=20)
+  rows = check.predict(str(_bench(tmp_path)), settings, cals, prompt_len=20)
   assert 10 < check.mean_prompt_len(settings) < 48
   by_run = {r["run"]: r for r in rows}
   assert set(by_run) == {"colocated sync", "split η=2", "split η=2 t1"}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from areal_jax.sampler.sampling import request_key
-from areal_jax.sim.lengths import Lengths
+from areal_jax.sim.lengths import Lengths, RecordedGroups
 
 
 def test_parametric_lengths_have_the_mean_asked_and_a_long_tail():
@@ -37,3 +37,15 @@ def test_lengths_from_a_runs_rollouts_and_from_a_text_file(tmp_path):
   rollouts.write_text('{"step": 1}\n')
   with pytest.raises(ValueError, match=r"rollouts.jsonl:1: not a rollouts.jsonl line"):
     Lengths.from_file(str(rollouts))
+
+
+def test_recorded_groups_keep_each_groups_lengths_with_its_rewards(tmp_path):
+  rollouts = tmp_path / "rollouts.jsonl"
+  rollouts.write_text(json.dumps({"lengths": [3, 5], "rewards": [1.0, 0.0]}) + "\n"
+                      + json.dumps({"lengths": [8, 8], "rewards": [1.0, 1.0]}) + "\n")
+  assert RecordedGroups.from_rollouts([str(rollouts)]).groups == [((3, 5), (1.0, 0.0)), ((8, 8), (1.0, 1.0))]
+  rollouts.write_text(json.dumps({"lengths": [3, 5]}) + "\n")
+  with pytest.raises(ValueError, match=r"rollouts.jsonl:1: not a rollouts.jsonl line with 'lengths' and 'rewards'"):
+    RecordedGroups.from_rollouts([str(rollouts)])
+  with pytest.raises(ValueError, match="one reward per answer"):
+    RecordedGroups([((3, 5), (1.0,))], source="short")

@@ -12,7 +12,7 @@ from areal_jax.sim import plan
 from areal_jax.sim.costs import CostModel
 from areal_jax.sim.job import Job, simulate
 from areal_jax.sim.devices import Device, device
-from areal_jax.sim.lengths import Lengths
+from areal_jax.sim.lengths import Lengths, RecordedGroups
 
 
 def _setup(**kw) -> plan.Setup:
@@ -91,4 +91,17 @@ def test_a_job_whose_groups_are_all_dropped_stalls_as_the_run_would():
                  eta=1, steps=2, success=1.0, filter_uniform=True)
   costs = CostModel(model=setup.model, device=setup.device, sampler_chips=1, learner_chips=1)
   with pytest.raises(Stalled, match="scored uniformly"):
+    simulate(job, costs, setup.lengths)
+
+
+def test_recorded_groups_are_replayed_whole_lengths_with_their_rewards():
+  """A uniform recorded group is dropped and a mixed one trained, each answer as long as it was recorded."""
+  setup = _setup()
+  recorded = RecordedGroups([((3, 3, 3, 3), (1, 1, 1, 1)), ((5, 7, 9, 11), (1, 0, 1, 0))], source="two groups")
+  job = Job(model=setup.model, sampler=setup.sampler, num_shards=1, batch_prompts=2, answers=4, prompt_len=10,
+            eta=1, steps=3, recorded=recorded, filter_uniform=True)
+  costs = CostModel(model=setup.model, device=setup.device, sampler_chips=1, learner_chips=1)
+  r = simulate(job, costs)
+  assert r.tokens == [2 * (5 + 7 + 9 + 11)] * 3 and r.answers == [8] * 3
+  with pytest.raises(ValueError, match="not both"):
     simulate(job, costs, setup.lengths)
