@@ -106,8 +106,8 @@ class SimEngine(Engine):
     `refill_at` slots have stopped, as the device loop does."""
     del params, eos, grow
     s, table = self.cfg.num_slots, self.slots
-    live = budget > 0
     remaining = np.maximum(self.target - table.generated, 0)
+    live = (budget > 0) & ~(stop_eos & (remaining == 0))  # as on the device: a pending EOS is not live
     stops = np.where(live, np.where(stop_eos, np.minimum(budget, remaining), budget), 0)
     steps = int(stops.max(initial=0))
     if refill_at > 0 and live.any():
