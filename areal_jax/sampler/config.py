@@ -45,6 +45,9 @@ class SamplerConfig:
   # Ids at or above this are never drawn: a model vocabulary padded beyond its tokenizer's (Qwen2.5: 151936 rows,
   # 151665 tokens) would otherwise sample ids that decode to nothing. 0 = every id of the model.
   vocab_limit: int = 0
+  # Compile every program the scheduler can call (each prefill bucket and row count, decode) before generating: no
+  # compile stalls mid-run, a longer start (`Engine.warmup`).
+  warmup: bool = False
 
   def __post_init__(self):
     def bad(field, why):

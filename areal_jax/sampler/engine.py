@@ -397,10 +397,17 @@ class Engine(engine_api.Engine):
     if num_draws:
       first, log_prob = self.programs.sample(logits, keys, np.zeros(s, np.int32), temperature, top_p, top_k)
     else:
-      first, log_prob = np.zeros(s, np.int32), np.zeros(s, np.float32)
+      first, log_prob = self._no_draws()
     prefix = Prefix(arrays=arrays, true_length=lengths, start=starts, draw_index=draw_index, first=first, keys=keys,
                     temperature=temperature, top_p=top_p, top_k=top_k)
     return prefix, FirstTokens(tokens=first, log_prob=log_prob)
+
+  def _no_draws(self) -> tuple[jax.Array, jax.Array]:
+    """First tokens of a prefill that draws none, placed as `sample` places them: `insert` then runs the program
+    already compiled for the prefill's shape (a host array would compile another, mid-run, at a weight swap)."""
+    rep = NamedSharding(self._mesh, P())
+    s = self.cfg.num_slots
+    return jax.device_put(np.zeros(s, np.int32), rep), jax.device_put(np.zeros(s, np.float32), rep)
 
   def _prefill_rows(self, sequences, draws, cached) -> tuple[list, np.ndarray, np.ndarray, int]:
     """`prefill_batch`'s arguments checked: (cached pages per row, tokens cached per row, tokens to prefill per row,

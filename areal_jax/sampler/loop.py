@@ -17,14 +17,18 @@ cancels the futures of answers still in flight.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from collections.abc import Callable, Iterable, Sequence
 
 from areal_jax.sampler.driver import Driver
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
+
+_log = logging.getLogger(__name__)
 
 
 def end_futures(futures: Iterable[Future], error: BaseException | None) -> None:
@@ -42,6 +46,10 @@ class SamplerLoop:
                detokenize: Callable[[Sequence[int]], str] | None = None, idle_wait_s: float = 0.005):
     self.driver = Driver(engine=engine, params=params, version=version, eos_ids=eos_ids, gather=True,
                          idle_wait_s=idle_wait_s, name="sampler-loop")
+    if engine.cfg.warmup:
+      start = time.perf_counter()
+      self.driver.scheduler.state = engine.warmup(params, self.driver.scheduler.state)
+      _log.info("sampler.warmup: compiled the sampler's programs in %.1f s", time.perf_counter() - start)
     self.detokenize = detokenize
     self._futures: dict[int, dict[int, Future]] = {}  # group id -> answer -> its future, until finished
     self._futures_lock = threading.Lock()
