@@ -44,7 +44,9 @@ class Timer:
   def __init__(self, sampler_stats: dict):
     self.last_t, self.last_stats, self.learner_busy = time.time(), sampler_stats, 0.0
 
-  def tick(self, sampler_stats: dict, *, busy_start: float, sync_start: float) -> dict[str, float]:
+  def tick(self, sampler_stats: dict, *, wait_start: float, busy_start: float, sync_start: float) -> dict[str, float]:
+    """The step's row: it waited for its batch from `wait_start`, trained from `busy_start`, published from
+    `sync_start` until now."""
     now = time.time()
     self.learner_busy += now - busy_start
     done = {k: sampler_stats.get(k, 0) - self.last_stats.get(k, 0)
@@ -53,7 +55,9 @@ class Timer:
            "sampler/decode_steps": done["decode_steps"],
            "sampler/tokens_per_decode_step": done["tokens"] / done["decode_steps"] if done["decode_steps"] else 0.0,
            **{f"sampler/{k}": done[k] for k in ("prefill_rows", "prefill_tokens", "cached_tokens", "recomputed")},
-           "sampler/busy_s": sampler_stats.get("busy_s", 0.0), "learner/busy_s": self.learner_busy,
+           "sampler/busy_s": sampler_stats.get("busy_s", 0.0),
+           "sampler/step_busy_s": sampler_stats.get("busy_s", 0.0) - self.last_stats.get("busy_s", 0.0),
+           "learner/busy_s": self.learner_busy, "learner/wait_s": busy_start - wait_start,
            "sync/seconds": now - sync_start}
     self.last_t, self.last_stats = now, sampler_stats
     return out
@@ -63,7 +67,8 @@ def log_rollouts(workdir: epath.Path, step: int, version: int, trained, filtered
   """One line per finished group: the prompt, whether it was trained on at `step` or filtered (uniform rewards)
   since the previous step, its rewards and the policy versions of its answers."""
   append_lines(workdir / "rollouts.jsonl", [
-      json.dumps({"step": step, "version": version, "uid": g.record.uid, "filtered": was_filtered,
+      json.dumps({"step": step, "version": version, "uid": g.record.uid, "group": g.trajectories[0].group_id,
+                  "filtered": was_filtered,
                   "rewards": g.rewards.tolist(),
                   "version_start": [t.version_start for t in g.trajectories],
                   "version_end": [t.version_end for t in g.trajectories],

@@ -254,6 +254,7 @@ def _train(workdir: epath.Path, st: _Start, parts: LeaderParts, local) -> list[d
   controller.start()
   timer = step_metrics.Timer(parts.rollout.stats())
   while step < total_steps:
+    wait_start = time.time()
     try:
       groups = controller.next_batch(r.batch_size, step, r.stall_timeout_s)
     except Stalled as e:
@@ -270,7 +271,8 @@ def _train(workdir: epath.Path, st: _Start, parts: LeaderParts, local) -> list[d
     local = parts.learners.publish()
     parts.rollout.publish(local, learner.version)
     controller.admit(learner.version)  # the new version's capacity
-    row = {"version": learner.version, **_row(parts, timer, stats, groups, trajectories, busy_start, sync_start),
+    row = {"version": learner.version,
+           **_row(parts, timer, stats, groups, trajectories, (wait_start, busy_start, sync_start)),
            "time/elapsed_s": time.time() - st.start_time}
     if step % settings.eval.every_steps == 0 or step == total_steps:
       row |= parts.evaluator(local, version=learner.version).metrics()
@@ -286,12 +288,14 @@ def _train(workdir: epath.Path, st: _Start, parts: LeaderParts, local) -> list[d
   return rows
 
 
-def _row(parts: LeaderParts, timer: step_metrics.Timer, stats: dict, groups, trajectories, busy_start: float,
-         sync_start: float) -> dict[str, float]:
-  """A step's metrics beyond its version and time: the learner's, rewards, the sampler's work, rollout counters."""
+def _row(parts: LeaderParts, timer: step_metrics.Timer, stats: dict, groups, trajectories,
+         starts: tuple[float, float, float]) -> dict[str, float]:
+  """A step's metrics beyond its version and time: the learner's, rewards, the sampler's work, rollout counters.
+  `starts`: when the step began waiting for its batch, training, and publishing."""
   controller, rollout = parts.controller, parts.rollout
+  wait_start, busy_start, sync_start = starts
   return {**step_metrics.step_metrics(stats, trajectories, controller.take_rewards()),
-          **timer.tick(rollout.stats(), busy_start=busy_start, sync_start=sync_start),
+          **timer.tick(rollout.stats(), wait_start=wait_start, busy_start=busy_start, sync_start=sync_start),
           "rollout/queue_groups": len(parts.buffer),
           "rollout/groups_filtered": controller.counters["groups_filtered"],
           "rollout/reward_failures": controller.counters["reward_failures"],

@@ -112,6 +112,11 @@ class CostModel:
       return 2 * size / (self.sampler_chips * d.hbm_bw * e.decode_bw) + e.transfer_s
     return size / (min(self.sampler_chips, self.learner_chips) * d.link * e.link) + e.transfer_s
 
+  def after_step(self) -> float:
+    """The learner host's work between a step's publication and awaiting the next batch (metrics, checkpoints):
+    counted in `train_step`'s `step_s` here."""
+    return 0.0
+
   def pages_per_shard(self, page_size: int, memory_fraction: float = 0.8) -> int:
     """KV-cache pages one data shard holds: what is left of its chips' HBM beside the weights (and, colocated, beside
     the learner's fp32 parameters, gradients and Adam moments, sharded over every chip)."""

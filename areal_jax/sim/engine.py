@@ -42,7 +42,8 @@ def scaled(cfg: SamplerConfig, scale: int) -> SamplerConfig:
   up = lambda n: max(1, math.ceil(n / scale))
   return cfg.replace(page_size=up(cfg.page_size), max_seq_len=up(cfg.max_seq_len),
                      max_new_tokens=up(cfg.max_new_tokens), min_prefill_len=up(cfg.min_prefill_len),
-                     decode_steps=up(cfg.decode_steps), max_prefill_tokens=up(cfg.prefill_budget), num_pages=0)
+                     decode_steps=up(cfg.decode_steps), max_prefill_tokens=up(cfg.prefill_budget), num_pages=0,
+                     warmup=False)
 
 
 class SimEngine(Engine):
@@ -95,6 +96,9 @@ class SimEngine(Engine):
     del logits, index, temperature, top_p, top_k
     first = np.where(self.length_of(keys) == 1, self.eos_id, FILLER).astype(np.int32)
     return first, np.zeros(len(first), np.float32)
+
+  def _no_draws(self):
+    return np.zeros(self.cfg.num_slots, np.int32), np.zeros(self.cfg.num_slots, np.float32)
 
   def _insert(self, prefix, decode_state, chunks, inits):
     if inits:

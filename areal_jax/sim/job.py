@@ -57,7 +57,8 @@ class Job:
   success: float = 0.5  # chance an answer is right
   recorded: RecordedGroups | None = None  # each group replays a recorded one's lengths and rewards (not success)
   filter_uniform: bool = False
-  reward_s: float = 0.0
+  reward_s: float = 0.0  # seconds to score an answer
+  reward_workers: int = 1  # reward.num_workers
   scale: int = 1  # real tokens per simulated one (engine.SimEngine)
   seed: int = 0
 
@@ -71,6 +72,7 @@ class Result:
   tokens: list[int] = dataclasses.field(default_factory=list)  # answer tokens trained
   answers: list[int] = dataclasses.field(default_factory=list)
   staleness: list[list[int]] = dataclasses.field(default_factory=list)  # per trajectory, as the learner counts it
+  group_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per trajectory, its group's id
   sampler_busy: list[float] = dataclasses.field(default_factory=list)
   learner_busy: list[float] = dataclasses.field(default_factory=list)
   start: float = 0.0  # when step 1's batch was first awaited (after the starting evaluation: t = 0)
@@ -170,11 +172,13 @@ class _Replay:
   registered by their PRNG keys when the group is submitted (the engine knows an answer only by its key)."""
 
   def __init__(self, recorded: RecordedGroups, seed: int):
-    self.groups, self.seed = recorded.groups, seed
+    self.groups, self.by_id, self.seed = recorded.groups, recorded.by_id, seed
     self.by_key: dict[tuple[int, int], int] = {}
 
   def pick(self, group_id: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    return self.groups[int(request_key(self.seed + 2, group_id)[1]) % len(self.groups)]
+    """The run's own group `group_id` where it was recorded, else the recorded group that `group_id` draws."""
+    i = self.by_id.get(group_id)
+    return self.groups[i if i is not None else int(request_key(self.seed + 2, group_id)[1]) % len(self.groups)]
 
   def register(self, request) -> None:
     lengths, _ = self.pick(request.group_id)
@@ -194,10 +198,11 @@ class _Replay:
 
 class _Rewards:
   """The reward service: answer i of group g is right with chance `success` (or replays its recorded reward);
-  everything fixed by the seed."""
+  everything fixed by the seed. Its `reward_workers` score answers in the order they come, `reward_s` each."""
 
   def __init__(self, loop: asyncio.AbstractEventLoop, job: Job, replay: _Replay | None):
     self.loop, self.latency_s, self.seed, self.success, self.replay = loop, job.reward_s, job.seed, job.success, replay
+    self.free_at = [0.0] * job.reward_workers
 
   def _reward(self, group: int, index: int) -> float:
     if self.replay is not None:
@@ -208,9 +213,15 @@ class _Rewards:
   def submit(self, item_id, kind, text, reference) -> concurrent.futures.Future:
     del kind, text, reference
     future = concurrent.futures.Future()
+    now = self.loop.time()
+    w = int(np.argmin(self.free_at))
+    done = self.free_at[w] = max(now, self.free_at[w]) + self.latency_s
     result = RewardResult(item_id=item_id, reward=self._reward(*item_id), reason="simulated",
-                          latency_s=self.latency_s, run_s=0.0)
-    self.loop.call_later(self.latency_s, future.set_result, result)
+                          latency_s=done - now, run_s=self.latency_s)
+    if done > now:
+      self.loop.call_at(done, future.set_result, result)
+    else:  # in submission order (timers due at one instant may fire in any order)
+      self.loop.call_soon(future.set_result, result)
     return future
 
 
@@ -266,8 +277,9 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
   buffer = _Buffer(changed, batch_size=b, max_offpolicyness=job.eta, target_staleness=job.target_staleness,
                    max_concurrent=job.max_concurrent or (job.eta + 1) * b)
   sampling = SamplingParams(max_new_tokens=engine.cfg.max_new_tokens, seed=job.seed)
-  controller = RolloutController(dataset=_prompts(job), rollout=rollout, rewards=_Rewards(loop, job, replay), buffer=buffer, version=0, group_size=job.answers,
-                                 sampling=sampling, filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
+  controller = RolloutController(dataset=_prompts(job), rollout=rollout, rewards=_Rewards(loop, job, replay),
+                                 buffer=buffer, version=0, group_size=job.answers, sampling=sampling,
+                                 filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
   result, sampler_busy = Result(job=job), _Busy(loop)
   sampler = loop.create_task(_sample(rollout, engine, sampler_busy))
   controller.start()
@@ -279,6 +291,7 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
       seconds = costs.train_step(np.array([(len(t.prompt_ids) + len(t.response_ids)) * job.scale
                                            for t in trajectories]))
       result.staleness.append([version - t.version_start for t in trajectories])
+      result.group_ids.append([t.group_id for t in trajectories])
       await asyncio.sleep(seconds)
       controller.mark_trained(groups)
       transfer = costs.transfer()
@@ -292,6 +305,7 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
       result.answers.append(len(trajectories))
       result.sampler_busy.append(sampler_busy.now())
       result.learner_busy.append(learner_busy)
+      await asyncio.sleep(costs.after_step())  # the host's work before it awaits the next batch
     result.sampler_stats = rollout.loop.stats()
   finally:
     controller.stop()

@@ -82,18 +82,20 @@ class Lengths:
 class RecordedGroups:
   """A run's prompt groups as recorded in its `rollouts.jsonl` (each group's answer lengths and rewards, dropped
   groups included), for a simulation that replays whole groups: lengths and rewards stay paired, so groups that
-  were dropped as uniform are as long as they were (easy prompts' groups are often short)."""
+  were dropped as uniform are as long as they were (a group's answers often have near-equal lengths). `ids`: the
+  run's group ids (admission order), where recorded, so that a replay can give group g the run's own group g."""
 
-  def __init__(self, groups, *, source: str):
+  def __init__(self, groups, *, source: str, ids=()):
     self.groups = [(tuple(int(n) for n in lengths), tuple(float(r) for r in rewards)) for lengths, rewards in groups]
     if not self.groups or any(not lengths or min(lengths) < 1 or len(lengths) != len(rewards)
                               for lengths, rewards in self.groups):
       raise ValueError(f"{source}: no groups, or a group without lengths >= 1 and one reward per answer")
+    self.by_id = {int(g): i for i, g in enumerate(ids)}
     self.source = source
 
   @classmethod
   def from_rollouts(cls, paths) -> RecordedGroups:
-    groups = []
+    groups, ids = [], []
     for path in paths:
       for i, line in enumerate(epath.Path(path).read_text().splitlines(), 1):
         try:
@@ -101,4 +103,6 @@ class RecordedGroups:
           groups.append((row["lengths"], row["rewards"]))
         except (ValueError, KeyError) as e:
           raise ValueError(f"{path}:{i}: not a rollouts.jsonl line with 'lengths' and 'rewards' ({e})") from None
-    return cls(groups, source=", ".join(paths))
+        ids.append(row.get("group"))
+    one_run = len(paths) == 1 and None not in ids
+    return cls(groups, source=", ".join(paths), ids=ids if one_run else ())
