@@ -168,6 +168,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # The sampler's copy of the weights: bfloat16 halves their HBM and update bytes (gap: sampler/logprob_gap).
   c.sampler.param_dtype = "float32" if tiny else "bfloat16"
   c.sampler.vocab_limit = 0  # ids at or above are never drawn; 0 = the tokenizer's vocab_size (padded rows unused)
+  c.sampler.recompute_on_swap = True  # new weights recompute running answers' caches; False keeps them (stale)
   c.sampler.warmup = False  # compile every prefill bucket and decode first: no compile stalls mid-run, a slower start
 
   c.learner = ml_collections.ConfigDict()

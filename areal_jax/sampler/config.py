@@ -45,6 +45,9 @@ class SamplerConfig:
   # Ids at or above this are never drawn: a model vocabulary padded beyond its tokenizer's (Qwen2.5: 151936 rows,
   # 151665 tokens) would otherwise sample ids that decode to nothing. 0 = every id of the model.
   vocab_limit: int = 0
+  # A weight swap recomputes the keys/values of the answers running (AReaL's interruptible generation); False keeps
+  # the ones the old weights computed (as PipelineRL does): no stall at a swap, tokens drawn over a stale cache.
+  recompute_on_swap: bool = True
   # Compile every program the scheduler can call (each prefill bucket and row count, decode) before generating: no
   # compile stalls mid-run, a longer start (`Engine.warmup`).
   warmup: bool = False

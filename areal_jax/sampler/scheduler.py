@@ -181,6 +181,8 @@ class Scheduler:
     self.params, self.version = pending
     self.counters["weight_updates"] += 1
     self.engine.slots.forget_prefixes()
+    if not self.engine.cfg.recompute_on_swap:
+      return
     seqs = list(self.running.values())
     written: set = set()
     for batch in self._batches(seqs, lambda s: len(s.context())):

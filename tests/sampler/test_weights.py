@@ -124,6 +124,30 @@ def test_update_mid_generation_recomputes_caches(models, engine):
   assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
+def test_an_update_without_recompute_keeps_the_caches_it_finds(models):
+  """`sampler.recompute_on_swap=False`: an update mid-way recomputes nothing; the tokens drawn after it record the
+  new version, and with the same weights published again the greedy answers are the ones no update gives."""
+  engine = Engine(model=models[0], config=ENGINE_CFG.replace(recompute_on_swap=False))
+  params = engine.load_params(models[0])
+
+  def answers(update: bool):
+    sched = Scheduler(engine=engine, params=params, version=0)
+    for g in range(4):
+      sched.submit(Request(group_id=g, prompt_ids=np.arange(3, 8 + g, dtype=np.int32), num_answers=2,
+                           sampling=SamplingParams(temperature=0.0, max_new_tokens=16, seed=1)))
+    done = sched.step()
+    if update:
+      sched.update_params(params, 1)
+    while not sched.idle or sched.has_update:
+      done += sched.step()
+    assert sched.counters["recomputed"] == 0
+    return {(s.request.group_id, s.answer): (s.tokens, s.versions) for s in done}
+
+  before, after = answers(update=False), answers(update=True)
+  assert {k: t for k, (t, _) in before.items()} == {k: t for k, (t, _) in after.items()}
+  assert all(v[0] == 0 and v[-1] == 1 for _, v in after.values())
+
+
 def test_loop_thread_end_to_end(models, engine):
   params = {v: engine.load_params(m) for v, m in models.items()}
   decoded = []
