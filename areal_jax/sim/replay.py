@@ -7,7 +7,7 @@ rewards, `lengths.RecordedGroups`), and from `metrics.jsonl` each learner step's
 before the next wait, and the sampler's busy seconds over its decode steps in that step. `ReplayCosts` answers the
 cost model's questions with them.
 
-    job, costs = replay_job(workdir, settings, num_shards=2)
+    job, costs = replay_job(workdir, settings, num_shards=2, prompt_len=25)
     result = simulate(job, costs)
     run_schedule(workdir) == sim_schedule(result)     # {step: {group id: [staleness per answer]}}
 """
