@@ -37,7 +37,8 @@ _ANSWERS = flags.DEFINE_integer("answers", 0, "Answers per prompt; 0 = rollout.g
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "Prompt tokens; 0 = data.max_prompt_len / 2.")
 _MEAN = flags.DEFINE_float("length_mean", 0, "Mean answer tokens (log-normal); 0 = sampler.max_new_tokens / 4.")
 _MAX = flags.DEFINE_integer("length_max", 0, "Longest answer; 0 = sampler.max_new_tokens.")
-_LENGTHS = flags.DEFINE_string("lengths", "", "Answer lengths from a run's rollouts.jsonl or a file of integers.")
+_LENGTHS = flags.DEFINE_string("lengths", "", "A run's rollouts.jsonl (its groups replayed whole: answer lengths with "
+                               "their rewards) or a file of answer lengths (integers).")
 _ETA = flags.DEFINE_string("eta", "0,1,2,4,8", "η (max head off-policyness) to try, comma-separated.")
 _TARGET = flags.DEFINE_float("target_staleness", -1, "rollout.target_staleness for the asynchronous rows; -1 = off.")
 _SPLITS = flags.DEFINE_string("sampler_chips", "", "Sampler chip counts to try, comma-separated; '' = every eighth.")
@@ -78,7 +79,11 @@ def _setup():
     model = config_lib.validate(config_lib.load_config(f"{path}:{_MODEL.value}"), data=False).model
   s = settings.sampler.replace(num_slots=_SLOTS.value or settings.sampler.num_slots)
   max_len = _MAX.value or s.max_new_tokens
-  if _LENGTHS.value:
+  recorded = None
+  if _LENGTHS.value.endswith(".jsonl"):  # a run's groups, replayed whole
+    recorded = lengths.RecordedGroups.from_rollouts([_LENGTHS.value])
+    dist = lengths.Lengths.from_file(_LENGTHS.value)
+  elif _LENGTHS.value:
     dist = lengths.Lengths.from_file(_LENGTHS.value)
   else:
     dist = lengths.Lengths.parametric(_MEAN.value or max_len / 4, max_len)
@@ -96,6 +101,7 @@ def _setup():
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
+                    recorded=recorded,
                     steps=_STEPS.value, warmup=_WARMUP.value,
                     target_staleness=None if _TARGET.value < 0 else _TARGET.value, success=_SUCCESS.value,
                     max_concurrent=settings.rollout.max_concurrent_rollouts,

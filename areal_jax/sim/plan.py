@@ -17,7 +17,7 @@ from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sim.costs import CostModel, Efficiency
 from areal_jax.sim.devices import Device
 from areal_jax.sim.job import Job, Result, simulate
-from areal_jax.sim.lengths import Lengths
+from areal_jax.sim.lengths import Lengths, RecordedGroups
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +33,7 @@ class Setup:
   answers: int
   prompt_len: int
   lengths: Lengths
+  recorded: RecordedGroups | None = None  # a run's groups, replayed whole (then `lengths` only sets the token scale)
   steps: int = 10
   warmup: int = 2  # learner steps not timed (the pipeline filling)
   target_staleness: float | None = None
@@ -74,8 +75,9 @@ def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: boo
   job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=setup.sampler.num_slots * shards),
             num_shards=shards, batch_prompts=setup.batch_prompts, answers=setup.answers, prompt_len=setup.prompt_len,
             eta=eta, steps=setup.steps, target_staleness=setup.target_staleness if eta else None,
-            max_concurrent=setup.max_concurrent, success=setup.success, scale=setup.token_scale, seed=setup.seed)
-  return simulate(job, costs, setup.lengths)
+            max_concurrent=setup.max_concurrent, success=setup.success, recorded=setup.recorded,
+            scale=setup.token_scale, seed=setup.seed)
+  return simulate(job, costs, None if setup.recorded else setup.lengths)
 
 
 def _bytes(dtype: str) -> int:

@@ -1,6 +1,7 @@
 """A run in virtual time: the real buffer, controller, sampler loop and scheduler, with simulated device calls."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -105,3 +106,15 @@ def test_recorded_groups_are_replayed_whole_lengths_with_their_rewards():
   assert r.tokens == [2 * (5 + 7 + 9 + 11)] * 3 and r.answers == [8] * 3
   with pytest.raises(ValueError, match="not both"):
     simulate(job, costs, setup.lengths)
+
+
+def test_a_plan_from_a_runs_rollouts_replays_its_groups_whole(tmp_path):
+  """`--lengths=rollouts.jsonl`: every simulated group is one of the run's, its answers all 8 or all 40 tokens long,
+  so a step's 4 groups x 4 answers hold 128 tokens plus 128 for each long group (drawn one by one, any 32)."""
+  rollouts = tmp_path / "rollouts.jsonl"
+  rollouts.write_text("".join(json.dumps({"lengths": [n] * 4, "rewards": [1, 0, 1, 0]}) + "\n" for n in (8, 40)))
+  setup = _setup(lengths=Lengths.from_file(str(rollouts)), recorded=RecordedGroups.from_rollouts([str(rollouts)]),
+                 steps=6, scale=1)
+  r = plan.simulate_split(setup, sampler_chips=2, eta=1)
+  assert len(r.tokens) == 6 and all((t - 128) % 128 == 0 for t in r.tokens), r.tokens
+  assert len(set(r.tokens)) > 1
