@@ -82,7 +82,7 @@ def _setup():
   recorded = None
   if _LENGTHS.value.endswith(".jsonl"):  # a run's groups, replayed whole
     recorded = lengths.RecordedGroups.from_rollouts([_LENGTHS.value])
-    dist = lengths.Lengths.from_file(_LENGTHS.value)
+    dist = recorded.lengths()
   elif _LENGTHS.value:
     dist = lengths.Lengths.from_file(_LENGTHS.value)
   else:

@@ -78,7 +78,6 @@ class Lengths:
     return cls(lengths, source=path)
 
 
-
 class RecordedGroups:
   """A run's prompt groups as recorded in its `rollouts.jsonl` (each group's answer lengths and rewards, dropped
   groups included), for a simulation that replays whole groups: lengths and rewards stay paired, so groups that
@@ -92,6 +91,10 @@ class RecordedGroups:
       raise ValueError(f"{source}: no groups, or a group without lengths >= 1 and one reward per answer")
     self.by_id = {int(g): i for i, g in enumerate(ids)}
     self.source = source
+
+  def lengths(self) -> Lengths:
+    """Every recorded answer's length, as a table."""
+    return Lengths([n for lengths, _ in self.groups for n in lengths], source=self.source)
 
   @classmethod
   def from_rollouts(cls, paths) -> RecordedGroups:

@@ -38,8 +38,9 @@ def _run(sched: Scheduler) -> list:
 
 def test_the_simulated_engine_steps_as_the_real_one():
   cfg = SamplerConfig(num_slots=12, page_size=4, num_pages=28, max_seq_len=40, decode_steps=4, max_prefill_tokens=48)
-  engine = Engine(model=tiny_model(TINY, seed=1), config=cfg)
-  real = Scheduler(engine=engine, params=engine.load_params(tiny_model(TINY, seed=1)), eos_ids=EOS_IDS)
+  model = tiny_model(TINY, seed=1)
+  engine = Engine(model=model, config=cfg)
+  real = Scheduler(engine=engine, params=engine.load_params(model), eos_ids=EOS_IDS)
   real_log = _run(real)
   drawn = {(g, i, n) for _, _, done in real_log for g, i, n in done}
   by_key = {tuple(int(x) for x in request_key(7, g, i)): n for g, i, n in drawn}

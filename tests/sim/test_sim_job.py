@@ -113,8 +113,8 @@ def test_a_plan_from_a_runs_rollouts_replays_its_groups_whole(tmp_path):
   so a step's 4 groups x 4 answers hold 128 tokens plus 128 for each long group (drawn one by one, any 32)."""
   rollouts = tmp_path / "rollouts.jsonl"
   rollouts.write_text("".join(json.dumps({"lengths": [n] * 4, "rewards": [1, 0, 1, 0]}) + "\n" for n in (8, 40)))
-  setup = _setup(lengths=Lengths.from_file(str(rollouts)), recorded=RecordedGroups.from_rollouts([str(rollouts)]),
-                 steps=6, scale=1)
+  recorded = RecordedGroups.from_rollouts([str(rollouts)])
+  setup = _setup(lengths=recorded.lengths(), recorded=recorded, steps=6, scale=1)
   r = plan.simulate_split(setup, sampler_chips=2, eta=1)
   assert len(r.tokens) == 6 and all((t - 128) % 128 == 0 for t in r.tokens), r.tokens
   assert len(set(r.tokens)) > 1
