@@ -25,7 +25,8 @@ def tiny_model(cfg: ModelConfig = TINY, seed: int = 0):
     name = jax.tree_util.keystr(path)
     if "scale" in name:
       return jnp.asarray(1 + 0.1 * rng.normal(size=x.shape), x.dtype)
-    fan_in = x.shape[1] if name.startswith("['layers']") else x.shape[0]  # past the stacked layers axis
+    stacked = name.startswith(("['layers']", "['dense_layers']"))
+    fan_in = x.shape[-2] if x.ndim == 4 else x.shape[1] if stacked else x.shape[0]  # past layers (and experts) axes
     return jnp.asarray(rng.normal(size=x.shape) / np.sqrt(fan_in), x.dtype)
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))

@@ -1,4 +1,5 @@
-"""Model hyperparameters: one frozen record for Qwen2/Qwen2.5, Qwen3 and Llama 3, with HF config.json conversion."""
+"""Model hyperparameters: one frozen record for Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Llama 3, with HF config.json
+conversion."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "llama": ("LlamaForCausalLM", "llama"),
 }
 _ARCH_TO_FAMILY = {arch: fam for fam, (arch, _) in FAMILIES.items()}
@@ -22,6 +24,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # learner.lora.quantize_base: "" = model.param_dtype; "int8" and "nf4" quantize the base projections (QLoRA).
 LORA_QUANT_TYPES = ("int8", "nf4")
 LORA_BASE_DTYPES = ("", "bfloat16", *LORA_QUANT_TYPES)
+EXPERTS_IMPLS = ("auto", "ragged_dot", "megablox")  # see models/moe.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +44,15 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   attention_bias: bool = False  # q/k/v projection biases (Qwen2)
   qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+  # Mixture of experts (Qwen3-MoE, models/moe.py): 0 experts = every layer dense. Layer i is sparse when it is not in
+  # mlp_only_layers and (i + 1) % decoder_sparse_step == 0, as in HF.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0  # top-k
+  moe_intermediate_size: int = 0  # each expert's MLP width
+  norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  experts_impl: str = "auto"  # grouped matmul: auto (megablox on TPU, else ragged_dot) | ragged_dot | megablox
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots
@@ -81,8 +93,40 @@ class ModelConfig:
       bad("attention_block", "the splash kernel's blocks are multiples of 128 tokens (or 0: chosen by row length)")
     if self.rope_type not in ROPE_TYPES:
       bad("rope_scaling", f"rope_type {self.rope_type!r} not supported; supported: {ROPE_TYPES}")
+    if self.num_experts:
+      self._check_moe(bad)
     if self.lora_rank:
       self._check_lora()
+
+  def _check_moe(self, bad):
+    if self.num_experts < 0:
+      bad("num_experts", "must be >= 0 (0 = a dense model)")
+    if self.family != "qwen3_moe":
+      bad("num_experts", f"experts need family 'qwen3_moe', not {self.family!r}")
+    if not 0 < self.num_experts_per_tok <= self.num_experts:
+      bad("num_experts_per_tok", f"must be between 1 and num_experts={self.num_experts}")
+    if self.moe_intermediate_size <= 0:
+      bad("moe_intermediate_size", "must be positive")
+    if self.decoder_sparse_step <= 0:
+      bad("decoder_sparse_step", "must be positive")
+    if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+      bad("mlp_only_layers", f"layer indices must lie in [0, num_layers={self.num_layers})")
+    if self.experts_impl not in EXPERTS_IMPLS:
+      bad("experts_impl", f"choose one of {', '.join(EXPERTS_IMPLS)}")
+
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """Whether each decoder layer's feed-forward is a mixture of experts (HF's rule)."""
+    return tuple(bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                 for i in range(self.num_layers))
+
+  def layer_groups(self) -> dict[str, tuple[int, ...]]:
+    """Stacked parameter group -> the decoder layers it holds, in order: `layers` holds every layer of a uniform model
+    (all dense or all sparse); a mixed one keeps its sparse layers in `layers` and its dense ones in `dense_layers`."""
+    sparse = self.sparse_layers()
+    if all(sparse) or not any(sparse):
+      return {"layers": tuple(range(self.num_layers))}
+    return {"layers": tuple(i for i, s in enumerate(sparse) if s),
+            "dense_layers": tuple(i for i, s in enumerate(sparse) if not s)}
 
   def lora_shapes(self) -> dict[str, tuple[int, int]]:
     """(input, output) width of each projection LoRA can adapt."""
@@ -103,6 +147,9 @@ class ModelConfig:
       bad("targets", list(self.lora_targets), f"{unknown} name no projection; choose from {list(LORA_TARGETS)}")
     if self.lora_alpha <= 0:
       bad("alpha", self.lora_alpha, "must be positive")
+    if self.num_experts and {"gate", "up", "down"} & set(self.lora_targets):
+      bad("targets", list(self.lora_targets), "a mixture-of-experts model's MLPs take no adapters; choose from "
+          "q, k, v, o")
     if self.lora_base_quant not in ("", *LORA_QUANT_TYPES):
       bad("quantize_base", self.lora_base_quant, f"choose one of {['', *LORA_QUANT_TYPES]}")
     shapes = self.lora_shapes()
@@ -158,8 +205,8 @@ class ModelConfig:
     if c.rope_scaling.rope_type:
       rope = dict(c.rope_scaling)
     names = {f.name for f in dataclasses.fields(cls)} - {"lora_rank", "lora_alpha", "lora_targets", "lora_base_quant"}
-    kw = {k: v for k, v in c.items() if k in names and k != "rope_scaling"}
-    return cls(rope_scaling=tuple(sorted(rope.items())), **kw)
+    kw = {k: v for k, v in c.items() if k in names and k not in ("rope_scaling", "mlp_only_layers")}
+    return cls(rope_scaling=tuple(sorted(rope.items())), mlp_only_layers=tuple(c.get("mlp_only_layers", ())), **kw)
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json", **overrides) -> ModelConfig:
@@ -198,8 +245,14 @@ class ModelConfig:
           max_position_embeddings=hf.get("max_position_embeddings", 32768),
           tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
           attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-          qk_norm=family == "qwen3",
+          qk_norm=family in ("qwen3", "qwen3_moe"),
       )
+      if family == "qwen3_moe":
+        kw.update(num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                  num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                  decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                  mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
     except KeyError as e:
       raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
     if hf.get("mlp_bias"):
@@ -231,25 +284,34 @@ class ModelConfig:
     )
     if self.family == "llama":
       hf.update(attention_bias=self.attention_bias, mlp_bias=False)
-    if self.family == "qwen3":
+    if self.family in ("qwen3", "qwen3_moe"):
       hf.update(attention_bias=False)
-    if self.family in ("qwen2", "qwen3"):
+    if self.family == "qwen3_moe":
+      hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=0.001, output_router_logits=False)
+    if self.family in ("qwen2", "qwen3", "qwen3_moe"):
       hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
     return hf
 
-  def num_params(self) -> int:
+  def num_params(self, *, active: bool = False) -> int:
+    """Parameters in all; `active`: those one token uses (its k experts of each sparse layer's E)."""
     d, f, h, k, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
     attn = d * hd * (h + 2 * k) + h * hd * d + (hd * (h + 2 * k) if self.attention_bias else 0)
     attn += 2 * hd if self.qk_norm else 0
-    per_layer = attn + 3 * d * f + 2 * d
+    experts = self.num_experts_per_tok if active else self.num_experts
+    sparse = sum(self.sparse_layers())
+    ffn = (self.num_layers - sparse) * 3 * d * f + sparse * (d * self.num_experts + experts * 3 * d *
+                                                              self.moe_intermediate_size)
     emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-    return self.num_layers * per_layer + emb + d
+    return self.num_layers * (attn + 2 * d) + ffn + emb + d
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (matmuls + attention scores), for MFU. Training is 3x this."""
+    """Forward FLOPs per token (matmuls + attention scores; a sparse layer's k experts), for MFU. Training is 3x."""
     d, h, hd = self.hidden_size, self.num_heads, self.head_dim
     # 2 FLOPs per weight; the embedding lookup is a gather, the (possibly tied) output head a matmul.
-    dense = 2 * self.num_params() - (0 if self.tie_word_embeddings else 2 * self.vocab_size * d)
+    dense = 2 * self.num_params(active=True) - (0 if self.tie_word_embeddings else 2 * self.vocab_size * d)
     attn = 2 * 2 * self.num_layers * h * hd * seq_len / 2  # causal: half of q.k and p.v on average
     return float(dense + attn)
 

@@ -25,12 +25,14 @@ from areal_jax.models.transformer import Transformer
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, list[str], Callable, Callable]]:
+def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, list, Callable, Callable]]:
   """(our state path, HF names, hf→ours, ours→hf) for every parameter. A decoder-layer parameter is stacked along
-  a leading layers axis: its HF names are layer 0's, layer 1's, ... (the converters act on one layer)."""
+  a leading layers axis: its HF names are those of each layer of its group (`cfg.layer_groups`), and the converters act
+  on one layer. An expert weight's name per layer is a tuple, one per expert (stacked along a leading experts axis)."""
   h, k, hd, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
   ident = lambda x: x
   t = lambda x: x.T
+  experts_t = lambda x: jnp.swapaxes(x, -1, -2)  # HF [E, out, in] <-> ours [E, in, out]
 
   def heads_in(n):  # HF [n*hd, d] <-> ours [d, n, hd]
     return (lambda x: x.T.reshape(d, n, hd)), (lambda x: x.reshape(d, n * hd).T)
@@ -38,27 +40,36 @@ def _param_map(cfg: ModelConfig) -> Iterator[tuple[tuple, list[str], Callable, C
   def bias(n):  # HF [n*hd] <-> ours [n, hd]
     return (lambda x: x.reshape(n, hd)), (lambda x: x.reshape(n * hd))
 
-  def layers(name):
-    return [f"model.layers.{i}.{name}" for i in range(cfg.num_layers)]
-
   yield ("embed",), ["model.embed_tokens.weight"], ident, ident
-  yield ("layers", "attn_norm", "scale"), layers("input_layernorm.weight"), ident, ident
-  yield ("layers", "mlp_norm", "scale"), layers("post_attention_layernorm.weight"), ident, ident
-  for name, n in (("q", h), ("k", k), ("v", k)):
-    yield ("layers", "attn", name), layers(f"self_attn.{name}_proj.weight"), *heads_in(n)
-    if cfg.attention_bias:
-      yield ("layers", "attn", f"{name}_bias"), layers(f"self_attn.{name}_proj.bias"), *bias(n)
-  yield (("layers", "attn", "o"), layers("self_attn.o_proj.weight"),
-         lambda x: x.T.reshape(h, hd, d), lambda x: x.reshape(h * hd, d).T)
-  if cfg.qk_norm:
-    yield ("layers", "attn", "q_norm", "scale"), layers("self_attn.q_norm.weight"), ident, ident
-    yield ("layers", "attn", "k_norm", "scale"), layers("self_attn.k_norm.weight"), ident, ident
-  yield ("layers", "mlp", "gate"), layers("mlp.gate_proj.weight"), t, t
-  yield ("layers", "mlp", "up"), layers("mlp.up_proj.weight"), t, t
-  yield ("layers", "mlp", "down"), layers("mlp.down_proj.weight"), t, t
+  for group, indices in cfg.layer_groups().items():
+    layers = lambda name: [f"model.layers.{i}.{name}" for i in indices]  # pylint: disable=cell-var-from-loop
+    yield (group, "attn_norm", "scale"), layers("input_layernorm.weight"), ident, ident
+    yield (group, "mlp_norm", "scale"), layers("post_attention_layernorm.weight"), ident, ident
+    for name, n in (("q", h), ("k", k), ("v", k)):
+      yield (group, "attn", name), layers(f"self_attn.{name}_proj.weight"), *heads_in(n)
+      if cfg.attention_bias:
+        yield (group, "attn", f"{name}_bias"), layers(f"self_attn.{name}_proj.bias"), *bias(n)
+    yield ((group, "attn", "o"), layers("self_attn.o_proj.weight"),
+           lambda x: x.T.reshape(h, hd, d), lambda x: x.reshape(h * hd, d).T)
+    if cfg.qk_norm:
+      yield (group, "attn", "q_norm", "scale"), layers("self_attn.q_norm.weight"), ident, ident
+      yield (group, "attn", "k_norm", "scale"), layers("self_attn.k_norm.weight"), ident, ident
+    sparse = cfg.sparse_layers()[indices[0]]
+    if sparse:
+      yield (group, "mlp", "router"), layers("mlp.gate.weight"), t, t
+    for name in ("gate", "up", "down"):
+      if sparse:
+        names = [tuple(f"{n}.experts.{e}.{name}_proj.weight" for e in range(cfg.num_experts))
+                 for n in layers("mlp")]
+        yield (group, "mlp", name), names, experts_t, experts_t
+      else:
+        yield (group, "mlp", name), layers(f"mlp.{name}_proj.weight"), t, t
   yield ("final_norm", "scale"), ["model.norm.weight"], ident, ident
   if not cfg.tie_word_embeddings:
     yield ("lm_head",), ["lm_head.weight"], t, t
+
+
+_STACKED = ("layers", "dense_layers")
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -101,13 +112,18 @@ def load_hf(path: str, dtype=jnp.float32, *, param_dtype=jnp.float32, mesh: jax.
   with contextlib.ExitStack() as stack:
     handles = {}
 
-    def read(hf_name: str, shape: tuple[int, ...], to_ours: Callable, our_name: str) -> np.ndarray:
+    def tensor(hf_name: str):
       if hf_name not in files:
         raise ValueError(f"{path}: tensor {hf_name!r} is missing (architecture {cfg.family})")
       fname = files[hf_name]
       if fname not in handles:
         handles[fname] = stack.enter_context(safe_open(fname, framework="flax"))
-      raw = handles[fname].get_tensor(hf_name)
+      used.add(hf_name)
+      return handles[fname].get_tensor(hf_name)
+
+    def read(hf_name: str | tuple[str, ...], shape: tuple[int, ...], to_ours: Callable, our_name: str) -> np.ndarray:
+      raw = jnp.stack([tensor(n) for n in hf_name]) if isinstance(hf_name, tuple) else tensor(hf_name)
+      fname = files[hf_name[0] if isinstance(hf_name, tuple) else hf_name]
       try:
         value = to_ours(raw)
       except (ValueError, TypeError):
@@ -116,13 +132,12 @@ def load_hf(path: str, dtype=jnp.float32, *, param_dtype=jnp.float32, mesh: jax.
         raise ValueError(f"{path}: tensor {hf_name!r} in {os.path.basename(fname)} has shape {tuple(raw.shape)}, "
                          f"which does not fit parameter {our_name} of shape {shape} ({cfg.family}, hidden_size "
                          f"{cfg.hidden_size})")
-      used.add(hf_name)
       return np.asarray(jax.device_get(value.astype(param_dtype)))
 
     for our_path, hf_names, to_ours, _ in _param_map(cfg):
       var = flat[our_path]
       shape, name = var.get_value().shape, ".".join(map(str, our_path))
-      if our_path[0] == "layers":
+      if our_path[0] in _STACKED:
         value = np.stack([read(n, shape[1:], to_ours, f"{name}[{i}]") for i, n in enumerate(hf_names)])
       else:
         value = read(hf_names[0], shape, to_ours, name)
@@ -153,8 +168,9 @@ def save_hf(model: Transformer, path: str, *, dtype=None) -> None:
     value = jnp.asarray(jax.device_get(flat[our_path].get_value()))
     if dtype is not None:
       value = value.astype(dtype)
-    layers = value if our_path[0] == "layers" else [value]
-    tensors.update((n, to_hf(x)) for n, x in zip(hf_names, layers))
+    for names, x in zip(hf_names, value if our_path[0] in _STACKED else [value]):
+      x = to_hf(x)
+      tensors.update(zip(names, x) if isinstance(names, tuple) else [(names, x)])
   hf_cfg = cfg.to_hf()
   if dtype is not None:
     hf_cfg["torch_dtype"] = jnp.dtype(dtype).name

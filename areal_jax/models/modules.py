@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import lora
+from areal_jax.models import lora, moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import constrain
 
@@ -223,17 +223,48 @@ class MLP(_Adapted):
     return self._adapted("down", g, g @ _weight(self.down, dt))
 
 
-class Block(nnx.Module):
-  """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+class MoE(nnx.Module):
+  """Mixture-of-experts SwiGLU (models/moe.py): `router` [embed, E]; each expert's gate, up [E, embed, mlp] and
+  down [E, mlp, embed]."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, e, f, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.weight_dtype
+    self.router = _param(rngs, (d, e), ("embed", "router"), pd)
+    self.gate = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd)
+    self.up = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd)
+    self.down = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd)
+    self.cfg = cfg
+
+  def __call__(self, x: jax.Array, valid: jax.Array | None = None,
+               routes: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B, T, D] -> (out [B, T, D], this layer's `moe.router_stats` over the `valid` [B, T] tokens, with the
+    chosen `experts` [B, T, k]). `routes` [B, T, k] replays a routing (the experts fixed, their weights recomputed)."""
+    b, t, d = x.shape
+    cfg, k = self.cfg, self.cfg.num_experts_per_tok
+    flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
+    weights, experts, probs = moe.route(flat(x), self.router[...], k, norm_topk=cfg.norm_topk_prob,
+                                        routes=flat(routes))
+    out = moe.sharded_experts_mlp(x, experts.reshape(b, t, k), weights.reshape(b, t, k), _weight(self.gate, x.dtype),
+                                  _weight(self.up, x.dtype), _weight(self.down, x.dtype), impl=cfg.experts_impl)
+    stats = moe.router_stats(probs, experts, flat(valid))
+    return out, dict(stats, experts=experts.reshape(b, t, k))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)); the MLP a mixture of experts when `sparse`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sparse: bool = False):
     self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.weight_dtype)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.weight_dtype)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
+    self.sparse = sparse
 
-  def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
+  def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, *, valid: jax.Array | None = None,
+               routes: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array] | None]:
+    """(x, attend's aux, the MoE's routing (`MoE.__call__`) or None for a dense layer)."""
     a, aux = self.attn(self.attn_norm(x), positions, attend)
     x = constrain(x + a, ("batch", "seq", None))
-    x = constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", None))
-    return x, aux
+    h = self.mlp_norm(x)
+    h, routing = self.mlp(h, valid, routes) if self.sparse else (self.mlp(h), None)
+    return constrain(x + h, ("batch", "seq", None)), aux, routing

@@ -1,0 +1,142 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): top-k routing and dropless grouped expert matmuls.
+
+Each token's router picks `k` of `E` experts (softmax over the router's logits in float32, top-k, renormalised when
+`norm_topk_prob`); its output is the routing-weighted sum of those experts' SwiGLU MLPs. No token is dropped: the
+token-expert pairs are sorted by expert and multiplied group by group (`grouped_matmul`: `jax.lax.ragged_dot` on
+CPU/GPU, the Pallas megablox kernel on TPU), so the work is k tokens' worth whatever the routing.
+
+Inside a sharding context the expert computation runs once per device under `shard_map`: each device sorts its own
+rows' tokens, holds every expert's slice of the MLP width (tensor parallelism; the partial sums meet in a `psum`), and
+FSDP-sharded expert weights are gathered on the way in.
+
+`routes` (the top-k expert ids a token was sampled with) replays a routing: the experts are fixed, their weights
+recomputed from this router's probabilities (routing replay, for the learner).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from areal_jax import sharding
+
+_MEGABLOX_TILE = 128
+
+
+def route(x: jax.Array, router: jax.Array, k: int, *, norm_topk: bool,
+          routes: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x [N, D], router [D, E] -> (weights [N, k] in x's dtype, experts [N, k] int32, probs [N, E] float32).
+
+  As HF's Qwen3-MoE router: logits in x's dtype, softmax in float32, top-k. `routes` [N, k] fixes the experts."""
+  probs = jax.nn.softmax((x @ router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+  if routes is None:
+    top, experts = jax.lax.top_k(probs, k)
+  else:
+    experts = routes.astype(jnp.int32)
+    top = jnp.take_along_axis(probs, experts, axis=-1)
+  if norm_topk:
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+  return top.astype(x.dtype), experts, probs
+
+
+def _megablox(lhs, rhs, group_sizes, interpret: bool):
+  from jax.experimental.pallas.ops.tpu import megablox  # pylint: disable=g-import-not-at-top
+
+  m = lhs.shape[0]
+  pad = -m % _MEGABLOX_TILE
+  lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+  tiling = (_MEGABLOX_TILE, min(_MEGABLOX_TILE, lhs.shape[1]), min(_MEGABLOX_TILE, rhs.shape[2]))
+  out = megablox.gmm(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype, tiling=tiling, interpret=interpret)
+  return out[:m]
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "ragged_dot",
+                   interpret: bool = False) -> jax.Array:
+  """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G] (summing to at most M) -> [M, N]: each group's
+  rows times its matrix (rows past the groups come out zero with ragged_dot, unspecified with megablox)."""
+  if impl == "megablox":
+    return _megablox(lhs, rhs, group_sizes, interpret)
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+
+
+def experts_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                down: jax.Array, *, impl: str = "ragged_dot", interpret: bool = False) -> jax.Array:
+  """x [N, D]; experts, weights [N, k]; gate, up [E, D, F]; down [E, F, D] -> [N, D]: sum over each token's k experts
+  of weight * down(silu(gate(x)) * up(x)), grouped by expert (dropless)."""
+  n, k = experts.shape
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = jnp.take(x, order // k, axis=0)
+  sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+  mm = functools.partial(grouped_matmul, group_sizes=sizes, impl=impl, interpret=interpret)
+  dt = x.dtype
+  h = jax.nn.silu(mm(rows, gate.astype(dt))) * mm(rows, up.astype(dt))
+  out = mm(h, down.astype(dt)) * jnp.take(weights.reshape(-1), order)[:, None]
+  unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+  return jnp.sum(unsorted.reshape(n, k, -1), axis=1)
+
+
+def resolve(impl: str) -> str:
+  """`auto` -> megablox on TPU (the sharding context's mesh's platform, else JAX's default), ragged_dot elsewhere."""
+  if impl != "auto":
+    return impl
+  ctx = sharding.current()
+  platform = ctx[0].devices.flat[0].platform if ctx else jax.default_backend()
+  return "megablox" if platform == "tpu" else "ragged_dot"
+
+
+def sharded_experts_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                        down: jax.Array, *, impl: str = "auto", interpret: bool = False) -> jax.Array:
+  """`experts_mlp` on x [B, T, D] (experts, weights [B, T, k]); per device under `shard_map` inside a sharding context:
+  rows over the batch axes, the MLP width over the tensor axes (summed with `psum`), weights whole otherwise."""
+  impl = resolve(impl)
+  b, t, d = x.shape
+  k = experts.shape[-1]
+
+  def local(x, experts, weights, gate, up, down, *, psum=()):
+    lb, lt = x.shape[:2]
+    out = experts_mlp(x.reshape(lb * lt, d), experts.reshape(lb * lt, k), weights.reshape(lb * lt, k), gate, up, down,
+                      impl=impl, interpret=interpret)
+    out = out.reshape(lb, lt, d)
+    return jax.lax.psum(out, psum) if psum else out
+
+  ctx = sharding.current()
+  if ctx is None:
+    return local(x, experts, weights, gate, up, down)
+  mesh, rules = ctx
+  rows = sharding.spec(x.shape, ("batch", None, None), mesh, rules)
+  width = sharding.spec(gate.shape, (None, None, "mlp"), mesh, rules)[2]
+  psum = () if width is None else (width,) if isinstance(width, str) else tuple(width)
+  tok = P(rows[0], None, None)
+  fn = functools.partial(local, psum=psum)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(tok, tok, tok, P(None, None, width), P(None, None, width),
+                                                P(None, width, None)), out_specs=tok, check_vma=False)(
+                                                    x, experts, weights, gate, up, down)
+
+
+def router_stats(probs: jax.Array, experts: jax.Array, valid: jax.Array | None) -> dict[str, jax.Array]:
+  """A layer's routing over its valid tokens: `counts` [E] (token-expert assignments), `probs` [E] (summed router
+  probabilities), `tokens` (how many). probs [N, E]; experts [N, k]; valid [N] (None: all)."""
+  e = probs.shape[-1]
+  w = jnp.ones(probs.shape[0], jnp.float32) if valid is None else valid.astype(jnp.float32)
+  counts = jnp.zeros(e, jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(w, experts.shape[-1]))
+  return {"counts": counts, "probs": jnp.sum(probs * w[:, None], axis=0), "tokens": jnp.sum(w)}
+
+
+def load_balancing_loss(stats: dict[str, jax.Array]) -> jax.Array:
+  """The Switch-Transformer auxiliary loss over every MoE layer, as HF's `load_balancing_loss_func`:
+  E * sum_e (assignments to e / tokens) * (mean router probability of e), tokens and layers pooled.
+  `stats`: `router_stats` stacked over layers ([L, E], [L, E], [L])."""
+  tokens = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
+  per_expert = jnp.sum(stats["counts"], axis=0) / tokens
+  prob = jnp.sum(stats["probs"], axis=0) / tokens
+  return stats["counts"].shape[-1] * jnp.sum(per_expert * prob)
+
+
+def expert_load_max(stats: dict[str, jax.Array]) -> jax.Array:
+  """The most loaded expert's assignments over the mean expert's, in the worst layer (1 = balanced)."""
+  counts = stats["counts"]
+  return jnp.max(jnp.max(counts, axis=-1) / jnp.maximum(jnp.mean(counts, axis=-1), 1e-9))
