@@ -45,6 +45,7 @@ class LearnerConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
+  aux_loss_coef: float = 0.001  # a mixture-of-experts model's load-balancing loss (HF's router_aux_loss_coef)
   reward_scale: float = 5.0
   adv_norm: str = "group"
   filter_uniform_groups: bool = True

@@ -42,6 +42,7 @@ from areal_jax.learner.optimizer import learning_rate
 from areal_jax.learner.ppo import loglinear_alpha
 from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, STALENESS_BUCKETS, STALENESS_KEY, StepFns,
                                     build_step)
+from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import LEARNER_RULES, Rules
 from areal_jax.types import Trajectory
@@ -339,7 +340,8 @@ class Learner:
 
   def _stats(self, plan: StepPlan, sums: list[dict], grad_norms: list, elapsed: float, lr: float) -> dict[str, float]:
     cfg = self.config
-    total = {k: float(sum(s[k] for s in sums)) for k in self.fns.stat_keys if not k.endswith("_by_staleness")}
+    total = {k: float(sum(s[k] for s in sums)) for k in self.fns.stat_keys
+             if not k.endswith("_by_staleness") and k != "expert_counts"}
     n = max(total["tokens"], 1.0)
     out = {f"learner/{k}": v for k, v in plan.host_stats.items()}
     tokens = sum(plan.seq_lengths)
@@ -370,6 +372,10 @@ class Learner:
     }
     if cfg.kl_coef:
       out["learner/ref_kl"] = total["ref_kl"] / n
+    if "aux_loss" in total:
+      out["learner/aux_loss"] = total["aux_loss"] / n
+      counts = np.sum([s["expert_counts"] for s in sums], axis=0) if sums else np.zeros(1)
+      out["learner/expert_load_max"] = float(moe.expert_load_max({"counts": counts}))
     bad = [f"{key.split('/')[1]} is {out[key]}" for key in ("learner/loss", "learner/grad_norm")
            if not np.isfinite(out[key])]
     if bad:

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
 from areal_jax.learner.ppo import kl_estimate, loglinear_proximal, ppo_token_terms
-from areal_jax.models import lora
+from areal_jax.models import lora, moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import logprobs_and_entropy
 from areal_jax.models.transformer import create
@@ -69,21 +69,31 @@ def batch_rows(mesh: Mesh, rules: Rules = LEARNER_RULES) -> int:
 
 
 def packed_logprobs(model, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, temperature: float,
-                    chunk: int = 0, with_entropy: bool = False) -> tuple[jax.Array, ...]:
-  """(logprob of token t + 1 at t, [entropy at t]) over packed rows, each [rows, length].
+                    chunk: int = 0, with_entropy: bool = False, with_routing: bool = False) -> tuple[jax.Array, ...]:
+  """(logprob of token t + 1 at t, [entropy at t], [a mixture of experts' routing]) over packed rows, each
+  [rows, length] (the routing as `Transformer.run_layers` returns it).
 
   Values where t + 1 is not in t's segment are meaningless; callers mask them. The vocabulary projection runs
   `chunk` vocabulary entries at a time (`logprobs_and_entropy`), so the [tokens, vocab] logits never exist.
   """
-  h = model.hidden(tokens, positions=positions, segment_ids=segment_ids)
+  h, routing = model.hidden(tokens, positions=positions, segment_ids=segment_ids, routing=True)
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
   lp, ent = logprobs_and_entropy(h, model.unembedding(), targets, temperature, chunk=chunk)
-  return (lp, ent) if with_entropy else (lp,)
+  return (lp,) + ((ent,) if with_entropy else ()) + ((routing,) if with_routing else ())
 
 
-def stat_keys(cfg: LearnerConfig) -> tuple[str, ...]:
-  return (SUM_STATS + (("ref_kl",) if cfg.kl_coef else ()) + ("importance_weight_max",)
-          + tuple(f"{k}_by_staleness" for k in STALENESS_STATS))
+def stat_shapes(cfg: LearnerConfig, model_cfg: ModelConfig | None = None) -> dict[str, tuple[int, ...]]:
+  """The statistics a step accumulates, with their shapes; a mixture of experts adds its load-balancing loss and each
+  sparse layer's token-expert assignments."""
+  out = dict.fromkeys(SUM_STATS + (("ref_kl",) if cfg.kl_coef else ()) + ("importance_weight_max",), ())
+  out |= {f"{k}_by_staleness": (STALENESS_BUCKETS,) for k in STALENESS_STATS}
+  if model_cfg is not None and model_cfg.num_experts:
+    out |= {"aux_loss": (), "expert_counts": (sum(model_cfg.sparse_layers()), model_cfg.num_experts)}
+  return out
+
+
+def stat_keys(cfg: LearnerConfig, model_cfg: ModelConfig | None = None) -> tuple[str, ...]:
+  return tuple(stat_shapes(cfg, model_cfg))
 
 
 def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
@@ -95,9 +105,11 @@ def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
 def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, cfg: LearnerConfig,
                     temperature: float) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`Σ m·w·ℓ · inv_tokens` of one micro-batch (PPO + optional KL and entropy terms; w = `loss_weights`) and its
-  statistic sums."""
-  lp, ent = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
-                            temperature=temperature, chunk=cfg.vocab_chunk, with_entropy=True)
+  statistic sums. A mixture of experts adds `aux_loss_coef` x its load-balancing loss over the micro-batch's tokens,
+  weighted as one more per-token term (`Σ m·w · inv_tokens`, the micro-batch's share of the loss)."""
+  lp, ent, routing = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
+                                     temperature=temperature, chunk=cfg.vocab_chunk, with_entropy=True,
+                                     with_routing=True)
   mask = batch["loss_mask"] > 0
   behavior = batch["behavior_logprobs"]
   if cfg.loglinear_proximal:
@@ -120,7 +132,13 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
   bucket = jnp.clip(batch.get(STALENESS_KEY, jnp.zeros_like(batch["tokens"])), 0, STALENESS_BUCKETS - 1).reshape(-1)
   for k in STALENESS_STATS:
     stats[f"{k}_by_staleness"] = jax.ops.segment_sum(terms[k].reshape(-1), bucket, num_segments=STALENESS_BUCKETS)
-  return (token_loss * batch["loss_weights"]).sum() * inv_tokens, stats
+  loss = (token_loss * batch["loss_weights"]).sum() * inv_tokens
+  if routing is not None:
+    aux = moe.load_balancing_loss(routing)
+    loss = loss + cfg.aux_loss_coef * aux * jnp.sum(jnp.where(mask, batch["loss_weights"], 0.0)) * inv_tokens
+    stats["aux_loss"] = jax.lax.stop_gradient(aux) * jnp.sum(mask)
+    stats["expert_counts"] = routing["counts"]
+  return loss, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +227,10 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, replicat
   return jax.tree_util.tree_map_with_path(pick, abstract_opt)
 
 
-def _zeros(abstract_trained, skeys):
+def _zeros(abstract_trained, shapes):
   """Zero gradient and statistic accumulators of a step."""
   grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), abstract_trained)
-  return grads, {k: jnp.zeros((STALENESS_BUCKETS,) if k.endswith("_by_staleness") else (), jnp.float32)
-                 for k in skeys}
+  return grads, {k: jnp.zeros(shape, jnp.float32) for k, shape in shapes.items()}
 
 
 def _logprob_gap(proximal, behavior, mask):
@@ -247,7 +264,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   opt_sh = opt_state_shardings(jax.eval_shape(tx.init, abstract_trained), abstract_trained, trained_sh, replicated)
   rows = batch_rows(mesh, rules)
   batch_sh = NamedSharding(mesh, spec((rows, 1), ("batch", None), mesh, rules))
-  skeys = stat_keys(cfg)
+  skeys = stat_keys(cfg, model_cfg)
 
   ruled = lambda fn: with_rules(fn, mesh, rules)
 
@@ -277,7 +294,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
       batch_keys=batch_keys(cfg), stat_keys=skeys, init_params=init_params,
       init_opt_state=jax.jit(lambda p: tx.init(split(p)[0]), in_shardings=(param_sh,), out_shardings=opt_sh),
       copy_params=jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(param_sh,), out_shardings=param_sh),
-      zero_accumulators=jax.jit(functools.partial(_zeros, abstract_trained, skeys),
+      zero_accumulators=jax.jit(functools.partial(_zeros, abstract_trained, stat_shapes(cfg, model_cfg)),
                                 out_shardings=(trained_sh, replicated)),
       logprobs=jax.jit(ruled(logprobs), in_shardings=(param_sh, batch_sh), out_shardings=batch_sh),
       accumulate=jax.jit(ruled(accumulate), in_shardings=(param_sh, trained_sh, replicated, batch_sh, replicated),

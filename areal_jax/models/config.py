@@ -24,7 +24,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # learner.lora.quantize_base: "" = model.param_dtype; "int8" and "nf4" quantize the base projections (QLoRA).
 LORA_QUANT_TYPES = ("int8", "nf4")
 LORA_BASE_DTYPES = ("", "bfloat16", *LORA_QUANT_TYPES)
-EXPERTS_IMPLS = ("auto", "ragged_dot", "megablox")  # see models/moe.py
+EXPERTS_IMPLS = ("auto", "ragged_dot", "tiled", "megablox")  # see models/moe.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,7 @@ class ModelConfig:
   norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
-  experts_impl: str = "auto"  # grouped matmul: auto (megablox on TPU, else ragged_dot) | ragged_dot | megablox
+  experts_impl: str = "auto"  # auto (TPU megablox, GPU ragged_dot, CPU tiled) | ragged_dot | tiled | megablox
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots

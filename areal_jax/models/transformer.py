@@ -170,18 +170,19 @@ class Transformer(nnx.Module):
     out = jnp.einsum("...d,dv->...v", h, self.unembedding().astype(h.dtype), preferred_element_type=jnp.float32)
     return constrain(out, ("batch", "seq", "act_vocab")) if out.ndim == 3 else out
 
-  def hidden(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-             segment_ids: jax.Array | None = None) -> jax.Array:
-    """Final hidden states [B, T, D] of the packed training forward."""
+  def hidden(self, tokens: jax.Array, *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+             routes: jax.Array | None = None, routing: bool = False):
+    """Final hidden states [B, T, D] of the packed training forward; with `routing`, (h, the sparse layers' routing
+    over the non-padding tokens, `run_layers`)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     if segment_ids is None:
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
     attend = packed_attention(segment_ids, impl=self.cfg.attention, block=self.cfg.attention_block)
-    h, _ = self.run_layers(self.embed_tokens(tokens), positions, lambda i, q, k, v: attend(q, k, v),
-                           valid=segment_ids != 0)
-    return h
+    h, _, routed = self.run_layers(self.embed_tokens(tokens), positions, lambda i, q, k, v: attend(q, k, v),
+                                   valid=segment_ids != 0, routes=routes, routing=True)
+    return (h, routed) if routing else h
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:

@@ -114,9 +114,9 @@ def _experts_case(n=40, d=16, f=24, e=6, k=2, seed=0):
   return x, experts, weights, params
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "megablox"])
-def test_grouped_experts_equal_dense_reference(impl):
-  x, experts, weights, params = _experts_case()
+@pytest.mark.parametrize("impl,n", [("ragged_dot", 40), ("tiled", 40), ("tiled", 300), ("megablox", 40)])
+def test_grouped_experts_equal_dense_reference(impl, n):
+  x, experts, weights, params = _experts_case(n=n)
   fast = functools.partial(moe.experts_mlp, impl=impl, interpret=True)
   cot = np.random.default_rng(3).normal(size=x.shape).astype(np.float32)
 
@@ -173,3 +173,22 @@ def test_active_parameters_and_flops_count_k_experts():
   assert total - active == 2 * (CFG.num_experts - CFG.num_experts_per_tok) * per_expert  # two sparse layers
   model = tiny_model(CFG)
   assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == total
+
+
+def test_sampler_logprobs_equal_the_learner_forward():
+  """The sampler's prefill and paged decode route as the packed training forward does (fp32: within 1e-5)."""
+  from areal_jax.learner.step import packed_logprobs
+  from areal_jax.sampler import generate
+  model = tiny_model(CFG, seed=4)
+  prompts = [np.array(p, np.int32) for p in ([5], [7, 3, 9, 2, 1], list(range(2, 15)))]
+  out = generate(model, prompts, max_new_tokens=8, temperature=1.0, n=2, seed=1, page_size=4)
+  rows = [(p, c.tokens) for p, cs in zip(prompts, out) for c in cs]
+  tokens = np.concatenate([np.concatenate(r) for r in rows])[None]
+  seg = np.concatenate([np.full(len(p) + len(a), i + 1) for i, (p, a) in enumerate(rows)])[None]
+  pos = np.concatenate([np.arange(len(p) + len(a)) for p, a in rows])[None]
+  (lp,) = packed_logprobs(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), temperature=1.0)
+  start = 0
+  for (p, a), c in zip(rows, [c for cs in out for c in cs]):
+    np.testing.assert_allclose(c.logprobs, np.asarray(lp)[0, start + len(p) - 1:start + len(p) + len(a) - 1],
+                               atol=1e-5)
+    start += len(p) + len(a)
