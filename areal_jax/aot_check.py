@@ -140,8 +140,8 @@ _SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 def matmul_flops(jaxpr, *, devices: int) -> tuple[float, dict[str, float]]:
   """(Matmul FLOPs of a traced program over all devices, Pallas kernel calls by name) from its jaxpr: every scan's
   body counted `length` times, rematerialised passes as often as they run, `shard_map` bodies once per device, the
-  first branch of a `cond`; a `while` body once (none on the learner's path). Kernel work is not in it (see
-  `learner_flops`). XLA's own count is no substitute: it counts a loop body once, and its TPU compiler turns some
+  first branch of a `cond`; a `while` body once (none on the learner's path). Grouped matmuls (`ragged_dot`, megablox)
+  count each row once; splash kernels' work is not in it (see `learner_flops`). XLA's own count is no substitute: it counts a loop body once, and its TPU compiler turns some
   sharded matmuls into loops of its own (on 8 devices a plain sharded matmul reports half its FLOPs)."""
   total, kernels = 0.0, collections.Counter()
 
@@ -154,8 +154,16 @@ def matmul_flops(jaxpr, *, devices: int) -> tuple[float, dict[str, float]]:
         lhs = eqn.invars[0].aval.shape
         total += mult * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
         continue
+      if name == "ragged_dot_general":  # a grouped matmul: each lhs row meets one group's matrix
+        lhs = eqn.invars[0].aval.shape
+        total += mult * 2 * lhs[0] * lhs[1] * eqn.outvars[0].aval.shape[-1]
+        continue
       if name == "pallas_call":
-        kernels[str(eqn.params.get("name"))] += mult
+        cost = eqn.params.get("cost_estimate")
+        if eqn.params.get("name") is None and cost is not None:  # megablox's grouped matmuls state their FLOPs
+          total += mult * cost.flops
+        else:
+          kernels[str(eqn.params.get("name"))] += mult
         continue
       inner = mult * (eqn.params["length"] if name == "scan" else
                       eqn.params["mesh"].size if name == "shard_map" else 1)
@@ -220,11 +228,11 @@ def _compile(lowered, **fields) -> ProgramReport:
 
 def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
                   flop_seq_len: int | None = 4096) -> list[ProgramReport]:
-  """`logprobs`, `accumulate`, `apply` of the run's learner on `topology` (mesh fsdp × mesh.learner_tensor).
+  """`logprobs`, `accumulate`, `apply` of the run's learner on `topology` (mesh fsdp × mesh.learner_expert × mesh.learner_tensor).
   Model FLOPs are for rows packed with sequences of `flop_seq_len` tokens (at most the row and `max_seq_len`), and
   the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest)."""
   devices = topology_devices(topology)
-  mesh = make_mesh(devices, {"fsdp": -1, "tensor": settings.mesh.learner_tensor})
+  mesh = make_mesh(devices, settings.mesh.learner_axes())
   cfg, model_cfg, max_seq_len = settings.learner, settings.model, settings.sampler.max_seq_len
   fns = build_step(model_cfg, cfg, mesh, temperature=settings.sampler.temperature)
   params, opt = fns.abstract_state()
@@ -257,10 +265,10 @@ def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
 
 
 def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
-  """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_tensor), and
+  """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_expert × mesh.sampler_tensor), and
   `prefill_after` with `sampler.prefix_cache`."""
   devices = topology_devices(topology)
-  mesh = make_mesh(devices, {"data": -1, "tensor": settings.mesh.sampler_tensor})
+  mesh = make_mesh(devices, settings.mesh.sampler_axes())
   model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)

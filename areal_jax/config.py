@@ -146,6 +146,9 @@ def _check_mesh(settings: Settings, num_devices: int | None) -> None:
   """Tensor parallelism that divides the heads; with `num_devices`, a device split that the meshes divide."""
   m, s, model = settings.mesh, settings.sampler, settings.model
   for role in ("sampler", "learner"):
+    e = getattr(m, f"{role}_expert")
+    if e < 1 or (e > 1 and (not model.num_experts or model.num_experts % e)):
+      _fail(f"mesh.{role}_expert", e, f"must divide model.num_experts={model.num_experts} (1 without experts)")
     t = getattr(m, f"{role}_tensor")
     if t < 1 or model.num_heads % t:
       _fail(f"mesh.{role}_tensor", t, f"must divide model.num_heads={model.num_heads}")
@@ -154,10 +157,12 @@ def _check_mesh(settings: Settings, num_devices: int | None) -> None:
       n_sampler, n_learner = split_devices(num_devices, m.sampler_devices)
     except ValueError as e:
       raise ConfigError(f"config.{e}") from None
-    if n_sampler % m.sampler_tensor:
-      _fail("mesh.sampler_tensor", m.sampler_tensor, f"must divide the {n_sampler} sampler devices")
-    if n_learner % m.learner_tensor:
-      _fail("mesh.learner_tensor", m.learner_tensor, f"must divide the {n_learner} learner devices")
-    data = n_sampler // m.sampler_tensor
+    if n_sampler % (m.sampler_tensor * m.sampler_expert):
+      _fail("mesh.sampler_tensor", m.sampler_tensor, f"times mesh.sampler_expert={m.sampler_expert} must divide the "
+            f"{n_sampler} sampler devices")
+    if n_learner % (m.learner_tensor * m.learner_expert):
+      _fail("mesh.learner_tensor", m.learner_tensor, f"times mesh.learner_expert={m.learner_expert} must divide the "
+            f"{n_learner} learner devices")
+    data = n_sampler // (m.sampler_tensor * m.sampler_expert)
     if s.num_slots % data:
       _fail("sampler.num_slots", s.num_slots, f"not divisible by the sampler's data axis ({data} devices)")

@@ -22,10 +22,11 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 # Tensor parallelism along heads / mlp / vocab, for parameters and activations alike (both roles).
 _TENSOR_RULES: Rules = tuple((name, "tensor") for name in (
     "vocab", "q_heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"))
-# Learner: FSDP shards parameters along `embed`; the batch (packed tokens) is split over data and fsdp.
-LEARNER_RULES: Rules = (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _TENSOR_RULES
-# Sampler: no FSDP (weights are read every decode step); slots over data.
-SAMPLER_RULES: Rules = (("batch", "data"),) + _TENSOR_RULES
+# Learner: FSDP shards parameters along `embed`; a mixture of experts' experts over `expert` (expert parallelism); the
+# batch (packed tokens) is split over data, fsdp and expert.
+LEARNER_RULES: Rules = (("batch", ("data", "fsdp", "expert")), ("embed", "fsdp"), ("experts", "expert")) + _TENSOR_RULES
+# Sampler: no FSDP (weights are read every decode step); slots over data, experts over expert (slots replicated there).
+SAMPLER_RULES: Rules = (("batch", "data"), ("experts", "expert")) + _TENSOR_RULES
 
 _CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("areal_sharding", default=None)
 

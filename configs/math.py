@@ -12,6 +12,10 @@ r"""Asynchronous RL on math problems (AReaL, arXiv 2505.24298). Presets: `--conf
   and an evaluation every 2 steps, uniform groups kept): what the end-to-end tests and `tools/chaos.py` run. It
   barely learns.
 
+* `tiny-moe`: `tiny` as a Qwen3-MoE model: 8 experts per layer, 2 per token, each half the dense MLP's width (the
+  same active parameters as `tiny`, 4x its MLP parameters in all). Same command with
+  `--config=configs/math.py:tiny-moe`.
+
 * `qwen2.5-1.5b`: DeepSeek-R1-Distill-Qwen-1.5B / Qwen2.5-1.5B shapes with the paper's Table 3 hyperparameters, for a
   v5p-8 per role:
 
@@ -25,12 +29,16 @@ r"""Asynchronous RL on math problems (AReaL, arXiv 2505.24298). Presets: `--conf
   v5p-16 per role (same command with this preset). Not run on TPUs here; `tools/aot_check.py` compiles both roles for
   v5p:2x2x2 within 95 GiB per chip.
 
+* `qwen3-30b-a3b`: Qwen3-30B-A3B (a mixture of experts: 128 experts, 8 per token, 3.3B active parameters of 30.5B),
+  same hyperparameters, for a v5p-64 learner and a v5p-32 sampler (4-way tensor parallel). Not run on TPUs here;
+  `tools/aot_check.py` compiles both roles for them (docs/results.md).
+
 Measured figures: docs/results.md. Any field can be overridden: `--config.learner.lr=1e-5`. Unknown keys raise.
 """
 
 import ml_collections
 
-PRESETS = ("tiny", "fast", "qwen2.5-1.5b", "r1-distill-qwen-7b")
+PRESETS = ("tiny", "fast", "tiny-moe", "qwen2.5-1.5b", "r1-distill-qwen-7b", "qwen3-30b-a3b")
 
 
 def fast(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -51,9 +59,18 @@ def fast(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
+def tiny_moe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The `tiny-moe` preset's changes to a tiny config: Qwen3-MoE layers (q/k norms, no attention biases) whose 8
+  experts of width 384, 2 per token, hold as many active parameters as `tiny`'s 768-wide MLP."""
+  c.model.update(family="qwen3_moe", qk_norm=True, attention_bias=False, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=384)
+  c.preset = "tiny-moe"
+  return c
+
+
 def _model(preset: str) -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
-  m.family = "qwen2"  # qwen2 | qwen3 | llama
+  m.family = "qwen2"  # qwen2 | qwen3 | qwen3_moe | llama
   m.init_from = ""  # HF model directory; "" = random init (+ supervised warm-start for `tiny`)
   m.tokenizer = "char"  # "char" (built-in character vocabulary) or a path (tokenizer.json dir / .model file)
   # RoPE scaling (rope_type "" = none, "llama3" = Llama 3.1's; the rest are its parameters), as in HF configs
@@ -69,6 +86,15 @@ def _model(preset: str) -> ml_collections.ConfigDict:
   # Packed training attention: auto = splash (Pallas) on TPU, else flash (pure JAX; dense for rows of <= 2 blocks).
   m.attention = "auto"  # auto | flash | splash | dense
   m.attention_block = 0  # tokens per block; 0 = flash: 128 on CPU, 512 elsewhere; splash: 512
+  # Mixture of experts (family qwen3_moe; 0 experts = dense): layer i is sparse unless it is in mlp_only_layers or
+  # (i + 1) % decoder_sparse_step != 0, as in HF's Qwen3-MoE.
+  m.num_experts = 0  # experts per sparse layer
+  m.num_experts_per_tok = 0  # experts each token is routed to (top-k)
+  m.moe_intermediate_size = 0  # one expert's MLP width
+  m.norm_topk_prob = True  # renormalise a token's k routing weights to sum to 1
+  m.decoder_sparse_step = 1  # every n-th layer is sparse
+  m.mlp_only_layers = ()  # layers kept dense
+  m.experts_impl = "auto"  # expert matmuls: auto (TPU megablox, GPU ragged_dot, CPU tiled) | ragged_dot | tiled
   if preset == "tiny":
     m.vocab_size = 64  # token ids (the char tokenizer needs 64)
     m.hidden_size = 256  # model width
@@ -113,6 +139,25 @@ def _model(preset: str) -> ml_collections.ConfigDict:
     m.qk_norm = False  # RMSNorm on queries and keys per head (Qwen3)
     m.dtype = "bfloat16"
     m.remat = "full"
+  elif preset == "qwen3-30b-a3b":
+    m.family = "qwen3_moe"
+    m.vocab_size = 151936
+    m.hidden_size = 2048
+    m.intermediate_size = 6144  # no dense layers: unused
+    m.num_layers = 48
+    m.num_heads = 32
+    m.num_kv_heads = 4
+    m.head_dim = 128
+    m.rope_theta = 1000000.0  # RoPE base frequency
+    m.max_position_embeddings = 40960
+    m.tie_word_embeddings = False
+    m.attention_bias = False
+    m.qk_norm = True
+    m.num_experts = 128
+    m.num_experts_per_tok = 8
+    m.moe_intermediate_size = 768
+    m.dtype = "bfloat16"
+    m.remat = "full"
   return m
 
 
@@ -122,6 +167,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"unknown preset {preset!r} in configs/math.py; choose one of {PRESETS}")
   if preset == "fast":
     return fast(get_config("tiny"))
+  if preset == "tiny-moe":
+    return tiny_moe(get_config("tiny"))
   tiny = preset == "tiny"
   c = ml_collections.ConfigDict()
   c.preset = preset  # the preset this config was built from
@@ -255,9 +302,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.cpu_devices = 4
   c.mesh.sampler_processes = 1  # multi-process jobs (--num_processes > 1): how many processes are samplers
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
-  c.mesh.sampler_tensor = 1  # sampler mesh: data x tensor (data = devices / tensor)
+  # sampler mesh: data x tensor (data = devices / tensor); 30B-A3B: its 61 GB of bfloat16 weights over 4 chips
+  c.mesh.sampler_tensor = 4 if preset == "qwen3-30b-a3b" else 1
   # learner mesh: fsdp x tensor (fsdp = devices / tensor); tensor > 1 trades rows for memory.
   c.mesh.learner_tensor = 1
+  # Expert parallelism (a mixture of experts): its experts sharded over this many devices of each role's mesh (data or
+  # fsdp x expert x tensor); the learner's rows are split over it too, the sampler's slots replicated.
+  c.mesh.sampler_expert = 1  # sampler mesh: data x expert x tensor
+  c.mesh.learner_expert = 1  # learner mesh: fsdp x expert x tensor
 
   c.warmstart = ml_collections.ConfigDict()  # supervised warm-start on worked solutions (only without init_from)
   # At most; 0 = none; the cosine schedule spans all of them. Cached in <workdir>/warmstart.

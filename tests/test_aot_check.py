@@ -43,7 +43,7 @@ def test_tiny_compiles_and_fits(reports):
   assert by_name["decode"].flops > 0 and by_name["insert"].flops == 0
   assert by_name["accumulate"].resident_bytes > 0  # the optimizer state, live but not an argument
   assert by_name["accumulate"].alias_bytes > 0  # the donated gradient accumulator
-  assert by_name["decode"].mesh == {"data": 4, "tensor": 1}
+  assert by_name["decode"].mesh == {"data": 4, "expert": 1, "tensor": 1}
   # On TPU the learner's packed attention is the Pallas splash kernel: forward, and both backward kernels.
   assert "splash_mha_fwd" in " ".join(by_name["logprobs"].kernels), by_name["logprobs"].kernels
   names = " ".join(by_name["accumulate"].kernels)
@@ -54,6 +54,21 @@ def test_tiny_compiles_and_fits(reports):
   assert by_name["apply"].flop_ratio == by_name["decode"].flop_ratio == 0
   table = aot_check.format_table(reports)
   assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table and "splash_mha_dkv" in table
+
+
+def test_tiny_moe_compiles_with_megablox_and_expert_parallelism():
+  settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny-moe"), **SMALL, **{
+      "mesh.learner_expert": 2, "mesh.sampler_expert": 2}), data=False)
+  reports = aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology="v5e:2x2")
+  by_name = {r.program: r for r in reports}
+  for r in reports:
+    assert r.fits, r.verdict()
+  assert by_name["accumulate"].mesh == {"fsdp": 2, "expert": 2, "tensor": 1}
+  assert by_name["decode"].mesh == {"data": 2, "expert": 2, "tensor": 1}
+  for name in ("logprobs", "accumulate", "prefill", "decode"):
+    assert any("gmm" in k for k in by_name[name].kernels), (name, by_name[name].kernels)
+  # The grouped matmuls count each token-expert pair once (megablox states its FLOPs): no masked dense work.
+  assert 1 < by_name["logprobs"].flop_ratio < 2 and 1 < by_name["accumulate"].flop_ratio < 2
 
 
 def test_matmul_flops_count_every_pass_of_every_loop():

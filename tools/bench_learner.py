@@ -115,9 +115,13 @@ def make_torch_step(learner, trajs, max_tokens: int, temperature: float):
       behav[r, p - 1:lengths[i] - 1], a[r, p - 1:lengths[i] - 1], resp[r, p - 1:lengths[i] - 1] = t.logprobs, adv[i], 1
     return [torch.from_numpy(x) for x in (ids, mask, behav, a, resp)]
 
-  def logprobs(ids, mask):
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+  moe = bool(learner.model_cfg.num_experts)  # with the router's load-balancing loss, as the learner's
+
+  def logprobs(ids, mask, with_aux=False):
+    out = model(input_ids=ids, attention_mask=mask, output_router_logits=moe and with_aux)
+    logits = out.logits[:, :-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return (lp, out.aux_loss if moe else 0.0) if with_aux else lp
 
   minibatches = [[micro_batches(sorted(idx))] for idx in balanced_split(lengths, cfg.ppo_n_minibatches)]
   minibatches = [[tensors(mb) for mb in mbs] for (mbs,) in minibatches]
@@ -129,10 +133,11 @@ def make_torch_step(learner, trajs, max_tokens: int, temperature: float):
       opt.zero_grad()
       n = sum(float(resp.sum()) for *_, resp in mbs)
       for (ids, mask, behav, a, resp), px in zip(mbs, prox_mbs):
-        lp = logprobs(ids, mask)
+        lp, aux = logprobs(ids, mask, with_aux=True)
         ratio, weight = torch.exp(lp - px), torch.exp(px - behav)
         clipped = torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip)
         loss = -(weight * torch.minimum(ratio * a, clipped * a) * resp).sum() / n
+        loss = loss + cfg.aux_loss_coef * aux * resp.sum() / n
         loss.backward()
       torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
       opt.step()
@@ -190,6 +195,8 @@ def main():
           ("packed, loglinear", None, learner_cfg.replace(prox_logp_method="loglinear"), model_cfg)]
   if not args.no_dense:
     runs.append(("packed, dense attn", None, learner_cfg, model_cfg.replace(attention="dense")))
+  if model_cfg.num_experts:  # the grouped expert matmul XLA gives for ragged_dot, beside the tiled one (CPU's auto)
+    runs.append(("packed, ragged_dot", None, learner_cfg, model_cfg.replace(experts_impl="ragged_dot")))
   if args.short_rows:
     runs.append((f"packed, {args.short_rows} rows", None, learner_cfg.replace(max_tokens_per_mb=args.short_rows),
                  model_cfg))

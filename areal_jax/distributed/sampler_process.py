@@ -1,6 +1,6 @@
 """`run_sampler(settings, layout)`: a sampler process of a multi-process run.
 
-It owns its local devices (a data x tensor mesh of its own; it never joins the learner's collectives), connects to
+It owns its local devices (a data x expert x tensor mesh of its own; it never joins the learner's collectives), connects to
 the leader, and then, until told to stop:
 - generates the prompt groups the leader sends (a `SamplerLoop`: continuous batching, paged KV cache), each from
   the policy version it names or newer;
@@ -33,6 +33,7 @@ from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
 from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Pulled, Signalled, Stats, Stop,
                                             Weights)
 from areal_jax.distributed.roles import ProcessLayout, authkey
+from areal_jax.distributed.slices import MeshConfig
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
 from areal_jax.models import create, lora
 from areal_jax.sampler.engine import Engine
@@ -46,23 +47,22 @@ PULL_TIMEOUT_S = 600.0
 def run_sampler(settings, layout: ProcessLayout) -> None:
   """A sampler process: `settings` are the run's typed settings (`config.validate`)."""
   tokenizer = load_tokenizer(settings.model_source.tokenizer)
-  tensor = settings.mesh.sampler_tensor
-  mesh = make_mesh(jax.local_devices(), {"data": -1, "tensor": tensor})
+  mesh = make_mesh(jax.local_devices(), settings.mesh.sampler_axes())
   abstract_model = nnx.eval_shape(lambda: create(settings.model, 0))
   engine = Engine(model=abstract_model, config=settings.sampler.for_tokenizer(tokenizer.vocab_size), mesh=mesh)
   abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
   leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
-  _Sampler(leader, engine, abstract_params, layout=layout, tensor=tensor, eos_ids=[tokenizer.eos_id],
+  _Sampler(leader, engine, abstract_params, layout=layout, mesh=settings.mesh, eos_ids=[tokenizer.eos_id],
            detokenize=tokenizer.decode).run()
 
 
 class _Sampler:
 
-  def __init__(self, leader: Peer, engine: Engine, abstract_params, *, layout: ProcessLayout, tensor: int, eos_ids,
+  def __init__(self, leader: Peer, engine: Engine, abstract_params, *, layout: ProcessLayout, mesh: MeshConfig, eos_ids,
                detokenize):
     self.leader, self.engine, self.layout = leader, engine, layout
-    self.abstract_params, self.tensor = abstract_params, tensor
+    self.abstract_params, self.mesh = abstract_params, mesh
     self.eos_ids, self.detokenize = eos_ids, detokenize
     self.loop: SamplerLoop | None = None
     self.base = None  # under LoRA: the frozen base weights, pulled once
@@ -104,7 +104,8 @@ class _Sampler:
     if not isinstance(notice, Weights):
       raise RuntimeError(f"{self.layout.name}: expected the initial weights, got {kind!r}: {notice!r:.300}")
     host = local_ip_towards(self.layout.host)
-    self.puller = WeightPuller(address=notice.address, abstract_params=self.abstract_params, tensor=self.tensor,
+    self.puller = WeightPuller(address=notice.address, abstract_params=self.abstract_params,
+                               tensor=self.mesh.sampler_tensor, expert=self.mesh.sampler_expert,
                                devices=jax.local_devices(), host=host)
     params = self._pull(notice)
     self.loop = SamplerLoop(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,

@@ -40,12 +40,22 @@ class MeshConfig:
   sampler_devices: int | float = 0.5  # int = count, float in (0, 1) = fraction
   sampler_tensor: int = 1
   learner_tensor: int = 1
+  sampler_expert: int = 1  # expert parallelism (a mixture of experts' experts over this many devices)
+  learner_expert: int = 1
 
   def __post_init__(self):
     if not self.cpu_devices > 0:
       raise ValueError(f"mesh.cpu_devices={self.cpu_devices!r}: must be positive")
     if self.sampler_processes < 0:
       raise ValueError(f"mesh.sampler_processes={self.sampler_processes!r}: must be >= 0")
+
+  def sampler_axes(self) -> dict[str, int]:
+    """The sampler mesh's axes: data (the rest of the devices) x expert x tensor."""
+    return {"data": -1, "expert": self.sampler_expert, "tensor": self.sampler_tensor}
+
+  def learner_axes(self) -> dict[str, int]:
+    """The learner mesh's axes: fsdp (the rest of the devices) x expert x tensor."""
+    return {"fsdp": -1, "expert": self.learner_expert, "tensor": self.learner_tensor}
 
   def split(self, num_devices: int) -> tuple[int, int]:
     """(sampler, learner) device counts of `num_devices` (`split_devices`)."""
@@ -59,8 +69,8 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Slices:
-  sampler: Mesh  # axes (data, tensor)
-  learner: Mesh  # axes (fsdp, tensor)
+  sampler: Mesh  # axes (data, expert, tensor)
+  learner: Mesh  # axes (fsdp, expert, tensor)
   shared: bool  # one device time-shared by both roles
 
 
@@ -85,8 +95,8 @@ def build_slices(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None =
     return Slices(make_mesh(d, {"data": 1, "tensor": 1}), make_mesh(d, {"fsdp": 1, "tensor": 1}), shared=True)
   n_sampler, _ = mesh_config.split(len(devices))
   split = _by_slice(devices, n_sampler) or (devices[:n_sampler], devices[n_sampler:])
-  sampler = make_mesh(split[0], {"data": -1, "tensor": mesh_config.sampler_tensor})
-  learner = make_mesh(split[1], {"fsdp": -1, "tensor": mesh_config.learner_tensor})
+  sampler = make_mesh(split[0], mesh_config.sampler_axes())
+  learner = make_mesh(split[1], mesh_config.learner_axes())
   logging.info("sampler slice: %d devices %s; learner slice: %d devices %s", len(split[0]), dict(sampler.shape),
                len(split[1]), dict(learner.shape))
   return Slices(sampler, learner, shared=False)

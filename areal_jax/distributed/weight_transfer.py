@@ -92,10 +92,12 @@ def _server(devices: Sequence[jax.Device], host: str):
   return jax_transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
 
 
-def transfer_mesh(devices: Sequence[jax.Device], tensor: int) -> Mesh:
-  if len(devices) < tensor:
-    raise ValueError(f"mesh.sampler_tensor={tensor}: needs {tensor} local devices, this process has {len(devices)}")
-  return make_mesh(list(devices)[:tensor], {"data": 1, "tensor": tensor})
+def transfer_mesh(devices: Sequence[jax.Device], tensor: int, expert: int = 1) -> Mesh:
+  """One sampler's model copy: `expert` x `tensor` devices, sharded as the sampler's weights are."""
+  if len(devices) < tensor * expert:
+    raise ValueError(f"mesh.sampler_tensor={tensor}, mesh.sampler_expert={expert}: need {tensor * expert} local "
+                     f"devices, this process has {len(devices)}")
+  return make_mesh(list(devices)[:tensor * expert], {"data": 1, "expert": expert, "tensor": tensor})
 
 
 def check_fingerprint(got: np.ndarray, want: np.ndarray, *, paths: Sequence[str], what: str) -> None:
@@ -145,9 +147,9 @@ def part_of(params, part: str):
 class WeightPublisher:
   """The learner leader's transfer server: offers each policy version to the sampler processes."""
 
-  def __init__(self, *, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
+  def __init__(self, *, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str, expert: int = 1):
     """`abstract_params`: the sampler's parameter tree (shapes and dtypes: what the pullers expect)."""
-    self.mesh = transfer_mesh(devices, tensor)
+    self.mesh = transfer_mesh(devices, tensor, expert)
     self.parts = parts(abstract_params)
     self.shardings = {k: state_shardings(v, self.mesh, SAMPLER_RULES) for k, v in self.parts.items()}
     floats = {x.dtype for x in jax.tree.leaves(abstract_params) if jnp.issubdtype(x.dtype, jnp.floating)}
@@ -207,8 +209,9 @@ class WeightPublisher:
 class WeightPuller:
   """A sampler process's end: pulls a published version onto its own devices."""
 
-  def __init__(self, *, address: str, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str):
-    self.mesh = transfer_mesh(devices, tensor)
+  def __init__(self, *, address: str, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str,
+               expert: int = 1):
+    self.mesh = transfer_mesh(devices, tensor, expert)
     self.paths, self._targets = {}, {}
     for part, tree in parts(abstract_params).items():
       shardings = state_shardings(tree, self.mesh, SAMPLER_RULES)

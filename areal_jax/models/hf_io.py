@@ -191,14 +191,16 @@ def save_peft(model: Transformer, path: str, *, base_model: str = "") -> None:
                     cfg.lora_base_quant, base_model)
   os.makedirs(path, exist_ok=True)
   adapters, _ = lora.split(nnx.state(model, nnx.Param))
-  flat = {path_[-1]: np.asarray(jax.device_get(v.get_value()), np.float32) for path_, v in nnx.to_flat_state(adapters)}
+  flat = {(path_[0], path_[-1]): np.asarray(jax.device_get(v.get_value()), np.float32)
+          for path_, v in nnx.to_flat_state(adapters)}
   tensors = {}
-  for target in cfg.lora_targets:
-    a, b = flat[f"{target}_lora_a"], flat[f"{target}_lora_b"]  # [layers, in..., r], [layers, r, out...]
-    for i in range(cfg.num_layers):
-      name = f"base_model.model.model.layers.{i}.{_HF_MODULES[target]}"
-      tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, cfg.lora_rank).T)  # [r, in]
-      tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(cfg.lora_rank, -1).T)  # [out, r]
+  for group, indices in cfg.layer_groups().items():
+    for target in cfg.lora_targets:
+      a, b = flat[group, f"{target}_lora_a"], flat[group, f"{target}_lora_b"]  # [layers, in..., r], [layers, r, out...]
+      for j, i in enumerate(indices):
+        name = f"base_model.model.model.layers.{i}.{_HF_MODULES[target]}"
+        tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[j].reshape(-1, cfg.lora_rank).T)  # [r, in]
+        tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[j].reshape(cfg.lora_rank, -1).T)  # [out, r]
   safetensors_numpy.save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,

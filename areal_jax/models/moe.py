@@ -8,8 +8,9 @@ per expert masked to its rows: E times the work, 8.6x slower than one expert's m
 k tokens' worth whatever the routing.
 
 Inside a sharding context the expert computation runs once per device under `shard_map`: each device sorts its own
-rows' tokens, holds every expert's slice of the MLP width (tensor parallelism; the partial sums meet in a `psum`), and
-FSDP-sharded expert weights are gathered on the way in.
+rows' tokens, holds its slice of the MLP width (tensor parallelism; the partial sums meet in a `psum`) of its experts
+(expert parallelism over the `expert` mesh axis: the tokens of the axis's devices are gathered, each device computes
+its experts' pairs, and the outputs are summed back), and FSDP-sharded expert weights are gathered on the way in.
 
 `routes` (the top-k expert ids a token was sampled with) replays a routing: the experts are fixed, their weights
 recomputed from this router's probabilities (routing replay, for the learner).
@@ -85,18 +86,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
 
 
 def experts_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                down: jax.Array, *, impl: str = "tiled", interpret: bool = False) -> jax.Array:
+                down: jax.Array, *, impl: str = "tiled", interpret: bool = False, first_expert=0) -> jax.Array:
   """x [N, D]; experts, weights [N, k]; gate, up [E, D, F]; down [E, F, D] -> [N, D]: sum over each token's k experts
-  of weight * down(silu(gate(x)) * up(x)), grouped by expert (dropless)."""
+  of weight * down(silu(gate(x)) * up(x)), grouped by expert (dropless). The weights may hold experts
+  first_expert .. first_expert + E - 1 of more (expert parallelism): the others' pairs contribute nothing here."""
   n, k = experts.shape
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  e = gate.shape[0]
+  local = experts.reshape(-1) - first_expert
+  mine = (local >= 0) & (local < e)
+  key = jnp.where(mine, local, e)  # pairs of other devices' experts sort last, in no group
+  order = jnp.argsort(key, stable=True)
   rows = jnp.take(x, order // k, axis=0)
-  sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+  sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
   mm = functools.partial(grouped_matmul, group_sizes=sizes, impl=impl, interpret=interpret)
   dt = x.dtype
   h = jax.nn.silu(mm(rows, gate.astype(dt))) * mm(rows, up.astype(dt))
   out = mm(h, down.astype(dt)) * jnp.take(weights.reshape(-1), order)[:, None]
+  out = jnp.where(jnp.take(mine, order)[:, None], out, 0)  # megablox leaves rows past the groups unwritten
   unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
   return jnp.sum(unsorted.reshape(n, k, -1), axis=1)
 
@@ -111,33 +117,46 @@ def resolve(impl: str) -> str:
   return {"tpu": "megablox", "gpu": "ragged_dot", "cuda": "ragged_dot", "rocm": "ragged_dot"}.get(platform, "tiled")
 
 
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def sharded_experts_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                         down: jax.Array, *, impl: str = "auto", interpret: bool = False) -> jax.Array:
-  """`experts_mlp` on x [B, T, D] (experts, weights [B, T, k]); per device under `shard_map` inside a sharding context:
-  rows over the batch axes, the MLP width over the tensor axes (summed with `psum`), weights whole otherwise."""
-  impl = resolve(impl)
-  b, t, d = x.shape
-  k = experts.shape[-1]
+  """`experts_mlp` on x [B, T, D] (experts, weights [B, T, k]); per device under `shard_map` inside a sharding context.
 
-  def local(x, experts, weights, gate, up, down, *, psum=()):
+  Rows stay on their batch shards and the MLP width on the tensor axes (partial sums meet in a `psum`). Experts
+  sharded over an expert axis (expert parallelism) each see every token of their group of devices: rows sharded over
+  that axis too (the learner) are gathered over it and their outputs summed back to their shard (`psum_scatter`);
+  rows replicated over it (the sampler) are summed with a `psum`."""
+  impl = resolve(impl)
+  d, k = x.shape[-1], experts.shape[-1]
+
+  def local(x, experts, weights, gate, up, down, *, expert_axes=(), gather=(), psum=()):
+    if gather:
+      x, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights))
     lb, lt = x.shape[:2]
+    first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
     out = experts_mlp(x.reshape(lb * lt, d), experts.reshape(lb * lt, k), weights.reshape(lb * lt, k), gate, up, down,
-                      impl=impl, interpret=interpret)
-    out = out.reshape(lb, lt, d)
+                      impl=impl, interpret=interpret, first_expert=first).reshape(lb, lt, d)
+    if gather:
+      out = jax.lax.psum_scatter(out, gather, scatter_dimension=0, tiled=True)
     return jax.lax.psum(out, psum) if psum else out
 
   ctx = sharding.current()
   if ctx is None:
     return local(x, experts, weights, gate, up, down)
   mesh, rules = ctx
-  rows = sharding.spec(x.shape, ("batch", None, None), mesh, rules)
-  width = sharding.spec(gate.shape, (None, None, "mlp"), mesh, rules)[2]
-  psum = () if width is None else (width,) if isinstance(width, str) else tuple(width)
-  tok = P(rows[0], None, None)
-  fn = functools.partial(local, psum=psum)
-  return jax.shard_map(fn, mesh=mesh, in_specs=(tok, tok, tok, P(None, None, width), P(None, None, width),
-                                                P(None, width, None)), out_specs=tok, check_vma=False)(
-                                                    x, experts, weights, gate, up, down)
+  rows = sharding.spec(x.shape, ("batch", None, None), mesh, rules)[0]
+  expert_spec, _, width = sharding.spec(gate.shape, ("experts", None, "mlp"), mesh, rules)
+  expert_axes = _axes(expert_spec)
+  gather = tuple(a for a in expert_axes if a in _axes(rows))
+  replicated = tuple(a for a in expert_axes if a not in gather)
+  tok = P(rows, None, None)
+  fn = functools.partial(local, expert_axes=expert_axes, gather=gather, psum=_axes(width) + replicated)
+  wide, narrow = P(expert_spec, None, width), P(expert_spec, width, None)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(tok, tok, tok, wide, wide, narrow), out_specs=tok,
+                       check_vma=False)(x, experts, weights, gate, up, down)
 
 
 def router_stats(probs: jax.Array, experts: jax.Array, valid: jax.Array | None) -> dict[str, jax.Array]:

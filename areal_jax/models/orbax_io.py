@@ -35,8 +35,9 @@ def config_to_json(cfg: ModelConfig) -> dict:
 
 def config_from_json(d: dict, **overrides) -> ModelConfig:
   d = dict(d, rope_scaling=tuple(sorted(d.get("rope_scaling", {}).items())))
-  if "lora_targets" in d:
-    d["lora_targets"] = tuple(d["lora_targets"])
+  for key in ("lora_targets", "mlp_only_layers"):
+    if key in d:
+      d[key] = tuple(d[key])
   d.update(overrides)
   return ModelConfig(**d)
 

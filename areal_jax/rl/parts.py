@@ -17,6 +17,7 @@ from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer
 from areal_jax.distributed.learner_group import LearnerGroup
 from areal_jax.distributed.roles import ProcessLayout
 from areal_jax.distributed.sampler_hub import SamplerHub
+from areal_jax.distributed.slices import MeshConfig
 from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.learner.learner import Learner
 from areal_jax.models import weights
@@ -59,7 +60,7 @@ def leader_parts(workdir: str, st, layout: ProcessLayout, control: ControlServer
   settings = st.settings
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
   sampler_cfg = settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
-  rollout = _start_rollout(settings.mesh.sampler_tensor, layout, control, sampler_cfg, st.learner, local,
+  rollout = _start_rollout(settings.mesh, layout, control, sampler_cfg, st.learner, local,
                            sampler_mesh, learner_local, st.tokenizer)
   rewards = RewardService.from_config(settings.reward)
   buffer = RolloutBuffer.from_config(settings.rollout, version=st.learner.version)
@@ -98,23 +99,25 @@ def _evaluator(st, controller: RolloutController, sampler_cfg: SamplerConfig, le
     return EpisodeEvaluator(runner=controller.episodes, problems=[problem(r) for r in st.evalset.records],
                             num_samples=settings.eval.num_samples)
   return Evaluator(model_cfg=settings.model, records=st.evalset.records,
-                   mesh=make_mesh(learner_local, {"data": -1, "tensor": settings.mesh.learner_tensor}),
+                   mesh=make_mesh(learner_local, {"data": -1, "expert": settings.mesh.learner_expert,
+                                                  "tensor": settings.mesh.learner_tensor}),
                    sampler_cfg=sampler_cfg.replace(num_pages=0, memory_fraction=0.5), eos_ids=[st.tokenizer.eos_id],
                    detokenize=st.tokenizer.decode, score=functools.partial(score_all, rewards),
                    num_samples=settings.eval.num_samples, temperature=settings.eval.temperature, seed=settings.seed)
 
 
-def _start_rollout(sampler_tensor: int, layout: ProcessLayout, control: ControlServer | None,
+def _start_rollout(mesh: MeshConfig, layout: ProcessLayout, control: ControlServer | None,
                    sampler_cfg: SamplerConfig, learner: Learner, local, sampler_mesh, learner_local,
                    tokenizer) -> Rollout:
   """The samplers, holding the learner's current weights: a `SamplerHub` over the sampler processes of a
-  multi-process job (their meshes `sampler_tensor` wide), else a `LocalRollout` on this process's sampler slice."""
+  multi-process job (their model copies `mesh.sampler_expert` x `mesh.sampler_tensor` devices), else a `LocalRollout` on this process's sampler slice."""
   if not layout.multi_process:
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
     return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, mesh=sampler_mesh, params=local,
                         version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
   publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
-                              tensor=sampler_tensor, devices=learner_local, host=layout.host)
+                              tensor=mesh.sampler_tensor, expert=mesh.sampler_expert, devices=learner_local,
+                              host=layout.host)
   peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
   hub = SamplerHub(peers=peers, publisher=publisher).start()
   hub.publish(local, learner.version)

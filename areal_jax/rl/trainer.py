@@ -77,9 +77,10 @@ def _learner_mesh(mesh: MeshConfig, layout: ProcessLayout):
     slices = build_slices(mesh)
     return slices.learner, slices.sampler
   try:
-    return make_mesh(jax.devices(), {"fsdp": -1, "tensor": mesh.learner_tensor}), None
+    return make_mesh(jax.devices(), mesh.learner_axes()), None
   except ValueError as e:
-    raise config_lib.ConfigError(f"config.mesh.learner_tensor={mesh.learner_tensor}: {e}") from e
+    raise config_lib.ConfigError(f"config.mesh.learner_tensor={mesh.learner_tensor}, mesh.learner_expert="
+                                 f"{mesh.learner_expert}: {e}") from e
 
 
 def run(config, workdir: str, layout: ProcessLayout | None = None) -> list[dict]:

@@ -40,7 +40,7 @@ def learner_passes(settings: Settings, topology: str, seq_len: int, model_cfg: M
     devices = aot_check.topology_devices(topology)
   except Exception as e:  # pylint: disable=broad-except  # libtpu's own error types
     raise ValueError(f"topology {topology!r}: libtpu cannot describe it ({str(e).splitlines()[0]})") from e
-  mesh = make_mesh(devices, {"fsdp": -1, "tensor": settings.mesh.learner_tensor})
+  mesh = make_mesh(devices, settings.mesh.learner_axes())
   fns = build_step(model_cfg, cfg, mesh, temperature=settings.sampler.temperature)
   seq_len = max(1, min(seq_len, cfg.max_tokens_per_mb, settings.sampler.max_seq_len))
   executed = aot_check.learner_flops(fns, model_cfg, cfg.max_tokens_per_mb, seq_len)

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 
 from areal_jax.models import ModelConfig, hf_io, moe
-from areal_jax.sharding import LEARNER_RULES, make_mesh, state_shardings, use_rules
+from areal_jax.sharding import LEARNER_RULES, SAMPLER_RULES, make_mesh, state_shardings, use_rules
 from tests.helpers import tiny_model
 
 # Four experts, top-2, layer 1 dense among sparse ones.
@@ -147,7 +147,8 @@ def test_routing_replay_fixes_the_experts_and_recomputes_the_weights():
   np.testing.assert_allclose(w, picked / picked.sum(-1, keepdims=True), rtol=1e-5)
 
 
-@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 1, "fsdp": 2, "tensor": 4}])
+@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 1, "fsdp": 2, "tensor": 4},
+                                  {"fsdp": 2, "expert": 2, "tensor": 2}, {"fsdp": 1, "expert": 4, "tensor": 2}])
 def test_sharded_forward_and_gradients_equal_unsharded(axes):
   model = tiny_model(CFG.replace(moe_intermediate_size=32), seed=3)
   tokens, mask = _batch(rows=4, length=8, pad=2)
@@ -160,11 +161,26 @@ def test_sharded_forward_and_gradients_equal_unsharded(axes):
   want_loss, want = jax.value_and_grad(loss)(params)
   mesh = make_mesh(jax.devices()[:8], axes)
   placed = jax.device_put(params, state_shardings(params, mesh, LEARNER_RULES))
+  if "expert" in axes:  # expert parallelism: each device holds its experts only
+    assert placed["layers"]["mlp"]["gate"][...].sharding.spec[1] == "expert"
   with use_rules(mesh, LEARNER_RULES):
     got_loss, got = jax.jit(jax.value_and_grad(loss))(placed)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_sampler_sharding_with_expert_parallelism_equals_unsharded():
+  """The sampler's rules: slots over data, replicated over the expert axis (the expert outputs summed with a psum)."""
+  model = tiny_model(CFG.replace(moe_intermediate_size=32), seed=5)
+  tokens, mask = _batch(rows=4, length=8, pad=2)
+  graphdef, params = nnx.split(model)
+  forward = lambda p: nnx.merge(graphdef, p)(jnp.asarray(tokens), segment_ids=jnp.asarray(mask))
+  want = forward(params)
+  mesh = make_mesh(jax.devices()[:8], {"data": 2, "expert": 2, "tensor": 2})
+  with use_rules(mesh, SAMPLER_RULES):
+    got = jax.jit(forward)(jax.device_put(params, state_shardings(params, mesh, SAMPLER_RULES)))
+  np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_active_parameters_and_flops_count_k_experts():

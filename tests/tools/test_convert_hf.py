@@ -16,10 +16,16 @@ pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_convert_roundtrip(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_convert_roundtrip(family, tmp_path):
   torch.manual_seed(0)
-  cfg = transformers.Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  kw = dict(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+  if family == "qwen3":
+    cfg = transformers.Qwen3Config(**kw)
+  else:
+    cfg = transformers.Qwen3MoeConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      norm_topk_prob=True, mlp_only_layers=[0])
   hf = transformers.AutoModelForCausalLM.from_config(cfg)
   with torch.no_grad():
     for p in hf.parameters():
@@ -31,7 +37,7 @@ def test_convert_roundtrip(tmp_path):
   run(f"--hf_dir={tmp_path / 'hf'}", f"--orbax_dir={tmp_path / 'orbax'}")
   assert (tmp_path / "orbax" / "model_config.json").exists()
   model = orbax_io.load_orbax(str(tmp_path / "orbax"))
-  assert model.cfg.family == "qwen3" and model.cfg.head_dim == 16
+  assert model.cfg.family == family and model.cfg.head_dim == 16
   run(f"--hf_dir={tmp_path / 'back'}", f"--orbax_dir={tmp_path / 'orbax'}", "--to=hf")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
   tokens = torch.tensor(np.arange(20)[None] % 80)

@@ -1,0 +1,50 @@
+"""A mixture-of-experts learner step: the load-balancing loss enters the gradient with `learner.aux_loss_coef`, and
+the step's statistics hold it and each sparse layer's expert load."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.learner.config import LearnerConfig
+from areal_jax.learner.microbatch import assemble, plan_packed
+from areal_jax.learner.step import build_step
+from areal_jax.models import moe
+
+from learner_batches import CFG, accumulate_packed, make_trajectories, one_device_mesh
+
+MOE = CFG.replace(family="qwen3_moe", attention_bias=False, qk_norm=True, num_layers=3, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,))
+
+
+def test_load_balancing_loss_gradient_and_statistics():
+  trajs = make_trajectories(0, n=8)
+  adv = np.random.default_rng(1).normal(size=len(trajs)).astype(np.float32)
+  tok_adv = [np.full(len(t.response_ids), a, np.float32) for t, a in zip(trajs, adv)]
+  n_loss = sum(len(t.response_ids) for t in trajs)
+  layouts = plan_packed([t.num_tokens for t in trajs], max_tokens=512, rows=1, min_bucket=64)
+  assert len(layouts) == 1  # one micro-batch: its load-balancing loss is the minibatch's
+  grads, stats = {}, {}
+  for coef in (0.0, 0.5):
+    fns = build_step(MOE, LearnerConfig(max_tokens_per_mb=512, min_bucket=64, aux_loss_coef=coef), one_device_mesh())
+    params = fns.init_params(3)
+    grads[coef], stats[coef] = accumulate_packed(fns, params, layouts, trajs, tok_adv, 1 / n_loss)
+
+  mb = assemble(layouts[0], trajs, tok_adv)
+
+  def aux(params):
+    model = nnx.merge(fns.graphdef, params)
+    _, routing = model.hidden(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, routing=True)
+    return moe.load_balancing_loss(routing), routing["counts"]
+
+  (want, counts), g = jax.value_and_grad(aux, has_aux=True)(params)
+  s = stats[0.5]
+  np.testing.assert_allclose(s["aux_loss"] / s["tokens"], want, rtol=1e-5)
+  np.testing.assert_allclose(s["expert_counts"], counts, rtol=1e-6)
+  valid = int((mb.segment_ids != 0).sum())
+  np.testing.assert_allclose(np.asarray(s["expert_counts"]).sum(-1), [2 * valid] * 2)  # k per token, 2 sparse layers
+  # Token-mean over one micro-batch: the term's weight is the coefficient itself.
+  for path in (("layers", "mlp", "router"), ("layers", "mlp", "gate"), ("dense_layers", "mlp", "up")):
+    get = lambda tree: np.asarray(tree[path[0]][path[1]][path[2]][...])
+    np.testing.assert_allclose(get(grads[0.5]) - get(grads[0.0]), 0.5 * get(g), atol=1e-6, rtol=1e-4,
+                               err_msg=str(path))
+  assert np.abs(np.asarray(g["layers"]["mlp"]["router"][...])).max() > 0
