@@ -26,7 +26,8 @@ def tiny_model(cfg: ModelConfig = TINY, seed: int = 0):
     if "scale" in name:
       return jnp.asarray(1 + 0.1 * rng.normal(size=x.shape), x.dtype)
     stacked = name.startswith(("['layers']", "['dense_layers']"))
-    fan_in = x.shape[-2] if x.ndim == 4 else x.shape[1] if stacked else x.shape[0]  # past layers (and experts) axes
+    experts = stacked and "['mlp']" in name and x.ndim == 4  # [layers, experts, in, out]
+    fan_in = x.shape[2] if experts else x.shape[1] if stacked else x.shape[0]  # past the layers (and experts) axes
     return jnp.asarray(rng.normal(size=x.shape) / np.sqrt(fan_in), x.dtype)
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))

@@ -134,8 +134,9 @@ class Engine(engine_api.Engine):
     self.cfg = config
     self.model_cfg: ModelConfig = model.cfg
     self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
-    if set(self._mesh.axis_names) != {"data", "tensor"}:
-      raise ValueError(f"sampler mesh axes {self._mesh.axis_names}: expected ('data', 'tensor')")
+    if set(self._mesh.axis_names) - {"expert"} != {"data", "tensor"}:
+      raise ValueError(f"sampler mesh axes {self._mesh.axis_names}: expected ('data', 'tensor') or ('data', 'expert', "
+                       "'tensor')")
     self.num_shards = self._mesh.shape["data"]
     if config.max_seq_len > self.model_cfg.max_position_embeddings:
       raise ValueError(f"sampler.max_seq_len={config.max_seq_len} exceeds model.max_position_embeddings="

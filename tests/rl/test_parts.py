@@ -162,7 +162,8 @@ def test_slices_split_devices():
   mesh = MeshConfig.from_config(load_config("configs/math.py", **{"mesh.sampler_devices": 0.25,
                                                                   "mesh.learner_tensor": 2}).mesh)
   s = build_slices(mesh)
-  assert dict(s.sampler.shape) == {"data": 2, "tensor": 1} and dict(s.learner.shape) == {"fsdp": 3, "tensor": 2}
+  assert dict(s.sampler.shape) == {"data": 2, "expert": 1, "tensor": 1}
+  assert dict(s.learner.shape) == {"fsdp": 3, "expert": 1, "tensor": 2}
   assert not set(s.sampler.devices.flat) & set(s.learner.devices.flat)
   one = build_slices(mesh, devices=jax.devices()[:1])
   assert one.shared and one.sampler.devices.size == one.learner.devices.size == 1
