@@ -46,6 +46,12 @@ def current() -> tuple[Mesh, Rules] | None:
   return _CONTEXT.get()
 
 
+def platform() -> str:
+  """The platform programs traced now will run on: the sharding context's mesh's, else JAX's default device's."""
+  ctx = _CONTEXT.get()
+  return (ctx[0].devices.flat[0] if ctx else jax.devices()[0]).platform
+
+
 def make_mesh(devices: Sequence[jax.Device], axes: dict[str, int]) -> Mesh:
   """A mesh over `devices` with named axes; one axis size may be -1 (the rest of the devices)."""
   sizes = dict(axes)

@@ -108,13 +108,11 @@ def experts_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.
 
 
 def resolve(impl: str) -> str:
-  """`auto` -> megablox on TPU, ragged_dot on GPU, tiled on CPU (the sharding context's mesh's platform, else JAX's
-  default backend's)."""
+  """`auto` -> megablox on TPU, ragged_dot on GPU, tiled on CPU (`sharding.platform()`)."""
   if impl != "auto":
     return impl
-  ctx = sharding.current()
-  platform = ctx[0].devices.flat[0].platform if ctx else jax.default_backend()
-  return {"tpu": "megablox", "gpu": "ragged_dot", "cuda": "ragged_dot", "rocm": "ragged_dot"}.get(platform, "tiled")
+  return {"tpu": "megablox", "gpu": "ragged_dot", "cuda": "ragged_dot", "rocm": "ragged_dot"}.get(sharding.platform(),
+                                                                                                   "tiled")
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -273,12 +273,6 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   return jnp.where((segment_ids != 0)[..., None, None], out, 0).astype(q.dtype)
 
 
-def _platform() -> str:
-  """The platform attention will run on: the sharding context's mesh's, else JAX's default backend's."""
-  ctx = sharding.current()
-  return (ctx[0].devices.flat[0] if ctx else jax.devices()[0]).platform
-
-
 def resolve(impl: str, length: int, block: int) -> str:
   """`auto` → `splash` on TPU; elsewhere `flash`, or `dense` for rows of at most two blocks, where skipping blocks saves
   at most a quarter of the work and the loops cost more to compile than they save (the tiny CPU preset's rows)."""
@@ -286,7 +280,7 @@ def resolve(impl: str, length: int, block: int) -> str:
     raise ValueError(f"attention implementation {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  if _platform() == "tpu":
+  if sharding.platform() == "tpu":
     return "splash"
   return "dense" if length <= 2 * block else "flash"
 
@@ -295,12 +289,12 @@ def packed_attention(segment_ids: jax.Array, *, impl: str = "auto", block: int =
   """The training `attend(q, k, v) -> (out, None)` over packed rows (see the module docstring); `dense` is
   `modules.dense_attention`, the quadratic reference. `block`: tokens per block (0: by platform for `flash`, by row
   length for `splash`)."""
-  impl = resolve(impl, segment_ids.shape[1], block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT))
+  impl = resolve(impl, segment_ids.shape[1], block or FLASH_BLOCK.get(sharding.platform(), FLASH_BLOCK_DEFAULT))
   if impl == "dense":
     from areal_jax.models.modules import dense_attention  # pylint: disable=g-import-not-at-top
     return dense_attention(segment_ids)
   local = (functools.partial(splash_attention, block=block, interpret=interpret) if impl == "splash"
-           else functools.partial(flash_attention, block=block or FLASH_BLOCK.get(_platform(), FLASH_BLOCK_DEFAULT)))
+           else functools.partial(flash_attention, block=block or FLASH_BLOCK.get(sharding.platform(), FLASH_BLOCK_DEFAULT)))
 
   def attend(q, k, v):
     ctx = sharding.current()
