@@ -95,7 +95,8 @@ def _records(c: ml_collections.ConfigDict, data: bool) -> Settings:
   return Settings(
       model=model_config(c), model_source=ModelSource.from_config(c.model),
       learner=LearnerConfig.from_config(c.learner, max_new_tokens=c.sampler.max_new_tokens),
-      sampler=SamplerConfig.from_config(c.sampler), agent=AgentConfig.from_config(c.agent),
+      sampler=SamplerConfig.from_config(c.sampler, record_routes=bool(c.learner.get("routing_replay", False))),
+      agent=AgentConfig.from_config(c.agent),
       data=DataConfig.from_config(c.data, source=data), rollout=RolloutConfig.from_config(c.rollout),
       reward=RewardConfig.from_config(c.reward), mesh=MeshConfig.from_config(c.mesh),
       eval=EvalConfig.from_config(c.eval), checkpoint=CheckpointConfig.from_config(c.checkpoint),
@@ -117,6 +118,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, da
   if settings.learner.critic == "lora" and not model.lora_rank:
     _fail("learner.critic", "lora", "a LoRA branch needs the policy's adapters: set learner.lora.rank > 0, or use "
           "critic='copy'")
+  if settings.learner.routing_replay and not model.num_experts:
+    _fail("learner.routing_replay", True, "replays a mixture of experts' routing; the model has no experts")
   if settings.model_source.tokenizer == "char" and model.vocab_size < CharTokenizer().vocab_size:
     _fail("model.vocab_size", model.vocab_size, f"smaller than the char tokenizer's {CharTokenizer().vocab_size} ids")
 

@@ -25,6 +25,9 @@ class Trajectory:
   # float32 [R]: 1 where the response token is the policy's, 0 where it is context inside the response (a tool's
   # output or a user turn between two turns of an agent's episode); None: every response token is the policy's.
   loss_mask: np.ndarray | None = None
+  # int16 [P + R - 1, sparse layers, k]: a mixture of experts' routing of each position whose output is trained (the
+  # experts the sampler used there; -1 where not recorded), for `learner.routing_replay`; None: not recorded.
+  routes: np.ndarray | None = None
 
   @property
   def num_loss_tokens(self) -> int:

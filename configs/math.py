@@ -251,6 +251,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.kl_estimator = "k3"  # k1 | k2 | k3
   c.learner.entropy_coef = 0.0  # entropy bonus; 0 = off
   c.learner.aux_loss_coef = 0.001  # mixture of experts: the router's load-balancing loss (logged as learner/aux_loss)
+  # Mixture of experts: the sampler records each position's experts and the learner's proximal and training passes
+  # use them (routing replay: the experts fixed, their weights from the learner's router).
+  c.learner.routing_replay = False
   c.learner.reward_scale = 5.0  # r in {0,1} -> (r - 0.5) * 2 * scale
   c.learner.adv_norm = "group"  # group | batch | none
   c.learner.filter_uniform_groups = True  # drop groups whose answers all score the same (no advantage)

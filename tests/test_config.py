@@ -101,6 +101,7 @@ def test_unknown_preset():
     ({"sampler.param_dtype": "float16"}, "sampler.param_dtype"),
     ({"sampler.param_dtype": "bf16"}, "sampler.param_dtype"),
     ({"reward.code_isolation": "none"}, "reward.code_isolation"),
+    ({"learner.routing_replay": True}, "learner.routing_replay"),  # a dense model
 ])
 def test_validation_names_the_field(override, field):
   c = load_config(CONFIG, **override)
@@ -136,6 +137,8 @@ def test_settings_hold_a_typed_record_per_group():
   assert (s.eval.every_steps, s.checkpoint.max_to_keep, s.metrics.tensorboard, s.warmstart.steps) == (
       c.eval.every_steps, c.checkpoint.max_to_keep, c.metrics.tensorboard, c.warmstart.steps)
   assert (s.seed, s.total_steps, s.preset, s.model_source.tokenizer) == (0, 90, "tiny", "char")
+  assert not s.sampler.record_routes
+  assert validate(load_config(CONFIG + ":tiny-moe", **{"learner.routing_replay": True})).sampler.record_routes
   assert s.sampler.sampling(seed=3) == SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=64, seed=3)
   with pytest.raises(ValueError, match=r"rollout\.target_staleness=5\.0: must lie in \[0, rollout\.max_head_"):
     RolloutConfig(target_staleness=5.0)

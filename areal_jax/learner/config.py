@@ -46,6 +46,7 @@ class LearnerConfig:
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
   aux_loss_coef: float = 0.001  # a mixture-of-experts model's load-balancing loss (HF's router_aux_loss_coef)
+  routing_replay: bool = False  # proximal and training passes route as the sampler did (`Trajectory.routes`)
   reward_scale: float = 5.0
   adv_norm: str = "group"
   filter_uniform_groups: bool = True

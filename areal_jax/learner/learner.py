@@ -11,7 +11,8 @@ One `train_step` (= one policy version):
    when `kl_coef > 0`. The tokens the sampler drew with these same parameters (version `version`) give
    `sampler/logprob_gap`: the mean |behaviour - proximal logprob| over them, the sampler/learner mismatch (float32
    sampler: within 1e-5; bfloat16 sampler weights: measurably more). Steps without the proximal pass (loglinear, or
-   use_decoupled_loss=False) do not report it;
+   use_decoupled_loss=False) do not report it. With `routing_replay` a mixture of experts' proximal and training
+   passes route each token to the experts the sampler recorded for it (`Trajectory.routes`);
 4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
    then one AdamW update.
 
@@ -40,8 +41,8 @@ from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
 from areal_jax.learner.optimizer import learning_rate
 from areal_jax.learner.ppo import loglinear_alpha
-from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, STALENESS_BUCKETS, STALENESS_KEY, StepFns,
-                                    build_step)
+from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, ROUTES_KEY, STALENESS_BUCKETS, STALENESS_KEY,
+                                    StepFns, build_step)
 from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import LEARNER_RULES, Rules
@@ -208,7 +209,8 @@ class Learner:
         sub, sub_adv = [kept[i] for i in idx], [tok_adv[i] for i in idx]
         layouts = planner([lengths[i] for i in idx])
         weights, denominator = cfg.loss_weighting([t.num_loss_tokens for t in sub])
-        minibatches.append(tuple(assemble(layout, sub, sub_adv, weights) for layout in layouts))
+        routes = self.fns.routes_shape if cfg.routing_replay else None
+        minibatches.append(tuple(assemble(layout, sub, sub_adv, weights, routes) for layout in layouts))
         loss_tokens.append(sum(t.num_loss_tokens for t in sub))
         denominators.append(denominator)
       host_stats["advantage_abs_mean"] = float(np.abs(adv).mean())
@@ -228,6 +230,8 @@ class Learner:
 
     def arrays(mb):
       out = {k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}
+      if mb.routes is not None:
+        out[ROUTES_KEY] = mb.routes
       out[STALENESS_KEY] = staleness[index[id(mb)]]
       if cfg.loglinear_proximal:  # the proximal policy is this step's starting one, version `self.version`
         out["prox_alpha"] = np.where(mb.loss_mask > 0, loglinear_alpha(mb.versions, self.version), 0).astype(np.float32)
@@ -264,7 +268,7 @@ class Learner:
     for mb, b in zip(microbatches, batches):
       inputs = {k: b[k] for k in BATCH_INT_KEYS}
       if cfg.recompute_proximal:
-        b["proximal_logprobs"] = fns.logprobs(self.params, inputs)
+        b["proximal_logprobs"] = fns.logprobs(self.params, {k: b[k] for k in fns.forward_keys})
         proximal.append(fns.gather(b["proximal_logprobs"]))  # read on the host for `staleness/*`
         # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
         same = (mb.loss_mask > 0) & (mb.versions == self.version)

@@ -118,9 +118,13 @@ class MicroBatch:
   loss_weights: np.ndarray  # float32, each loss token's weight in its sequence (`loss_agg`); 0 elsewhere
   versions: np.ndarray  # int32, the policy version that drew each loss token; 0 elsewhere
   layout: Layout
+  # int16 [rows, length, sparse layers, k]: the sampler's experts of each position (`Trajectory.routes`), -1 where
+  # none was recorded; None unless asked for (`learner.routing_replay`).
+  routes: np.ndarray | None = None
 
   def arrays(self) -> dict[str, np.ndarray]:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name != "layout" and getattr(self, f.name) is not None}
 
   @property
   def num_tokens(self) -> int:
@@ -128,13 +132,16 @@ class MicroBatch:
 
 
 def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Sequence[np.ndarray],
-             token_weights: Sequence[float] | None = None) -> MicroBatch:
+             token_weights: Sequence[float] | None = None, routes: tuple[int, int] | None = None) -> MicroBatch:
   """Packs the sequences named by `layout` into arrays. `advantages[i]` is per response token of trajectory i;
-  `token_weights[i]` (default 1) weighs each of its loss tokens."""
+  `token_weights[i]` (default 1) weighs each of its loss tokens. `routes` = (sparse layers, k) also packs the
+  trajectories' recorded routing (`MicroBatch.routes`)."""
   shape = (len(layout.rows), layout.length)
   a = {k: np.zeros(shape, np.int32) for k in ("tokens", "positions", "segment_ids")}
   a |= {k: np.zeros(shape, np.float32) for k in ("loss_mask", "behavior_logprobs", "advantages", "loss_weights")}
   a["versions"] = np.zeros(shape, np.int32)
+  if routes is not None:
+    a["routes"] = np.full(shape + tuple(routes), -1, np.int16)
   for r, row in enumerate(layout.rows):
     offset = 0
     for seg, i in enumerate(row, start=1):
@@ -159,6 +166,11 @@ def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Seq
       a["advantages"][r, pred] = advantages[i]
       a["loss_weights"][r, pred] = (1.0 if token_weights is None else token_weights[i]) * mask
       a["versions"][r, pred] = t.versions
+      if routes is not None and t.routes is not None:
+        if t.routes.shape[1:] != tuple(routes) or len(t.routes) > p + n - 1:
+          raise ValueError(f"trajectory {i}: routes of shape {t.routes.shape}; expected at most {p + n - 1} "
+                           f"positions of {tuple(routes)} (sparse layers, experts per token)")
+        a["routes"][r, offset:offset + len(t.routes)] = t.routes
       offset += p + n
   return MicroBatch(layout=layout, **a)
 

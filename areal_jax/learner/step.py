@@ -4,7 +4,8 @@ Nothing here materialises parameters: `build_step` works from `nnx.eval_shape`, 
 from abstract shapes (`StepFns.lower`) for a topology that is not attached. The programs are pure functions of
 (parameters, optimizer state, micro-batch arrays) with explicit in/out shardings and donated state:
 
-* `logprobs(params, batch) -> [rows, length]`: forward only (proximal or reference logprobs).
+* `logprobs(params, batch) -> [rows, length]`: forward only (proximal or reference logprobs); with `routes` in the
+  batch (`ROUTES_KEY`), a mixture of experts routes as the sampler did.
 * `accumulate(params, grads, stats, batch, inv_denominator) -> (grads, stats)`: adds one micro-batch's gradient of
   `Σ m·w·loss / D` (token weights w and the minibatch's denominator D from `loss_agg`, so the sum over micro-batches
   and data shards is the minibatch's loss exactly) and its statistic sums.
@@ -48,6 +49,9 @@ BATCH_INT_KEYS = ("tokens", "positions", "segment_ids")
 BATCH_FLOAT_KEYS = ("loss_mask", "behavior_logprobs", "advantages", "loss_weights")
 # Each loss token's staleness (learner version - the version that drew it), for statistics by staleness; optional.
 STALENESS_KEY = "staleness"
+# A mixture of experts' recorded routing, int16 [rows, length, sparse layers, k] (`MicroBatch.routes`), with
+# `learner.routing_replay`: read by `logprobs` and `accumulate`.
+ROUTES_KEY = "routes"
 STALENESS_BUCKETS = 16  # staleness 0 .. 14, and 15 or more
 # Statistic sums over loss tokens returned by `accumulate` (`importance_weight_max` is a max), and sums by staleness
 # bucket ([STALENESS_BUCKETS] each).
@@ -69,14 +73,18 @@ def batch_rows(mesh: Mesh, rules: Rules = LEARNER_RULES) -> int:
 
 
 def packed_logprobs(model, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, temperature: float,
-                    chunk: int = 0, with_entropy: bool = False, with_routing: bool = False) -> tuple[jax.Array, ...]:
+                    chunk: int = 0, with_entropy: bool = False, with_routing: bool = False,
+                    routes: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """(logprob of token t + 1 at t, [entropy at t], [a mixture of experts' routing]) over packed rows, each
-  [rows, length] (the routing as `Transformer.run_layers` returns it).
+  [rows, length] (the routing as `Transformer.run_layers` returns it). `routes` [rows, length, sparse layers, k]
+  replays a routing (-1: the router's own).
 
   Values where t + 1 is not in t's segment are meaningless; callers mask them. The vocabulary projection runs
   `chunk` vocabulary entries at a time (`logprobs_and_entropy`), so the [tokens, vocab] logits never exist.
   """
-  h, routing = model.hidden(tokens, positions=positions, segment_ids=segment_ids, routing=True)
+  if routes is not None:
+    routes = jnp.moveaxis(routes, 2, 0)  # the model's layout: [sparse layers, rows, length, k]
+  h, routing = model.hidden(tokens, positions=positions, segment_ids=segment_ids, routes=routes, routing=True)
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
   lp, ent = logprobs_and_entropy(h, model.unembedding(), targets, temperature, chunk=chunk)
   return (lp,) + ((ent,) if with_entropy else ()) + ((routing,) if with_routing else ())
@@ -98,7 +106,7 @@ def stat_keys(cfg: LearnerConfig, model_cfg: ModelConfig | None = None) -> tuple
 
 def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
   optional = {"proximal_logprobs": cfg.recompute_proximal, "prox_alpha": cfg.loglinear_proximal,
-              "ref_logprobs": bool(cfg.kl_coef)}
+              "ref_logprobs": bool(cfg.kl_coef), ROUTES_KEY: cfg.routing_replay}
   return BATCH_INT_KEYS + BATCH_FLOAT_KEYS + (STALENESS_KEY,) + tuple(k for k, on in optional.items() if on)
 
 
@@ -109,7 +117,7 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
   weighted as one more per-token term (`Σ m·w · inv_tokens`, the micro-batch's share of the loss)."""
   lp, ent, routing = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
                                      temperature=temperature, chunk=cfg.vocab_chunk, with_entropy=True,
-                                     with_routing=True)
+                                     with_routing=True, routes=batch.get(ROUTES_KEY))
   mask = batch["loss_mask"] > 0
   behavior = batch["behavior_logprobs"]
   if cfg.loglinear_proximal:
@@ -157,6 +165,7 @@ class StepFns:
   optimizer: optax.GradientTransformation
   batch_keys: tuple[str, ...]
   stat_keys: tuple[str, ...]
+  routes_shape: tuple[int, int]  # (sparse layers, experts per token) of `ROUTES_KEY`; (0, 0) for a dense model
   init_params: Callable[[int], nnx.State]
   init_opt_state: Callable
   copy_params: Callable  # fresh buffers (safe to donate) with the parameter shardings
@@ -170,7 +179,16 @@ class StepFns:
   def abstract_batch(self, length: int, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     keys = self.batch_keys if keys is None else keys
     dtype = lambda k: jnp.int32 if k in BATCH_INT_KEYS + (STALENESS_KEY,) else jnp.float32
-    return {k: jax.ShapeDtypeStruct((self.rows, length), dtype(k), sharding=self.batch_sharding) for k in keys}
+    out = {k: jax.ShapeDtypeStruct((self.rows, length), dtype(k), sharding=self.batch_sharding) for k in keys}
+    if ROUTES_KEY in keys:
+      out[ROUTES_KEY] = jax.ShapeDtypeStruct((self.rows, length, *self.routes_shape), jnp.int16,
+                                             sharding=self.batch_sharding)
+    return out
+
+  @property
+  def forward_keys(self) -> tuple[str, ...]:
+    """The micro-batch arrays `logprobs` reads (the recorded routing too with `learner.routing_replay`)."""
+    return BATCH_INT_KEYS + ((ROUTES_KEY,) if ROUTES_KEY in self.batch_keys else ())
 
   def split(self, params) -> tuple[nnx.State, nnx.State]:
     """(trained part, frozen part) of a parameter state (or of a state of shardings)."""
@@ -192,7 +210,7 @@ class StepFns:
     vector = jax.ShapeDtypeStruct((STALENESS_BUCKETS,), jnp.float32, sharding=self.replicated)
     stats = {k: vector if k.endswith("_by_staleness") else scalar for k in self.stat_keys}
     return {
-        "logprobs": (params, self.abstract_batch(length, BATCH_INT_KEYS)),
+        "logprobs": (params, self.abstract_batch(length, self.forward_keys)),
         "accumulate": (params, grads, stats, self.abstract_batch(length), scalar),
         "apply": (params, opt, grads),
     }
@@ -274,7 +292,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
   def logprobs(params, batch):
     model = nnx.merge(graphdef, params)
     (lp,) = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
-                            temperature=temperature, chunk=cfg.vocab_chunk)
+                            temperature=temperature, chunk=cfg.vocab_chunk, routes=batch.get(ROUTES_KEY))
     return lp
 
   def accumulate(params, grads, stats, batch, inv_tokens):
@@ -292,6 +310,7 @@ def build_step(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, temper
       mesh=mesh, rows=rows, graphdef=graphdef, abstract_params=abstract_params, param_shardings=param_sh,
       trainable=trainable, opt_shardings=opt_sh, batch_sharding=batch_sh, replicated=replicated, optimizer=tx,
       batch_keys=batch_keys(cfg), stat_keys=skeys, init_params=init_params,
+      routes_shape=(sum(model_cfg.sparse_layers()), model_cfg.num_experts_per_tok) if model_cfg.num_experts else (0, 0),
       init_opt_state=jax.jit(lambda p: tx.init(split(p)[0]), in_shardings=(param_sh,), out_shardings=opt_sh),
       copy_params=jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(param_sh,), out_shardings=param_sh),
       zero_accumulators=jax.jit(functools.partial(_zeros, abstract_trained, stat_shapes(cfg, model_cfg)),

@@ -13,7 +13,8 @@ rows' tokens, holds its slice of the MLP width (tensor parallelism; the partial 
 its experts' pairs, and the outputs are summed back), and FSDP-sharded expert weights are gathered on the way in.
 
 `routes` (the top-k expert ids a token was sampled with) replays a routing: the experts are fixed, their weights
-recomputed from this router's probabilities (routing replay, for the learner).
+recomputed from this router's probabilities (routing replay, for the learner); a token without a recorded routing
+(-1) takes the router's own.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def route(x: jax.Array, router: jax.Array, k: int, *, norm_topk: bool,
           routes: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """x [N, D], router [D, E] -> (weights [N, k] in x's dtype, experts [N, k] int32, probs [N, E] float32).
 
-  As HF's Qwen3-MoE router: logits in x's dtype, softmax in float32, top-k. `routes` [N, k] fixes the experts."""
+  As HF's Qwen3-MoE router: logits in x's dtype, softmax in float32, top-k. `routes` [N, k] fixes the experts of the
+  tokens whose first entry is >= 0 (the others, -1, take the router's own top-k)."""
   probs = jax.nn.softmax((x @ router.astype(x.dtype)).astype(jnp.float32), axis=-1)
-  if routes is None:
-    top, experts = jax.lax.top_k(probs, k)
-  else:
-    experts = routes.astype(jnp.int32)
+  top, experts = jax.lax.top_k(probs, k)
+  if routes is not None:
+    routes = routes.astype(jnp.int32)
+    experts = jnp.where(routes[:, :1] >= 0, routes, experts)
     top = jnp.take_along_axis(probs, experts, axis=-1)
   if norm_topk:
     top = top / jnp.sum(top, axis=-1, keepdims=True)

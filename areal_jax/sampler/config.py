@@ -51,6 +51,9 @@ class SamplerConfig:
   # Compile every program the scheduler can call (each prefill bucket and row count, decode) before generating: no
   # compile stalls mid-run, a longer start (`Engine.warmup`).
   warmup: bool = False
+  # Record a mixture of experts' routing of every position (`Trajectory.routes`), for the learner's routing replay;
+  # not a config key: set by `learner.routing_replay`.
+  record_routes: bool = False
 
   def __post_init__(self):
     def bad(field, why):
@@ -107,10 +110,10 @@ class SamplerConfig:
     return dataclasses.replace(self, **kw)
 
   @classmethod
-  def from_config(cls, c) -> SamplerConfig:
+  def from_config(cls, c, *, record_routes: bool = False) -> SamplerConfig:
     """From the `sampler` group of an ml_collections config; unknown keys raise."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - {"record_routes"}
     unknown = set(c.keys()) - names
     if unknown:
       raise ValueError(f"unknown sampler config keys {sorted(unknown)}; known: {sorted(names)}")
-    return cls(**dict(c))
+    return cls(**dict(c), record_routes=record_routes)

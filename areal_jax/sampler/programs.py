@@ -5,7 +5,8 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
 
 * `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: causal forward over
   padded sequences (the learner's attention, in query blocks for long ones), keys/values of every layer and position,
-  and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot).
+  and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot);
+  with `sampler.record_routes`, a mixture of experts' routing of every position (`PrefixArrays.experts`).
 * `prefill_after(params, k_pool, v_pool, page_rows [B, M], row_shard [B], start [B], tokens, lengths, rows)`: the
   same for rows that continue `start[b]` tokens already in the pool (pages `page_rows[b]` of data shard
   `row_shard[b]`, the prefix cache's): positions start there and queries also attend to those keys
@@ -20,6 +21,7 @@ the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler
   `budget[s]` tokens, or (if `stop_eos[s]`) once its pending token is in `eos`; the loop ends when no slot is live,
   or once `refill_at` > 0 slots have stopped (so that the host can refill them with waiting answers). Drawing uses
   `fold_in(key, index)` as one step at a time does, so the tokens do not depend on the number of steps per call.
+  With `sampler.record_routes` each step also records the experts its input token was routed to.
   The loop carries the KV pool and updates it in place: the cache write is one `dynamic_update_slice` per slot
   (`attention.write_decode_kv`). A scatter there let XLA's TPU layout assignment carry the pool in a layout of its
   own, which cost a copy of the pool into and one out of the loop and, per layer and step, one into the Pallas
@@ -117,31 +119,38 @@ def _insert(write_chunks, state: DecodeState, prefix: PrefixArrays, first, chunk
       top_k=put(state.top_k, upd.top_k))
 
 
-def _decode(graphdef, mesh, decode_attend, draw, k_steps: int, params, state: DecodeState, budget, stop_eos, eos, grow,
-            refill_at):
+def _experts(routed) -> jax.Array | None:
+  """The experts of a forward's sparse layers (`run_layers(routing=True)`), int16 [sparse layers, B, T, k]."""
+  return None if routed is None else routed["experts"].astype(jnp.int16)
+
+
+def _decode(graphdef, model_cfg: ModelConfig, mesh, decode_attend, draw, k_steps: int, record: bool, params,
+            state: DecodeState, budget, stop_eos, eos, grow, refill_at):
   """Up to `k_steps` decode steps for every live slot in one `lax.while_loop` (see `Programs.decode`)."""
   model = nnx.merge(graphdef, params)
   state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
   ends = lambda tokens: stop_eos & jnp.any(tokens[:, None] == eos[None, :], axis=-1)
 
   def step(carry):
-    i, st, live, count, out_tokens, out_logp = carry
+    i, st, live, count, out_tokens, out_logp, out_experts = carry
     pos = st.lengths
     with use_rules(mesh, SAMPLER_RULES):
       def attend(layer, q, k, v):
         out, kp, vp = decode_attend(q[:, 0], k[:, 0], v[:, 0], st.k[layer], st.v[layer], st.page_table, pos, live)
         return out[:, None], (kp, vp)
 
-      h, kv = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False,
-                               unroll=True)
+      h, kv, routed = model.run_layers(model.embed_tokens(st.tokens[:, None]), pos[:, None], attend, remat=False,
+                                       unroll=True, routing=True)
       tokens, log_prob = draw(model.logits(h[:, 0]), st.keys, st.index, st.temperature, st.top_p, st.top_k)
     inc = live.astype(jnp.int32)
     st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, tokens, st.tokens),
                     lengths=pos + inc, index=st.index + inc)
     out_tokens = out_tokens.at[:, i].set(jnp.where(live, tokens, -1))
     out_logp = out_logp.at[:, i].set(jnp.where(live, log_prob, 0.0))
+    if out_experts is not None:  # [sparse layers, S, 1, k] -> [S, sparse layers, k]
+      out_experts = out_experts.at[:, i].set(jnp.swapaxes(_experts(routed)[:, :, 0], 0, 1))
     count = count + inc
-    return i + 1, st, live & (count < budget) & ~ends(tokens), count, out_tokens, out_logp
+    return i + 1, st, live & (count < budget) & ~ends(tokens), count, out_tokens, out_logp, out_experts
 
   s = budget.shape[0]
   live = (budget > 0) & ~ends(state.tokens)
@@ -152,11 +161,14 @@ def _decode(graphdef, mesh, decode_attend, draw, k_steps: int, params, state: De
     stopped = started - jnp.sum(live)
     return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
 
+  experts = None
+  if record and model_cfg.num_experts:
+    experts = jnp.full((s, k_steps, sum(model_cfg.sparse_layers()), model_cfg.num_experts_per_tok), -1, jnp.int16)
   init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
-          jnp.zeros((s, k_steps), jnp.float32))
+          jnp.zeros((s, k_steps), jnp.float32), experts)
   loop = step if k_steps == 1 else functools.partial(jax.lax.while_loop, more, step)
-  _, state, _, count, tokens, log_prob = loop(init)
-  return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count)
+  _, state, _, count, tokens, log_prob, experts = loop(init)
+  return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count, experts=experts)
 
 
 @functools.lru_cache(maxsize=16)
@@ -188,18 +200,18 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
         def attend(i, q, k, v):
           return attend_after(q, k, v, lengths, k_pool[i], v_pool[i], page_rows, row_shard, start), (k, v)
 
-      h, kv = model.run_layers(model.embed_tokens(tokens), positions, attend, remat=False,
-                               unroll=True if past is not None else None)
+      h, kv, routed = model.run_layers(model.embed_tokens(tokens), positions, attend, remat=False,
+                                       unroll=True if past is not None else None, routing=True)
       if isinstance(kv, list):  # unrolled layers (model.scan_layers=False): stack them as the scan does
         kv = jax.tree.map(lambda *layers: jnp.stack(layers), *kv)
       k, v = kv
       logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
     pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
-    return PrefixArrays(k=pin(k), v=pin(v)), logits
+    return PrefixArrays(k=pin(k), v=pin(v), experts=_experts(routed) if cfg.record_routes else None), logits
 
   def decode(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at):
-    return _decode(graphdef, mesh, decode_attend, draw, cfg.decode_steps, params, state, budget, stop_eos, eos, grow,
-                   refill_at)
+    return _decode(graphdef, model_cfg, mesh, decode_attend, draw, cfg.decode_steps, cfg.record_routes, params, state,
+                   budget, stop_eos, eos, grow, refill_at)
 
   def prefill_after(params, k_pool, v_pool, page_rows, row_shard, start, tokens, lengths, rows):
     return prefill(params, tokens, lengths, rows, past=(k_pool, v_pool, page_rows, row_shard, start))

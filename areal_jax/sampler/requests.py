@@ -66,6 +66,9 @@ class Sequence:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  # With `sampler.record_routes`: the experts each position was routed to, from position 0 on, in chunks of int16
+  # [positions, sparse layers, k] (-1: not recorded, a prefix-cache hit's positions).
+  routes: list[np.ndarray] = dataclasses.field(default_factory=list)
   slot: int = -1
   finish_reason: str | None = None
   preemptions: int = 0
@@ -99,8 +102,9 @@ class Sequence:
     return self.finish_reason is not None
 
   def trajectory(self, text: str = "") -> Trajectory:
+    routes = np.concatenate(self.routes)[:len(self.prompt) + len(self.tokens) - 1] if self.routes else None
     return Trajectory(
         prompt_ids=self.prompt, response_ids=np.asarray(self.tokens, np.int32),
         logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
         finish_reason=self.finish_reason, group_id=self.request.group_id, response_text=text,
-        t_submit=self.t_submit, t_first_token=self.t_first_token, t_finish=self.t_finish)
+        t_submit=self.t_submit, t_first_token=self.t_first_token, t_finish=self.t_finish, routes=routes)

@@ -13,7 +13,8 @@ One `step()`:
    device); one read of the device brings its tokens and the first tokens of the answers admitted in 2. Tokens are
    recorded with the current version; answers finish at EOS, a stop sequence, `max_new_tokens` or the cache length,
    and free their slots and pages (full pages go to the prefix cache, if on; new weights empty it). New weights and
-   new answers wait for the call to end.
+   new answers wait for the call to end. With `sampler.record_routes` the same read brings a mixture of experts'
+   routing of the prompts' positions and of each step's input token, kept per answer (`Sequence.routes`).
 
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
@@ -56,7 +57,9 @@ class Scheduler:
     self.seconds: collections.Counter[str] = collections.Counter()
     self._arrivals = itertools.count()
     self._pending: tuple[object, int] | None = None
-    self._fresh: list = []  # (answers with their index into the draw, first tokens, logprobs) admitted this step
+    # Admitted this step, per prefill: ((answer, its index into the draw, its row), first tokens, logprobs, experts
+    # of the rows' positions or None, tokens before each row in the prefix cache).
+    self._fresh: list = []
     self._lock = threading.Lock()
 
   # --- inputs ---------------------------------------------------------------------------------------------------
@@ -122,19 +125,25 @@ class Scheduler:
                                                    eos_ids=sorted(self.eos_ids), refill_at=refill_at)
     fresh, self._fresh = self._fresh, []
     t2 = time.perf_counter()
-    tokens, logp, count, firsts = jax.device_get(
-        (steps.tokens, steps.log_prob, steps.count, [(t, lp) for _, t, lp in fresh]))
+    tokens, logp, count, experts, firsts = jax.device_get(
+        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:] for f in fresh]))
     t3 = time.perf_counter()
     self.engine.slots.advance(count)
     self.counters["decode_calls"] += 1
     self.counters["decode_steps"] += int(count.max(initial=0))
     finished = []
-    for (seqs, _, _), (first_tokens, first_logp) in zip(fresh, firsts):
-      for seq, r in seqs:
-        if seq.slot >= 0 and self._append(seq, first_tokens[r], first_logp[r]):
+    for (seqs, *_), (first_tokens, first_logp, prompt_experts, starts) in zip(fresh, firsts):
+      for seq, r, row in seqs:
+        if seq.slot < 0:
+          continue
+        if prompt_experts is not None:
+          seq.routes = [_row_routes(prompt_experts, row, int(starts[row]), len(seq.prompt))]
+        if self._append(seq, first_tokens[r], first_logp[r]):
           finished.append(seq)
     for slot, seq in list(self.running.items()):
       for j in range(count[slot]):
+        if experts is not None:
+          seq.routes.append(experts[slot, j:j + 1])
         if self._append(seq, tokens[slot, j], logp[slot, j]):
           finished.append(seq)
           break
@@ -241,7 +250,7 @@ class Scheduler:
           seq.slot = slot
           self.running[slot] = seq
         if not resumed:
-          drawn += [(seq, int(prefix.draw_index[row, i])) for i, seq in enumerate(seqs)]
+          drawn += [(seq, int(prefix.draw_index[row, i]), row) for i, seq in enumerate(seqs)]
         placements.append(Placement(row=row, slots=tuple(slots), answers=tuple(range(len(seqs))),
                                     pending=tuple(s.tokens[-1] if resumed else -1 for s in seqs),
                                     generated=tuple(max(1, len(s.tokens)) for s in seqs), cached=tuple(cached)))
@@ -250,7 +259,8 @@ class Scheduler:
       self.counters["cached_tokens"] += int(np.sum(prefix.start))
       self.state = eng.insert_many(prefix, self.state, placements)
       if drawn:
-        self._fresh.append((drawn, first.tokens, first.log_prob))
+        experts = prefix.arrays.experts if eng.cfg.record_routes else None
+        self._fresh.append((drawn, first.tokens, first.log_prob, experts, prefix.start))
 
   def _prefill(self, units: list[list[Sequence]], draw: bool = True, cached=()):
     """One batched prefill; row b is the shared context of units[b], drawing a first token per answer (or none: a
@@ -288,3 +298,11 @@ class Scheduler:
         victim.preemptions += 1
         heapq.heappush(self.resume, (victim.order, victim))
         self.counters["preemptions"] += 1
+
+
+def _row_routes(experts: np.ndarray, row: int, start: int, length: int) -> np.ndarray:
+  """The routing of a prefill row's `length` positions, [length, sparse layers, k]: -1 for the first `start` (in the
+  prefix cache, not computed), then the prefill's `experts` [sparse layers, rows, T, k]."""
+  out = np.full((length, experts.shape[0], experts.shape[3]), -1, np.int16)
+  out[start:] = np.swapaxes(experts[:, row, :length - start], 0, 1)
+  return out

@@ -37,10 +37,12 @@ class DecodeState:
 
 @struct.dataclass(frozen=True)
 class PrefixArrays:
-  """Dense keys/values of B prefilled sequences: [layers, B, T, kv_heads, head_dim]."""
+  """Dense keys/values of B prefilled sequences: [layers, B, T, kv_heads, head_dim]; with `sampler.record_routes`,
+  the experts each position was routed to, int16 [sparse layers, B, T, k] (else None)."""
 
   k: jax.Array
   v: jax.Array
+  experts: jax.Array | None = None
 
 
 @struct.dataclass(frozen=True)
@@ -76,11 +78,13 @@ class FirstTokens:
 
 @struct.dataclass(frozen=True)
 class DecodeSteps:
-  """What one multi-step decode call drew: tokens[s, j] and log_prob[s, j] for j < count[s] (-1 and 0 after)."""
+  """What one multi-step decode call drew: tokens[s, j] and log_prob[s, j] for j < count[s] (-1 and 0 after); with
+  `sampler.record_routes`, the experts the step's input token was routed to (the routing that gave log_prob[s, j])."""
 
   tokens: jax.Array  # int32 [S, decode_steps]
   log_prob: jax.Array  # float32 [S, decode_steps]
   count: jax.Array  # int32 [S]
+  experts: jax.Array | None = None  # int16 [S, decode_steps, sparse layers, k], or None
 
 
 def decode_state_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, num_pages: int) -> DecodeState:

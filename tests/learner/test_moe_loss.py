@@ -1,13 +1,16 @@
-"""A mixture-of-experts learner step: the load-balancing loss enters the gradient with `learner.aux_loss_coef`, and
-the step's statistics hold it and each sparse layer's expert load."""
+"""A mixture-of-experts learner step: the load-balancing loss enters the gradient with `learner.aux_loss_coef`, the
+step's statistics hold it and each sparse layer's expert load, and `learner.routing_replay` routes the proximal pass
+as the sampler did."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.microbatch import assemble, plan_packed
-from areal_jax.learner.step import build_step
+from areal_jax.learner.learner import Learner
+from areal_jax.learner.microbatch import assemble, plan_packed, unpack
+from areal_jax.learner.step import build_step, packed_logprobs
 from areal_jax.models import moe
 
 from learner_batches import CFG, accumulate_packed, make_trajectories, one_device_mesh
@@ -48,3 +51,26 @@ def test_load_balancing_loss_gradient_and_statistics():
     np.testing.assert_allclose(get(grads[0.5]) - get(grads[0.0]), 0.5 * get(g), atol=1e-6, rtol=1e-4,
                                err_msg=str(path))
   assert np.abs(np.asarray(g["layers"]["mlp"]["router"][...])).max() > 0
+
+
+def test_routing_replay_routes_the_proximal_pass_as_recorded():
+  """Behaviour logprobs drawn under recorded experts other than the learner's own choice: with replay, the proximal
+  pass recomputes them exactly (`sampler/logprob_gap` ~ 0); without, it routes its own way and differs."""
+  rng = np.random.default_rng(5)
+  trajs = make_trajectories(3, n=8)
+  cfg = LearnerConfig(lr=1e-4, max_tokens_per_mb=512, min_bucket=64, ppo_n_minibatches=1)
+  model = Learner(model_cfg=MOE, config=cfg, mesh=one_device_mesh(), seed=3).model()
+  trajs = [t.replace(routes=np.array([rng.permutation(4)[:2] for _ in range(2 * (t.num_tokens - 1))],
+                                     np.int16).reshape(t.num_tokens - 1, 2, 2)) for t in trajs]
+  layout = plan_packed([t.num_tokens for t in trajs], max_tokens=512, rows=1, min_bucket=64)[0]
+  mb = assemble(layout, trajs, [np.zeros(len(t.response_ids), np.float32) for t in trajs], routes=(2, 2))
+  (lp,) = packed_logprobs(model, jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids),
+                          temperature=1.0, routes=jnp.asarray(mb.routes))
+  drawn = unpack(layout, np.asarray(lp), trajs)
+  recorded = [t.replace(logprobs=drawn[i]) for i, t in enumerate(trajs)]
+  learner = Learner(model_cfg=MOE, config=cfg.replace(routing_replay=True), mesh=one_device_mesh(), seed=3)
+  assert learner.train_step(recorded)["sampler/logprob_gap"] < 1e-6
+  (own,) = packed_logprobs(model, jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids),
+                           temperature=1.0)
+  mask = mb.loss_mask > 0
+  assert np.abs(np.asarray(own) - np.asarray(lp))[mask].mean() > 1e-3  # without replay: its own routing differs

@@ -145,6 +145,9 @@ def test_routing_replay_fixes_the_experts_and_recomputes_the_weights():
   np.testing.assert_array_equal(e, other)
   picked = np.take_along_axis(np.asarray(probs), np.asarray(other), axis=-1)
   np.testing.assert_allclose(w, picked / picked.sum(-1, keepdims=True), rtol=1e-5)
+  partial = jnp.where(jnp.arange(12)[:, None] < 5, other, -1)  # tokens 5.. recorded nothing: their own routing
+  _, e, _ = moe.route(x, router, 2, norm_topk=True, routes=partial)
+  np.testing.assert_array_equal(e, np.concatenate([other[:5], experts[5:]]))
 
 
 @pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "expert": 2, "tensor": 2}])
@@ -207,3 +210,41 @@ def test_sampler_logprobs_equal_the_learner_forward():
     np.testing.assert_allclose(c.logprobs, np.asarray(lp)[0, start + len(p) - 1:start + len(p) + len(a) - 1],
                                atol=1e-5)
     start += len(p) + len(a)
+
+
+@pytest.mark.parametrize("num_pages", [33, 10])  # 10: answers preempted and resumed by re-prefill
+def test_sampler_records_routes_that_the_learner_replays(num_pages):
+  """With `record_routes` each answer carries the experts of every trained position; the learner's forward with them
+  replayed gives the sampler's logprobs (fp32: within 1e-5), and it follows the replayed experts, not its own."""
+  from areal_jax.learner.microbatch import Layout, assemble
+  from areal_jax.learner.step import packed_logprobs
+  from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams
+  from areal_jax.sampler.driver import Driver
+  model = tiny_model(CFG, seed=4)
+  cfg = SamplerConfig(num_slots=4, page_size=4, num_pages=num_pages, max_seq_len=32, decode_steps=3,
+                      record_routes=True)
+  engine = Engine(model=model, config=cfg)
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=1)
+  prompts = ([5], [7, 3, 9, 2, 1], list(range(2, 15)))
+  driver = Driver(engine=engine, params=engine.load_params(model))
+  answers = driver.run([Request(group_id=j, prompt_ids=p, num_answers=2, sampling=sampling)
+                        for j, p in enumerate(prompts)])
+  assert (driver.scheduler.counters["preemptions"] > 0) == (num_pages == 10)
+  trajs = [seq.trajectory() for row in answers for seq in row]
+  for t in trajs:
+    assert t.routes.shape == (t.num_tokens - 1, 2, 2) and t.routes.dtype == np.int16
+  layout = Layout(rows=(tuple(range(len(trajs))),), length=sum(t.num_tokens for t in trajs))
+  mb = assemble(layout, trajs, [np.zeros(len(t.response_ids), np.float32) for t in trajs], routes=(2, 2))
+  args = [jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids)]
+  lp, routing = packed_logprobs(model, *args, temperature=1.0, with_routing=True, routes=jnp.asarray(mb.routes))
+  mask = mb.loss_mask > 0
+  np.testing.assert_allclose(np.asarray(lp)[mask], mb.behavior_logprobs[mask], atol=1e-5)
+  recorded = mb.routes >= 0
+  assert recorded.sum() == sum(t.num_tokens - 1 for t in trajs) * 2 * 2
+  used = np.moveaxis(np.asarray(routing["experts"]), 0, 2)  # [rows, length, sparse layers, k]
+  np.testing.assert_array_equal(used[recorded], mb.routes[recorded])
+  # Other experts replayed: the learner follows them.
+  other = np.where(recorded, (mb.routes + 1) % CFG.num_experts, -1).astype(np.int16)
+  lp2, routing2 = packed_logprobs(model, *args, temperature=1.0, with_routing=True, routes=jnp.asarray(other))
+  np.testing.assert_array_equal(np.moveaxis(np.asarray(routing2["experts"]), 0, 2)[recorded], other[recorded])
+  assert np.abs(np.asarray(lp2) - np.asarray(lp))[mask].max() > 1e-3
