@@ -380,6 +380,8 @@ class Learner:
       out["learner/aux_loss"] = total["aux_loss"] / n
       counts = np.sum([s["expert_counts"] for s in sums], axis=0) if sums else np.zeros(1)
       out["learner/expert_load_max"] = float(moe.expert_load_max({"counts": counts}))
+    if "replayed" in total:
+      out["learner/rerouted_fraction"] = total["rerouted"] / max(total["replayed"], 1.0)
     bad = [f"{key.split('/')[1]} is {out[key]}" for key in ("learner/loss", "learner/grad_norm")
            if not np.isfinite(out[key])]
     if bad:

@@ -97,6 +97,8 @@ def stat_shapes(cfg: LearnerConfig, model_cfg: ModelConfig | None = None) -> dic
   out |= {f"{k}_by_staleness": (STALENESS_BUCKETS,) for k in STALENESS_STATS}
   if model_cfg is not None and model_cfg.num_experts:
     out |= {"aux_loss": (), "expert_counts": (sum(model_cfg.sparse_layers()), model_cfg.num_experts)}
+    if cfg.routing_replay:  # (position, sparse layer) pairs replayed, and those the learner's router would reroute
+      out |= {"replayed": (), "rerouted": ()}
   return out
 
 
@@ -146,6 +148,9 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
     loss = loss + cfg.aux_loss_coef * aux * jnp.sum(jnp.where(mask, batch["loss_weights"], 0.0)) * inv_tokens
     stats["aux_loss"] = jax.lax.stop_gradient(aux) * jnp.sum(mask)
     stats["expert_counts"] = routing["counts"]
+    if cfg.routing_replay:  # a batch without recorded routes (the warm-start's) replays none
+      for k in ("replayed", "rerouted"):
+        stats[k] = jnp.sum(routing[k]) if k in routing else jnp.float32(0)
   return loss, stats
 
 

@@ -238,7 +238,8 @@ class MoE(nnx.Module):
   def __call__(self, x: jax.Array, valid: jax.Array | None = None,
                routes: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B, T, D] -> (out [B, T, D], this layer's `moe.router_stats` over the `valid` [B, T] tokens, with the
-    chosen `experts` [B, T, k]). `routes` [B, T, k] replays a routing (the experts fixed, their weights recomputed)."""
+    chosen `experts` [B, T, k]). `routes` [B, T, k] replays a routing (the experts fixed, their weights recomputed;
+    `moe.replay_stats` counts the tokens it sends elsewhere than the router would)."""
     b, t, d = x.shape
     cfg, k = self.cfg, self.cfg.num_experts_per_tok
     flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
@@ -247,6 +248,8 @@ class MoE(nnx.Module):
     out = moe.sharded_experts_mlp(x, experts.reshape(b, t, k), weights.reshape(b, t, k), _weight(self.gate, x.dtype),
                                   _weight(self.up, x.dtype), _weight(self.down, x.dtype), impl=cfg.experts_impl)
     stats = moe.router_stats(probs, experts, flat(valid))
+    if routes is not None:
+      stats |= moe.replay_stats(probs, experts, flat(routes), flat(valid))
     return out, dict(stats, experts=experts.reshape(b, t, k))
 
 

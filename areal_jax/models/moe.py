@@ -168,6 +168,19 @@ def router_stats(probs: jax.Array, experts: jax.Array, valid: jax.Array | None) 
   return {"counts": counts, "probs": jnp.sum(probs * w[:, None], axis=0), "tokens": jnp.sum(w)}
 
 
+def replay_stats(probs: jax.Array, experts: jax.Array, routes: jax.Array, valid: jax.Array | None
+                 ) -> dict[str, jax.Array]:
+  """Of a layer's valid tokens with a recorded routing (`routes` [N, k] >= 0): how many (`replayed`) and how many the
+  router would have sent to another set of experts (`rerouted`: its own top-k is not the recorded one)."""
+  own = jnp.sort(jax.lax.top_k(probs, experts.shape[-1])[1], axis=-1)
+  recorded = routes[:, 0] >= 0
+  if valid is not None:
+    recorded &= valid.astype(bool)
+  differs = jnp.any(own != jnp.sort(experts, axis=-1), axis=-1)
+  count = lambda mask: jnp.sum(mask.astype(jnp.float32))
+  return {"replayed": count(recorded), "rerouted": count(recorded & differs)}
+
+
 def load_balancing_loss(stats: dict[str, jax.Array]) -> jax.Array:
   """The Switch-Transformer auxiliary loss over every MoE layer, as HF's `load_balancing_loss_func`:
   E * sum_e (assignments to e / tokens) * (mean router probability of e), tokens and layers pooled.

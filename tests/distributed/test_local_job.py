@@ -191,11 +191,12 @@ def test_batches_round_trip(tmp_path):
   trajs = [Trajectory(prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(i + 1, dtype=np.int32),
                       logprobs=-np.ones(i + 1, np.float32), versions=np.full(i + 1, i, np.int32),
                       finish_reason="eos", group_id=i // 2, reward=float(i % 2)) for i in range(4)]
+  trajs[1] = trajs[1].replace(routes=np.arange(4 * 3 * 2, dtype=np.int16).reshape(4, 3, 2))  # a MoE's, recorded
   save_batch(str(tmp_path), n, trajs)
   back = load_batch(str(tmp_path), n)
   assert len(back) == 4
   for a, b in zip(trajs, back):
-    for k in ("prompt_ids", "response_ids", "logprobs", "versions"):
+    for k in ("prompt_ids", "response_ids", "logprobs", "versions", "routes"):
       np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
-      assert getattr(a, k).dtype == getattr(b, k).dtype
+      assert getattr(a, k) is None or getattr(a, k).dtype == getattr(b, k).dtype
     assert (a.finish_reason, a.group_id, a.reward) == (b.finish_reason, b.group_id, b.reward)
