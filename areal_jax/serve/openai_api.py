@@ -115,10 +115,25 @@ _NEUTRAL = {"frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Conversation:
+  """A chat request's messages as the chat template gets them (every API's messages end up in this shape: OpenAI
+  chat messages, tool calls' arguments decoded), and the tools it renders (None: none in use)."""
+
+  messages: tuple[dict[str, Any], ...]
+  tools: list[dict[str, Any]] | None = None
+
+  def render(self, tokenizer: Tokenizer, *, upto: int | None = None, add_generation_prompt: bool = True) -> str:
+    """The template's text of the first `upto` messages (all by default)."""
+    return tokenizer.apply_chat_template(list(self.messages[:upto]), add_generation_prompt=add_generation_prompt,
+                                         tools=self.tools)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Prepared:
   """A checked request: what the sampler runs (one `Request` per prompt) and what shaping its answers needs."""
 
   requests: list[Request]
+  conversation: Conversation | None  # a chat request's (None for completions)
   stops: tuple[str, ...]
   logprobs: bool  # the sampled tokens' logprobs
   top: int  # alternatives per token (0: none)
@@ -173,7 +188,8 @@ def _tools_in_use(body: ChatRequest, tokenizer: Tokenizer) -> bool:
   return True
 
 
-def chat_prompts(body: ChatRequest, tokenizer: Tokenizer) -> list[list[int]]:
+def conversation(body: ChatRequest, tokenizer: Tokenizer) -> Conversation:
+  """`body`'s messages as the template gets them, and its tools if they are in use."""
   if not body.messages:
     raise _bad("messages", "messages: empty; at least one message is needed")
   messages = []
@@ -186,9 +202,14 @@ def chat_prompts(body: ChatRequest, tokenizer: Tokenizer) -> list[list[int]]:
                                f"(text only)")
       content = "".join(str(part.get("text", "")) for part in content)
     messages.append(tool_calls.for_template({**(m.model_extra or {}), "role": m.role, "content": content or ""}))
-  tools = body.tools if _tools_in_use(body, tokenizer) else None
+  return Conversation(messages=tuple(messages), tools=body.tools if _tools_in_use(body, tokenizer) else None)
+
+
+def chat_prompts(body: ChatRequest, tokenizer: Tokenizer) -> list[list[int]]:
   try:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    text = conversation(body, tokenizer).render(tokenizer)
+  except ApiError:
+    raise
   except Exception as e:  # pylint: disable=broad-except  # a template's raise_exception, a missing template
     raise _bad("messages", f"messages: the chat template refused them: {e}") from None
   return [_encode(tokenizer, text, "messages")]
@@ -287,8 +308,9 @@ def prepare(body: CompletionRequest | ChatRequest, prompts: list[list[int]], *, 
       raise _bad(None, str(e)) from None
     # Prompt i is group i: answer j draws from key (seed, i, j), so a seed names its answers.
     requests.append(Request(group_id=i, prompt_ids=ids, num_answers=body.n, sampling=sampling))
-  return Prepared(requests=requests, stops=stops, logprobs=logprobs, top=top, echo=echo, tools=tools,
-                  stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+  conv = conversation(body, tokenizer) if chat else None
+  return Prepared(requests=requests, conversation=conv, stops=stops, logprobs=logprobs, top=top, echo=echo,
+                  tools=tools, stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
 
 # --- shaping answers ------------------------------------------------------------------------------------------------

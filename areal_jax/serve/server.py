@@ -26,13 +26,11 @@ import asyncio
 import concurrent.futures
 import functools
 import hmac
-import json
 import logging
 import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,7 +43,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
-from areal_jax.serve import openai_api, policy, scoring, streaming
+from areal_jax.serve import messages_api, openai_api, policy, responses_api, scoring, streaming
 from areal_jax.serve.backend import Backend, QueueFull
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import Tokenizer, load_tokenizer
@@ -111,6 +109,7 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
   generation = _Generation(backend=backend, tokenizer=tokenizer, model_name=model_name, episodes=episodes,
                            any_model=any_model)
   _completion_routes(app, generation)
+  _agent_api_routes(app, generation, responses_api.ResponseStore())
   _info_routes(app, backend, model_name=model_name, max_model_len=generation.limits["max_seq_len"])
   return app
 
@@ -152,14 +151,18 @@ class _Generation:
     prepared = openai_api.prepare(body, to_prompts(body, self.tokenizer), tokenizer=self.tokenizer, **self.limits)
     return prepared if episode is None else self.episodes.prepare(episode, prepared)
 
-  async def generate(self, body, to_prompts: Callable, respond: Callable, episode: str | None):
-    """One completion request: `to_prompts` reads its prompts, `respond` shapes the answers (or a stream of them)."""
+  async def generate(self, body, to_prompts: Callable, respond: Callable, episode: str | None,
+                     events: Callable | None = None):
+    """One request: `to_prompts` reads its prompts, `respond` shapes the answers, or `events(prepared, version)`
+    streams them (default: OpenAI's chunks). `body` is a completions or chat body (the other APIs' are translated
+    into chat bodies first)."""
     self._check(body, episode)
     prepared = await asyncio.to_thread(self._prepare, body, to_prompts, episode)
     if prepared.stream:
-      return _stream(prepared, chat=isinstance(body, openai_api.ChatRequest), episode=episode, submit=self.submit,
-                     failed=self.failed, backend=self.backend, tokenizer=self.tokenizer, model_name=self.model_name,
-                     episodes=self.episodes)
+      events = events or functools.partial(streaming.ChunkEvents, chat=isinstance(body, openai_api.ChatRequest),
+                                           tokenizer=self.tokenizer, model=self.model_name)
+      return _stream(prepared, events(prepared, version=self.backend.version), episode=episode, submit=self.submit,
+                     failed=self.failed, episodes=self.episodes, tokenizer=self.tokenizer)
     futures = self.submit(prepared)
     try:
       seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -187,6 +190,27 @@ def _completion_routes(app: fastapi.FastAPI, generation: _Generation) -> None:
                                      request.headers.get(EPISODE_HEADER))
 
 
+def _agent_api_routes(app: fastapi.FastAPI, generation: _Generation, store: responses_api.ResponseStore) -> None:
+  """`POST /v1/responses` (OpenAI's Responses API) and `POST /v1/messages` (Anthropic's Messages API), each
+  translated into a chat request and answered in its own shape."""
+
+  @app.post("/v1/responses")
+  async def responses(body: responses_api.ResponsesRequest, request: fastapi.Request):
+    turn = responses_api.Turn(body, store)
+    events = functools.partial(responses_api.ResponseEvents, turn, tokenizer=generation.tokenizer,
+                               model=generation.model_name)
+    respond = functools.partial(responses_api.respond, turn)
+    return await generation.generate(turn.chat, openai_api.chat_prompts, respond, request.headers.get(EPISODE_HEADER),
+                                     events=events)
+
+  @app.post("/v1/messages")
+  async def messages(body: messages_api.MessagesRequest, request: fastapi.Request):
+    events = functools.partial(messages_api.MessageEvents, tokenizer=generation.tokenizer,
+                               model=generation.model_name)
+    return await generation.generate(messages_api.to_chat(body), openai_api.chat_prompts, messages_api.respond,
+                                     request.headers.get(EPISODE_HEADER), events=events)
+
+
 def _info_routes(app: fastapi.FastAPI, backend: Sampling, *, model_name: str, max_model_len: int) -> None:
   """`GET /v1/models`, `GET /health` and `GET /stats`."""
   created = int(time.time())
@@ -208,36 +232,45 @@ def _info_routes(app: fastapi.FastAPI, backend: Sampling, *, model_name: str, ma
     return backend.stats()
 
 
+def _error_response(request: fastapi.Request, err: openai_api.ApiError) -> JSONResponse:
+  """`err` in OpenAI's shape, or in Anthropic's on the Messages API's route."""
+  anthropic = request.url.path.startswith("/v1/messages")
+  return JSONResponse(messages_api.error_body(err) if anthropic else err.body(), status_code=err.status)
+
+
 def _openai_errors(app: fastapi.FastAPI) -> None:
-  """Errors answered in OpenAI's shape: ours (`ApiError`) and FastAPI's request validation (400, naming the field)."""
+  """Errors answered in the route's API's shape: ours (`ApiError`) and FastAPI's request validation (400, naming
+  the field)."""
 
   @app.exception_handler(openai_api.ApiError)
-  async def _api_error(_, exc: openai_api.ApiError):
-    return JSONResponse(exc.body(), status_code=exc.status)
+  async def _api_error(request: fastapi.Request, exc: openai_api.ApiError):
+    return _error_response(request, exc)
 
   @app.exception_handler(fastapi.exceptions.RequestValidationError)
-  async def _invalid(_, exc: fastapi.exceptions.RequestValidationError):
-    err = _validation_error(exc)
-    return JSONResponse(err.body(), status_code=err.status)
+  async def _invalid(request: fastapi.Request, exc: fastapi.exceptions.RequestValidationError):
+    return _error_response(request, _validation_error(exc))
 
 
 def _require_api_key(app: fastapi.FastAPI, api_key: str) -> None:
-  """Every request but `/health` must carry `Authorization: Bearer <api_key>`; others get 401 `invalid_api_key`."""
-  expected = f"Bearer {api_key}".encode()
+  """Every request but `/health` must carry `Authorization: Bearer <api_key>` (OpenAI's clients) or `x-api-key:
+  <api_key>` (Anthropic's); others get 401 `invalid_api_key`."""
+  bearer, bare = f"Bearer {api_key}".encode(), api_key.encode()
 
   @app.middleware("http")
   async def _authorize(request: fastapi.Request, call_next):
     given = request.headers.get("authorization", "").encode()
-    if request.url.path != "/health" and not hmac.compare_digest(given, expected):
-      err = openai_api.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                                code="invalid_api_key")
-      return JSONResponse(err.body(), status_code=err.status)
+    key = request.headers.get("x-api-key", "").encode()
+    ok = hmac.compare_digest(given, bearer) | hmac.compare_digest(key, bare)
+    if request.url.path != "/health" and not ok:
+      err = openai_api.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or "
+                                     "`x-api-key: <key>`", code="invalid_api_key")
+      return _error_response(request, err)
     return await call_next(request)
 
 
-def _stream(prepared: openai_api.Prepared, *, chat: bool, episode: str | None, submit: Callable, failed: Callable,
-            backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None) -> StreamingResponse:
-  """A streamed request: its answers' new tokens as server-sent events, one per decode call that advanced them."""
+def _stream(prepared: openai_api.Prepared, events: streaming.Events, *, episode: str | None, submit: Callable,
+            failed: Callable, episodes: Episodes | None, tokenizer: Tokenizer) -> StreamingResponse:
+  """A streamed request: `events` of its answers' new tokens, one batch per decode call that advanced them."""
   loop, reports = asyncio.get_running_loop(), asyncio.Queue()
   futures = submit(prepared, lambda i, t: loop.call_soon_threadsafe(reports.put_nowait, (i, t)))
   for f in futures:  # a failed request ends the stream with an error event
@@ -245,53 +278,32 @@ def _stream(prepared: openai_api.Prepared, *, chat: bool, episode: str | None, s
   n = prepared.n
   choices = {(i, j): streaming.ChoiceStream(tokenizer, stops=prepared.stops, tools=prepared.tools)
              for i in range(len(prepared.requests)) for j in range(n)}
-  offsets = {key: len(tokenizer.decode(prepared.requests[key[0]].prompt_ids)) for key in choices} if not chat else {}
-  kind = "chat.completion.chunk" if chat else "text_completion"
-  request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-  version = backend.version
 
-  def event(choices: list[dict], usage=None) -> str:
-    body = openai_api.envelope(kind, choices, model=model_name, version=version, request_id=request_id,
-                               usage=usage)
-    if prepared.include_usage and usage is None:
-      body["usage"] = None
-    return f"data: {json.dumps(body)}\n\n"
-
-  async def events():
-    nonlocal version
-    if chat:
-      yield event([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for k in range(len(choices))])
+  async def stream():
+    for e in events.start():
+      yield e
     open_choices, completion_tokens = len(choices), 0
     while open_choices:
       report = await reports.get()
       if isinstance(report, BaseException):
-        yield f"data: {json.dumps(failed(report).body())}\n\n"
+        for e in events.error(failed(report)):
+          yield e
         return
       i, tokens = report
       delta = choices[(i, tokens.answer)].push(tokens)
       if delta is None:
         continue
-      version = max([version, *delta.versions])
       completion_tokens += len(delta.token_ids)
       open_choices -= delta.finish_reason is not None
-      index = i * n + tokens.answer
-      if chat:
-        yield event([streaming.chat_choice(index, delta, tokenizer, logprobs=prepared.logprobs)])
-      else:
-        key = (i, tokens.answer)
-        yield event([streaming.completion_choice(index, delta, tokenizer, logprobs=prepared.logprobs,
-                                                 offset=offsets[key])])
-        offsets[key] += len(tokenizer.decode(delta.token_ids))
-    if prepared.include_usage:
-      prompt_tokens = sum(len(r.prompt_ids) for r in prepared.requests)
-      yield event([], usage=openai_api.usage(prompt_tokens, completion_tokens))
-    yield "data: [DONE]\n\n"
-    if episode is not None:  # once every answer ends (a choice cut by a stop string ends before its answer)
+      for e in events.delta(i * n + tokens.answer, delta):
+        yield e
+    for e in events.end(sum(len(r.prompt_ids) for r in prepared.requests), completion_tokens):
+      yield e
+    if episode is not None:  # once every answer ends (a stop string ends a choice sooner)
       episodes.record(episode, prepared, await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
-                      request_id)
+                      events.request_id)
 
-  return StreamingResponse(events(), media_type="text/event-stream")
+  return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 class _Interrupted(Exception):

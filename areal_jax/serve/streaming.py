@@ -1,8 +1,11 @@
-"""Streamed answers (`stream=true`): the sampler's new tokens after each decode call become OpenAI chunks.
+"""Streamed answers (`stream=true`): the sampler's new tokens after each decode call become server-sent events.
 
     stream = ChoiceStream(tokenizer, stops=("\\n\\n",), tools=False)
     delta = stream.push(tokens)  # a `backend.Tokens` report; None when nothing can be sent yet
     delta.text, delta.token_ids, delta.finish_reason  # finish_reason set on the choice's last delta
+
+Each API writes its own events from the deltas (an `Events`): `ChunkEvents` OpenAI's completion and chat chunks,
+`responses_api.ResponseEvents` the Responses API's typed events, `messages_api.MessageEvents` Anthropic's.
 
 Text is sent once it is settled: a trailing piece that may still become a stop string, or an incomplete UTF-8
 character, waits for the next tokens. A stop string ends the choice at once (its text stops before it, its tokens
@@ -13,7 +16,9 @@ is held until the answer ends; then its calls go out in one `tool_calls` delta, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import json
+import uuid
+from typing import Any, Protocol
 
 from areal_jax.serve import openai_api, tool_calls
 from areal_jax.serve.backend import Tokens
@@ -101,3 +106,65 @@ def chat_choice(index: int, d: Delta, tokenizer: Tokenizer, *, logprobs: bool) -
     delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(d.tool_calls)]
   lp = openai_api.chat_logprobs(tokenizer, d.token_ids, d.logprobs, 0, None, 0) if logprobs else None
   return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason, "token_ids": d.token_ids}
+
+
+class Events(Protocol):
+  """One streamed response's server-sent events, in order: `start`, `delta` for each choice's deltas, then `end`
+  (or `error` in place of the rest)."""
+
+  request_id: str
+
+  def start(self) -> list[str]: ...
+
+  def delta(self, index: int, d: Delta) -> list[str]: ...
+
+  def end(self, prompt_tokens: int, completion_tokens: int) -> list[str]: ...
+
+  def error(self, err: openai_api.ApiError) -> list[str]: ...
+
+
+def sse(body: dict[str, Any], event: str | None = None) -> str:
+  """One server-sent event (with an `event:` line when named, as the Responses and Messages APIs send them)."""
+  head = f"event: {event}\n" if event else ""
+  return f"{head}data: {json.dumps(body)}\n\n"
+
+
+class ChunkEvents:
+  """OpenAI's `text_completion` / `chat.completion.chunk` chunks, ending in `data: [DONE]`."""
+
+  def __init__(self, prepared: openai_api.Prepared, *, chat: bool, tokenizer: Tokenizer, model: str, version: int):
+    self.prepared, self.chat, self.tokenizer, self.model, self.version = prepared, chat, tokenizer, model, version
+    self.kind = "chat.completion.chunk" if chat else "text_completion"
+    self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    n = prepared.n
+    self.offsets = ({} if chat else {i * n + j: len(tokenizer.decode(r.prompt_ids))
+                                     for i, r in enumerate(prepared.requests) for j in range(n)})
+
+  def _event(self, choices: list[dict], usage=None) -> str:
+    body = openai_api.envelope(self.kind, choices, model=self.model, version=self.version,
+                               request_id=self.request_id, usage=usage)
+    if self.prepared.include_usage and usage is None:
+      body["usage"] = None
+    return sse(body)
+
+  def start(self) -> list[str]:
+    if not self.chat:
+      return []
+    k = len(self.prepared.requests) * self.prepared.n
+    return [self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(k)])]
+
+  def delta(self, index: int, d: Delta) -> list[str]:
+    self.version = max([self.version, *d.versions])
+    if self.chat:
+      return [self._event([chat_choice(index, d, self.tokenizer, logprobs=self.prepared.logprobs)])]
+    choice = completion_choice(index, d, self.tokenizer, logprobs=self.prepared.logprobs, offset=self.offsets[index])
+    self.offsets[index] += len(self.tokenizer.decode(d.token_ids))
+    return [self._event([choice])]
+
+  def end(self, prompt_tokens: int, completion_tokens: int) -> list[str]:
+    usage = [self._event([], usage=openai_api.usage(prompt_tokens, completion_tokens))]
+    return (usage if self.prepared.include_usage else []) + ["data: [DONE]\n\n"]
+
+  def error(self, err: openai_api.ApiError) -> list[str]:
+    return [sse(err.body())]
