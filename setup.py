@@ -39,6 +39,7 @@ setup(
         # areal_jax.agents: agents get an OpenAI client whose transport calls the server's routes in process.
         "openai==3.54.0",
         "httpx2==2.16.2",
+        "anthropic==2.14.0",  # agents written against the Messages API get an Anthropic client the same way
     ],
     extras_require={
         # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.

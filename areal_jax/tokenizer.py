@@ -21,6 +21,7 @@ class Tokenizer(Protocol):
   eos_id: int
   pad_id: int
   bos_id: int | None  # None: the vocabulary has no BOS token; `encode` never adds one
+  eos_token: str | None  # the EOS token's text, as chat templates write it (None: unknown)
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -78,6 +79,7 @@ class CharTokenizer:
 
   CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=().,:?\\{}\n^#$QA<>\"_"
   SPECIALS = ("<pad>", "<eos>")
+  eos_token = SPECIALS[1]
   chat_template = CHAR_CHAT_TEMPLATE
 
   def __init__(self):
@@ -105,7 +107,7 @@ class CharTokenizer:
   def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
     """`CHAR_CHAT_TEMPLATE`: one user message gives the plain "Q: ...\\nA: " prompt the tiny policy is trained on."""
     return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, source="char",
-                        tools=tools, eos_token=self.SPECIALS[1])
+                        tools=tools, eos_token=self.eos_token)
 
 
 class HFTokenizer:
@@ -175,6 +177,7 @@ class SentencePieceTokenizer:
       raise ValueError(f"{path}: sentencepiece model has no eos piece")
     self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
     self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None  # encode never adds it
+    self.eos_token = self._sp.id_to_piece(self.eos_id)
     self.chat_template = chat_template
 
   def encode(self, text: str) -> list[int]:
@@ -185,7 +188,7 @@ class SentencePieceTokenizer:
 
   def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
     return _render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, source=self.path,
-                        tools=tools, eos_token=self._sp.id_to_piece(self.eos_id), bos_token="")
+                        tools=tools, eos_token=self.eos_token, bos_token="")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -33,11 +33,16 @@ import json
 import operator
 import re
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  import anthropic
 
 TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "Evaluates an integer expression with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}]
+ANTHROPIC_TOOLS = [{"name": "calc", "description": TOOLS[0]["function"]["description"],  # the same tool, as Claude's
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _MAX_EXPR = 64  # characters the tool evaluates
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
@@ -120,3 +125,27 @@ class Calculator:
       messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": "call_0", "content": calc(expr)}]
     return {"messages": messages + [answer], "tools": TOOLS}
+
+
+class ClaudeCalculator(Calculator):
+  """The same agent written against Anthropic's Messages API (`client.messages.create`, `tool_use` and `tool_result`
+  blocks): the runner hands it an `anthropic.AsyncAnthropic` for its annotation, and its chats render to the same
+  prompts as `Calculator`'s (`--config.agent.path=areal_jax.agents.calculator:ClaudeCalculator`)."""
+
+  async def run(self, data: dict[str, Any], client: anthropic.AsyncAnthropic) -> float:
+    return await super().run(data, client)
+
+  async def _attempt(self, messages: list[dict[str, Any]], client) -> str | None:
+    for call_round in range(self.max_calls + 1):
+      reply = await client.messages.create(model="policy", messages=messages, tools=ANTHROPIC_TOOLS,
+                                           max_tokens=self.max_tokens)
+      messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+      uses = [b for b in reply.content if b.type == "tool_use"]
+      if not uses or call_round == self.max_calls:
+        break
+      messages.append({"role": "user", "content": [
+          {"type": "tool_result", "tool_use_id": b.id, "content": calc(b.input.get("expr")) if b.name == "calc"
+           else "error"} for b in uses]})
+    text = "".join(b.text for b in reply.content if b.type == "text")
+    found = None if uses else _BOXED.search(text)
+    return found and found.group(1)

@@ -6,11 +6,16 @@
     future = runner.submit(data, group_id=7, index=0, min_version=3)  # an `EpisodeResult` once the agent returns
     runner.stop()
 
-The client is a real `openai.AsyncOpenAI` whose HTTP transport calls the server's own routes in process
+The client is a real `openai.AsyncOpenAI` (chat completions, completions, the Responses API), or a real
+`anthropic.AsyncAnthropic` (the Messages API) for an agent whose client parameter is annotated so
+(`async def run(data, client: anthropic.AsyncAnthropic)`). Its HTTP transport calls the server's own routes in process
 (`httpx2.ASGITransport` over `serve.create_app`), so an agent meets exactly what `tools/serve.py` serves: the chat
-template, tools and tool calls, streaming. Its requests carry the episode's id in a header; the routes hand them to
-this runner, which sends them to the `Rollout` (a `SamplerLoop` here, or sampler processes through the hub) and
-records every answer as drawn: prompt token ids, answer tokens, behaviour logprobs, policy versions.
+template, tools and tool calls, streaming. Every request made from the episode's task carries the episode's id in a
+header, whichever client makes it (the one handed over, another from `client()` / `anthropic_client()`, or one set as
+a global default such as the Agents SDK's `set_default_openai_client`); the routes hand them to this runner, which
+sends them to the `Rollout` (a `SamplerLoop` here, or sampler processes through the hub) and records every answer as
+drawn: prompt token ids, answer tokens, behaviour logprobs, policy versions. A chat turn (in any of the APIs) whose
+history holds an earlier answer is prompted with that answer's drawn ids (`turns.TurnHistory`).
 
 In training the run's sampling settings hold (`sampler.temperature`, `top_p`, `top_k`, the run's seed): the learner's
 importance ratios assume them. An agent's own `temperature` etc. are ignored; its `max_tokens`, `stop`, `n` and
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import copy
 import dataclasses
+import inspect
 import itertools
 import logging
 import threading
@@ -39,6 +46,7 @@ import openai
 
 from areal_jax.agents.agent import AgentConfig, AgentFn
 from areal_jax.agents.episodes import Completion, assign_rewards, to_trajectories
+from areal_jax.agents.turns import TurnHistory
 from areal_jax.async_thread import AsyncThread
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.serve import openai_api
@@ -51,6 +59,9 @@ _log = logging.getLogger(__name__)
 _SHOWN_FAILURES = 5  # episode failures logged one by one; after that every 100th
 MODEL_NAME = "policy"
 _GROUP_IDS = itertools.count(1 << 40)  # sampler group ids of agents' requests, apart from the controller's
+# The episode whose task makes a request: whichever client the agent uses (the one it was handed, another made from
+# `EpisodeRunner.client()`, a global default), its requests are that episode's.
+_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("areal_episode", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +81,7 @@ class EpisodeResult:
   turns: int  # completions the agent received
   failure: str | None = None
   completions: tuple[Completion, ...] = ()  # as recorded, in order
+  retokenized: int = 0  # turns whose history held an answer that had to be re-encoded (`turns.TurnHistory`)
 
 
 class RolloutSampling:
@@ -134,8 +146,28 @@ class RolloutSampling:
 @dataclasses.dataclass(eq=False)
 class _Episode:
   min_version: int
+  history: TurnHistory
   completions: list[Completion] = dataclasses.field(default_factory=list)
   turns: int = 0
+  retokenized: int = 0
+
+
+class _EpisodeTransport(httpx2.ASGITransport):
+  """The routes in process; a request made from an episode's task is tagged with that episode (`_EPISODE`)."""
+
+  async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+    key = _EPISODE.get()
+    if key is not None and EPISODE_HEADER not in request.headers:
+      request.headers[EPISODE_HEADER] = key
+    return await super().handle_async_request(request)
+
+
+def wants_anthropic(agent: AgentFn) -> bool:
+  """Whether `agent`'s client parameter (its second) is annotated as an Anthropic client."""
+  params = list(inspect.signature(agent).parameters.values())
+  hint = params[1].annotation if len(params) > 1 else inspect.Parameter.empty
+  name = hint if isinstance(hint, str) else getattr(hint, "__name__", "")
+  return name.rsplit(".", 1)[-1] in ("AsyncAnthropic", "Anthropic")
 
 
 class EpisodeRunner:
@@ -159,12 +191,22 @@ class EpisodeRunner:
     faults; see the module docstring)."""
     return self.thread.submit(self.episode(data, group_id=group_id, index=index, min_version=min_version))
 
-  def client(self, episode: str | None = None) -> openai.AsyncOpenAI:
-    """An OpenAI client whose transport calls the routes in process; with `episode`, its requests are that running
-    episode's (recorded), without, plain requests to the same sampler. `await client.close()` when done."""
-    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://policy", timeout=None)
-    return openai.AsyncOpenAI(base_url="http://policy/v1", api_key="training", http_client=http, max_retries=0,
-                              default_headers={EPISODE_HEADER: episode} if episode is not None else None)
+  def client(self) -> openai.AsyncOpenAI:
+    """An OpenAI client whose transport calls the routes in process: from an episode's task (the agent's code, and
+    any task it starts), its requests are that episode's and recorded; from elsewhere, plain requests to the same
+    sampler. `await client.close()` when done."""
+    return openai.AsyncOpenAI(base_url="http://policy/v1", api_key="training", http_client=self._http(),
+                              max_retries=0)
+
+  def anthropic_client(self):
+    """The same as `client`, as an `anthropic.AsyncAnthropic` (the Messages API)."""
+    import anthropic  # pylint: disable=import-outside-toplevel
+
+    return anthropic.AsyncAnthropic(base_url="http://policy", api_key="training", http_client=self._http(),
+                                    max_retries=0)
+
+  def _http(self) -> httpx2.AsyncClient:
+    return httpx2.AsyncClient(transport=_EpisodeTransport(app=self.app), base_url="http://policy", timeout=None)
 
   def stop(self) -> None:
     """Cancels the episodes in flight and ends the loop's thread."""
@@ -175,11 +217,12 @@ class EpisodeRunner:
   async def episode(self, data: dict[str, Any], *, group_id: int, index: int, min_version: int) -> EpisodeResult:
     """Answer `index` of group `group_id`, awaited on `self.thread`'s loop (what `submit` runs)."""
     key = f"{group_id}-{index}"
-    episode = _Episode(min_version=min_version)
+    episode = _Episode(min_version=min_version, history=TurnHistory(self.tokenizer))
     with self._lock:
       self._episodes[key] = episode
-    client = self.client(key)
+    client = self.anthropic_client() if wants_anthropic(self.agent) else self.client()
     failure = None
+    tag = _EPISODE.set(key)  # the agent's task (wait_for's) starts with this context
     try:
       reward = await asyncio.wait_for(self.agent(copy.deepcopy(data), client), self.config.timeout_s)
       rewards = assign_rewards(episode.completions, reward, self.config.turn_discount)
@@ -188,6 +231,7 @@ class EpisodeRunner:
     except Exception as e:  # pylint: disable=broad-except  # the agent's fault: this episode only
       failure = f"{type(e).__name__}: {e}"
     finally:
+      _EPISODE.reset(tag)
       await client.close()
       with self._lock:
         del self._episodes[key]
@@ -202,7 +246,7 @@ class EpisodeRunner:
                      "agent/episode_failures): %s", index, data.get("uid"), len(completions), n, failure)
     trajs = to_trajectories(completions, rewards, group_id=group_id)
     return EpisodeResult(trajectories=tuple(trajs), reward=rewards[-1] if rewards else 0.0, turns=len(completions),
-                         failure=failure, completions=tuple(completions))
+                         failure=failure, completions=tuple(completions), retokenized=episode.retokenized)
 
   # --- the routes' hooks (`serve.server.Episodes`) ----------------------------------------------------------------
 
@@ -220,8 +264,22 @@ class EpisodeRunner:
         raise openai_api.ApiError(400, f"agent.max_turns={self.config.max_turns} completions reached in this "
                                        f"episode", param="messages")
       episode.turns += 1
-    return dataclasses.replace(prepared, requests=[dataclasses.replace(r, min_version=episode.min_version)
-                                                   for r in prepared.requests])
+    requests = [dataclasses.replace(r, min_version=episode.min_version) for r in prepared.requests]
+    if prepared.conversation is not None:  # token in, token out: the history's answers as drawn
+      ids, retokenized = episode.history.prompt(prepared.conversation)
+      episode.retokenized += retokenized
+      if ids is not None:
+        requests = [self._reprompted(r, ids) for r in requests]
+    return dataclasses.replace(prepared, requests=requests)
+
+  def _reprompted(self, request: Request, ids: list[int]) -> Request:
+    """`request` with prompt `ids` (a few tokens longer or shorter than the re-encoding it replaces)."""
+    room = self.sampling.limits["max_seq_len"] - len(ids)
+    if room < 1:
+      raise openai_api.ApiError(400, f"messages too long: {len(ids)} tokens with the drawn answers kept > max "
+                                     f"{room + len(ids) - 1}", param="messages")
+    sampling = dataclasses.replace(request.sampling, max_new_tokens=min(request.sampling.max_new_tokens, room))
+    return dataclasses.replace(request, prompt_ids=ids, sampling=sampling)
 
   def record(self, key: str, prepared: openai_api.Prepared, answers: list[list[Drawn]], response_id: str) -> None:
     episode = self._episode(key)
@@ -229,6 +287,9 @@ class EpisodeRunner:
       for drawn in group:
         shaped = openai_api.shape_answer(drawn, prepared.stops, self.tokenizer)  # through a stop string's cut
         n = len(shaped.token_ids)
+        if prepared.conversation is not None:
+          episode.history.add(prepared.conversation, request.prompt_ids, shaped.token_ids, shaped.text,
+                              eos=bool(n) and shaped.token_ids[-1] == self.tokenizer.eos_id)
         episode.completions.append(Completion(
             response_id=response_id, prompt_ids=request.prompt_ids, tokens=np.asarray(shaped.token_ids, np.int32),
             logprobs=np.asarray(drawn.logprobs[:n], np.float32), versions=np.asarray(drawn.versions[:n], np.int32),

@@ -223,6 +223,7 @@ class RolloutController:
             for i in range(self.group_size)))
         with self._lock:
           self.counters["episode_failures"] += sum(r.failure is not None for r in results)
+          self.counters["retokenized_turns"] += sum(r.retokenized for r in results)
         trajs = tuple(t for r in results for t in r.trajectories)
         self._finish(gid, record, version, trajs, [r.reward for r in results], turns=tuple(r.turns for r in results))
       else:

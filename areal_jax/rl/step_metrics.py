@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 
 
 def agent_metrics(controller: RolloutController, groups) -> dict[str, float]:
-  """With an agent: completions per episode in the step's groups, and episodes failed since the start."""
+  """With an agent: completions per episode in the step's groups, and since the start, episodes failed and turns
+  whose history held an answer that had to be re-encoded (`agents.turns`)."""
   if controller.episodes is None:
     return {}
   return {"agent/turns_mean": float(np.mean([n for g in groups for n in g.turns])),
-          "agent/episode_failures": controller.counters["episode_failures"]}
+          "agent/episode_failures": controller.counters["episode_failures"],
+          "agent/retokenized_turns": controller.counters["retokenized_turns"]}
 
 
 def step_metrics(stats: dict, trajectories, finished_rewards: list[float]) -> dict[str, float]:

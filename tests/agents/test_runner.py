@@ -193,10 +193,29 @@ def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evalu
 
 
 @pytest.mark.slow
-def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
-  """The bundled agent against a policy scripted (memorized) on its demonstrations: a tool call, the tool's result,
-  the boxed product, one merged sequence whose loss covers only the policy's tokens; a policy that answers in its
-  head, wrongly, scores 0 in one turn. `EpisodeEvaluator` reports the same episodes as success and turns."""
+def test_the_calculator_written_for_the_messages_api_trains(tmp_path):
+  """configs/agent.py (small shapes) with the calculator written against Anthropic's Messages API: its episodes call
+  the tool (more than one completion each on average) and train, their turns kept as drawn."""
+  # A longer warm-start on demonstrations that all call the tool: the fast preset's 30 steps write no valid call yet.
+  config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py:fast"), total_steps=2,
+                       **{"agent.path": "areal_jax.agents.calculator:ClaudeCalculator", "warmstart.steps": 300,
+                          "warmstart.lr": 3e-3, "agent.options.demo_tool_share": 1.0})
+  trainer.run(config, str(tmp_path))
+  metrics = read_metrics(str(tmp_path))[1:]
+  assert [m["step"] for m in metrics] == [1, 2]
+  for m in metrics:
+    assert m["agent/turns_mean"] > 1 and m["agent/episode_failures"] == 0 and m["agent/retokenized_turns"] == 0, m
+    assert np.isfinite(m["reward/trained_mean"]) and m["staleness/max"] <= config.rollout.max_head_offpolicyness
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["Calculator", "ClaudeCalculator"])
+def test_the_calculator_agent_calls_its_tool_and_its_turns_merge(agent):
+  """The bundled agent (over chat completions, and written again against Anthropic's Messages API) against a policy
+  scripted (memorized) on its demonstrations: a tool call, the tool's result, the boxed product, one merged sequence
+  whose loss covers only the policy's tokens; a policy that answers in its head, wrongly, scores 0 in one turn.
+  `EpisodeEvaluator` reports the same episodes as success and turns."""
+  from areal_jax.agents import calculator  # pylint: disable=g-import-not-at-top
   from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
   from areal_jax.rl.evaluation import EpisodeEvaluator  # pylint: disable=g-import-not-at-top
 
@@ -213,7 +232,7 @@ def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
   rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, mesh=make_mesh(
       jax.devices()[:1], {"data": 1, "tensor": 1}), params=nnx.state(model, nnx.Param), version=0,
                          eos_ids=[TOK.eos_id], detokenize=TOK.decode)
-  run = agents.EpisodeRunner(agent=Calculator().run, config=agents.AgentConfig(max_turns=4, timeout_s=120),
+  run = agents.EpisodeRunner(agent=getattr(calculator, agent)().run, config=agents.AgentConfig(max_turns=4, timeout_s=120),
                              rollout=rollout, tokenizer=TOK, sampling=SamplingParams(temperature=0.0, seed=0),
                              limits={"max_seq_len": 224, "vocab_size": 64}, version=lambda: 0)
   try:
@@ -223,7 +242,7 @@ def test_the_calculator_agent_calls_its_tool_and_its_turns_merge():
   finally:
     run.stop()
     rollout.stop()
-  assert (solved.failure, solved.turns, solved.reward) == (None, 2, 1.0)
+  assert (solved.failure, solved.turns, solved.reward, solved.retokenized) == (None, 2, 1.0, 0)
   [t] = solved.trajectories
   np.testing.assert_array_equal(t.prompt_ids, pairs[0][0])
   np.testing.assert_array_equal(t.response_ids[t.loss_mask == 1], np.concatenate([pairs[0][1], pairs[1][1]]))
