@@ -1,6 +1,9 @@
 """Agents the tests run and train: plain async functions against the OpenAI client, as a user writes them."""
 
 import asyncio
+import json
+
+import anthropic
 
 from areal_jax.tokenizer import CharTokenizer
 
@@ -15,6 +18,26 @@ async def two_turn(data, client):
                {"role": "user", "content": "check: " + data["question"]}]
   second = await client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=8)
   return float(data["reference"] in second.choices[0].message.content)
+
+
+async def two_turn_responses(data, client):
+  """`two_turn` through the Responses API, the second turn by `previous_response_id`."""
+  first = await client.responses.create(model="m", input=data["question"], max_output_tokens=8,
+                                        extra_body={"ignore_eos": True})
+  second = await client.responses.create(model="m", input="check: " + data["question"], max_output_tokens=8,
+                                         previous_response_id=first.id)
+  return float(data["reference"] in second.output_text)
+
+
+async def two_turn_messages(data, client: anthropic.AsyncAnthropic):
+  """`two_turn` through Anthropic's Messages API, the second turn streamed."""
+  messages = [{"role": "user", "content": data["question"]}]
+  first = await client.messages.create(model="m", messages=messages, max_tokens=8, extra_body={"ignore_eos": True})
+  messages += [{"role": "assistant", "content": first.content[0].text},
+               {"role": "user", "content": "check: " + data["question"]}]
+  async with client.messages.stream(model="m", messages=messages, max_tokens=8) as stream:
+    final = await stream.get_final_message()
+  return float(data["reference"] in final.content[0].text)
 
 
 async def token_turns(data, client):
@@ -80,6 +103,48 @@ async def agents_sdk_calculator(data, client):
                     model_settings=sdk.ModelSettings(temperature=0.0))  # (in training the run's settings hold)
   result = await sdk.Runner.run(agent, data["question"], max_turns=3, run_config=sdk.RunConfig(tracing_disabled=True))
   return float(data["reference"] in str(result.final_output))
+
+
+async def agents_sdk_default_calculator(data, client):
+  """The OpenAI Agents SDK with its default model (the Responses API) on a global default client."""
+  import agents as sdk  # pylint: disable=g-import-not-at-top
+
+  sdk.set_tracing_disabled(True)
+  sdk.set_default_openai_client(client, use_for_tracing=False)
+  agent = sdk.Agent(name="calculator", instructions="Use the add tool.", tools=[sdk.function_tool(add)], model=MODEL,
+                    model_settings=sdk.ModelSettings(temperature=0.0))
+  result = await sdk.Runner.run(agent, data["question"], max_turns=3)
+  return float(data["reference"] in str(result.final_output))
+
+
+ADD_SCHEMA = {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+              "type": "object"}
+
+
+async def responses_calculator(data, client):
+  """`client.responses.create` by hand: a function tool, its output sent back by `previous_response_id`."""
+  tools = [{"type": "function", "name": "add", "description": "Adds two integers.", "parameters": ADD_SCHEMA}]
+  first = await client.responses.create(model=MODEL, instructions="Use the add tool.", input=data["question"],
+                                        tools=tools, temperature=0.0)
+  outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": str(add(**json.loads(c.arguments)))}
+             for c in first.output if c.type == "function_call"]
+  final = await client.responses.create(model=MODEL, instructions="Use the add tool.", input=outputs, tools=tools,
+                                        previous_response_id=first.id, temperature=0.0)
+  return float(data["reference"] in final.output_text)
+
+
+async def anthropic_calculator(data, client: anthropic.AsyncAnthropic):
+  """Anthropic's Messages API: a tool with `input_schema`, `tool_use` answered with `tool_result` blocks."""
+  tools = [{"name": "add", "description": "Adds two integers.", "input_schema": ADD_SCHEMA}]
+  messages = [{"role": "user", "content": data["question"]}]
+  first = await client.messages.create(model=MODEL, system="Use the add tool.", messages=messages, tools=tools,
+                                       max_tokens=64, extra_body={"temperature": 0.0})
+  messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": str(add(**b.input))}
+                                            for b in first.content if b.type == "tool_use"]}]
+  final = await client.messages.create(model=MODEL, system="Use the add tool.", messages=messages, tools=tools,
+                                       max_tokens=64, extra_body={"temperature": 0.0})
+  return float(data["reference"] in "".join(b.text for b in final.content if b.type == "text"))
 
 
 async def langchain_calculator(data, client):

@@ -1,5 +1,6 @@
-r"""Serves a policy over HTTP with OpenAI-compatible `/v1/completions` and `/v1/chat/completions` (per-token
-logprobs and the policy version in every response); all requests share the sampler's continuous batch.
+r"""Serves a policy over HTTP with OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/responses`,
+and Anthropic's `/v1/messages` (per-token logprobs and the policy version in every response); all requests share the
+sampler's continuous batch.
 
   # the latest checkpoint of a run (local or gs://); tokenizer and cache length from the run's config.json
   python tools/serve.py --checkpoint_dir=gs://bucket/run --port=8000
@@ -25,9 +26,9 @@ _DIR = flags.DEFINE_string("checkpoint_dir", None, "Run directory, its checkpoin
                            "directory or a local HF model directory; local or gs://.", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "'latest' or a step number of a run's checkpoints.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
-_KEY = flags.DEFINE_string("api_key", None, "Bearer token every request but /health must carry (OpenAI clients send "
-                           "their api_key so); default $AREAL_JAX_API_KEY, which other users cannot read off the "
-                           "command line. Unset: no authentication.")
+_KEY = flags.DEFINE_string("api_key", None, "Key every request but /health must carry, as a bearer token (OpenAI "
+                           "clients send their api_key so) or x-api-key (Anthropic's); default $AREAL_JAX_API_KEY, "
+                           "which other users cannot read off the command line. Unset: no authentication.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port, logged).")
 _NAME = flags.DEFINE_string("model_name", None, "Model id served (default: the directory's name, @step for a run).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer spec (default: the run's; a HF directory's own).")

@@ -49,7 +49,7 @@ from areal_jax.agents.episodes import Completion, assign_rewards, to_trajectorie
 from areal_jax.agents.turns import TurnHistory
 from areal_jax.async_thread import AsyncThread
 from areal_jax.sampler.requests import Request, SamplingParams
-from areal_jax.serve import openai_api
+from areal_jax.serve import openai_api, responses_api
 from areal_jax.serve.backend import Tokens
 from areal_jax.serve.server import EPISODE_HEADER, create_app
 from areal_jax.tokenizer import Tokenizer
@@ -178,8 +178,10 @@ class EpisodeRunner:
                limits: dict[str, int], version: Callable[[], int]):
     self.agent, self.config, self.tokenizer = agent, config, tokenizer
     self.sampling = RolloutSampling(rollout, sampling=sampling, limits=limits, version=version)
+    # The Responses API's stored responses go with their episode: the bound only guards against a leak.
+    self.responses = responses_api.ResponseStore(max_items=1 << 20)
     self.app = create_app(backend=self.sampling, tokenizer=tokenizer, model_name=MODEL_NAME, episodes=self,
-                          any_model=True)
+                          any_model=True, responses=self.responses)
     self.failures = 0
     self._episodes: dict[str, _Episode] = {}
     self._lock = threading.Lock()
@@ -233,6 +235,7 @@ class EpisodeRunner:
     finally:
       _EPISODE.reset(tag)
       await client.close()
+      self.responses.drop(key)
       with self._lock:
         del self._episodes[key]
     completions = episode.completions

@@ -85,15 +85,19 @@ class TurnHistory:
     for drawn in reversed(self._drawn):  # the latest answer it continues
       k = len(drawn.conversation.messages)
       if (k >= len(messages) or messages[k].get("role") != "assistant" or drawn.conversation.tools != conversation.tools
-          or not _says(messages[k], drawn)
-          or conversation.render(self.tokenizer, upto=k) != drawn.prompt_text):
+          or not _says(messages[k], drawn)):
         continue
-      ids = self._continued(drawn, conversation, k)
+      try:
+        ids = self._continued(drawn, conversation, k)
+      except Exception:  # pylint: disable=broad-except  # a template that refuses a part of the chat: no match
+        ids = None
       if ids is not None:
         return ids, k < last
     return None, True
 
   def _continued(self, drawn: _Drawn, conversation: Conversation, k: int) -> list[int] | None:
+    if conversation.render(self.tokenizer, upto=k) != drawn.prompt_text:
+      return None
     through = conversation.render(self.tokenizer, upto=k + 1, add_generation_prompt=False)
     full = conversation.render(self.tokenizer)
     if not (through.startswith(drawn.prompt_text) and full.startswith(through)):

@@ -1,12 +1,14 @@
-"""Serving a policy over HTTP the way agent code expects: OpenAI-compatible `/v1/completions` and
-`/v1/chat/completions` (streaming, tools, top alternatives, echo) with per-token logprobs and the policy version,
-backed by the continuous-batching sampler (every request shares one decode batch).
+"""Serving a policy over HTTP the way agent code expects: OpenAI-compatible `/v1/completions`,
+`/v1/chat/completions` (streaming, tools, top alternatives, echo) and `/v1/responses`, and Anthropic's `/v1/messages`,
+with per-token logprobs and the policy version, backed by the continuous-batching sampler (every request shares one
+decode batch).
 
     server = build("gs://bucket/run", port=8000)  # a run's latest checkpoint, an Orbax policy or a HF directory
     server.serve_forever()
 
-`backend` runs the scheduler in one thread; `openai_api` checks requests and shapes responses, `streaming` shapes
-streamed chunks, `tool_calls` parses the model's tool calls, `scoring` gives top alternatives and echoed prompts'
+`backend` runs the scheduler in one thread; `openai_api` checks requests and shapes responses, `responses_api` and
+`messages_api` translate the other two APIs to chat requests and shape their answers, `streaming` shapes streamed
+events, `tool_calls` parses the model's tool calls, `scoring` gives top alternatives and echoed prompts'
 logprobs; `server` has the routes and uvicorn; `policy` reads the checkpoint. `tools/serve.py` is the command line.
 The names below load on first use: importing `serve.tool_calls` (the agents' warm-start does) loads no HTTP stack.
 """

@@ -11,8 +11,8 @@ Served: `system` (a string or text blocks), `messages` with text, `tool_use` and
 (`{"type": "error", "error": {"type", "message"}}`, `error_body`).
 
 Not served (400 naming the field): `tool_choice` "any" or a named tool (constrained decoding), server tools (web
-search, code execution, ...), extended `thinking`, `output_config` (effort, structured outputs), images, documents and thinking blocks in messages, `container`,
-`mcp_servers`.
+search, code execution, ...), extended `thinking`, `output_config` (effort, structured outputs), images, documents and
+thinking blocks in messages, `container`, `mcp_servers`.
 """
 
 from __future__ import annotations

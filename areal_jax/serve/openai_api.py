@@ -310,7 +310,8 @@ def prepare(body: CompletionRequest | ChatRequest, prompts: list[list[int]], *, 
     requests.append(Request(group_id=i, prompt_ids=ids, num_answers=body.n, sampling=sampling))
   conv = conversation(body, tokenizer) if chat else None
   return Prepared(requests=requests, conversation=conv, stops=stops, logprobs=logprobs, top=top, echo=echo,
-                  tools=tools, stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                  tools=tools, stream=body.stream,
+                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
 
 # --- shaping answers ------------------------------------------------------------------------------------------------

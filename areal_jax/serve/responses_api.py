@@ -151,18 +151,30 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class ResponseStore:
   """The conversations of the responses this server made (what `previous_response_id` continues): the newest
-  `max_items`, each for `ttl_s` seconds."""
+  `max_items`, each for `ttl_s` seconds. In training, an episode's responses go with it (`drop`)."""
 
   def __init__(self, max_items: int = 4096, ttl_s: float = 3600.0):
     self.max_items, self.ttl_s = max_items, ttl_s
     self._items: collections.OrderedDict[str, tuple[float, tuple[dict, ...]]] = collections.OrderedDict()
+    self._owned: dict[str, list[str]] = {}
     self._lock = threading.Lock()
 
-  def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+  def put(self, response_id: str, messages: list[dict[str, Any]], owner: str | None = None) -> None:
     with self._lock:
       self._items[response_id] = (time.monotonic() + self.ttl_s, tuple(messages))
+      if owner is not None:
+        self._owned.setdefault(owner, []).append(response_id)
       while len(self._items) > self.max_items:
         self._items.popitem(last=False)
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def drop(self, owner: str) -> None:
+    """Forgets the responses made for `owner` (an episode)."""
+    with self._lock:
+      for response_id in self._owned.pop(owner, ()):
+        self._items.pop(response_id, None)
 
   def get(self, response_id: str) -> list[dict[str, Any]]:
     with self._lock:
@@ -177,16 +189,16 @@ class ResponseStore:
 class Turn:
   """One Responses request, translated: the chat body to run and what its response echoes and stores."""
 
-  def __init__(self, body: ResponsesRequest, store: ResponseStore):
+  def __init__(self, body: ResponsesRequest, store: ResponseStore, owner: str | None = None):
     _refuse_unsupported(body)
     history = store.get(body.previous_response_id) if body.previous_response_id else []
-    self.body, self.store = body, store
+    self.body, self.store, self.owner = body, store, owner
     self.history = history + input_messages(body.input)  # what a later previous_response_id continues
     self.response_id = f"resp_{uuid.uuid4().hex}"
     self.created = int(time.time())
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             for t in body.tools or ()]
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                if k in t}} for t in body.tools or ()]
     self.chat = openai_api.ChatRequest(
         model=body.model, messages=instructions + self.history, tools=tools or None, tool_choice=body.tool_choice,
         max_completion_tokens=body.max_output_tokens, stream=body.stream, n=1,
@@ -212,7 +224,7 @@ class Turn:
                      "total_tokens": usage["total_tokens"]},
            **answer}
     if status != "in_progress" and b.store is not False:
-      self.store.put(self.response_id, self.history + [reply_message(output)])
+      self.store.put(self.response_id, self.history + [reply_message(output)], owner=self.owner)
     return out
 
 

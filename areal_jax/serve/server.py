@@ -3,21 +3,22 @@
     server = build("gs://bucket/run", port=8000)  # the latest checkpoint; see `build` for the sampler's sizing
     server.serve_forever()  # or server.start() ... server.stop() to run it in a background thread
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (see `openai_api` for the fields), `GET /v1/models`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (see `openai_api` for the fields), `POST /v1/responses`
+(`responses_api`), `POST /v1/messages` (Anthropic's, `messages_api`), `GET /v1/models`,
 `GET /health`, `GET /stats` (the backend's counters: requests accepted, rejected and finished, answers running,
 requests waiting, the most answers and requests one decode call advanced, policy version).
 
 Handlers never block the event loop on the device: tokenizing, scoring and shaping answers run in worker threads, and
 a handler awaits its requests' futures, which the sampler thread resolves; a streamed request gets each decode call's
 new tokens from the sampler thread through an asyncio queue. Errors are OpenAI-style bodies (`{"error": {"message",
-"type", "param", "code"}}`): 401 without the server's API key when it has one (every route but `/health`; clients
-send it as `Authorization: Bearer KEY`, as OpenAI's do), 400 for malformed JSON, wrong types and values the server
-cannot serve, 404 for another model's name, 429 when `max_queue` requests wait beyond the free decode slots, 503 if the
-sampler thread has stopped (in a stream: an error event, then the stream ends). A refused request changes nothing; the
-next one is served.
+"type", "param", "code"}}`; Anthropic's shape on `/v1/messages`): 401 without the server's API key when it has one
+(every route but `/health`; clients send it as `Authorization: Bearer KEY`, as OpenAI's do, or `x-api-key`), 400
+for malformed JSON, wrong types and values the server cannot serve, 404 for another model's name, 429 when `max_queue`
+requests wait beyond the free decode slots, 503 if the sampler thread has stopped (in a stream: an error event, then
+the stream ends). A refused request changes nothing; the next one is served.
 
-`create_app` registers the routes in groups (`_completion_routes`, `_info_routes`); the completion routes share a
-`_Generation` (the backend, tokenizer and model name, and a request's way through them).
+`create_app` registers the routes in groups (`_completion_routes`, `_agent_api_routes`, `_info_routes`); the
+generating routes share a `_Generation` (the backend, tokenizer and model name, and a request's way through them).
 """
 
 from __future__ import annotations
@@ -98,10 +99,12 @@ EPISODE_HEADER = "x-areal-episode"
 
 
 def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None = None,
-               any_model: bool = False, api_key: str | None = None) -> fastapi.FastAPI:
+               any_model: bool = False, api_key: str | None = None,
+               responses: responses_api.ResponseStore | None = None) -> fastapi.FastAPI:
   """The routes over `backend` (which the caller starts and stops); `episodes` records agents' completions;
   `any_model` serves requests naming any model (in training, whatever name an agent was written with); `api_key`:
-  the bearer token every request but `/health` must carry."""
+  the key every request but `/health` must carry; `responses`: where the Responses API keeps the responses it made
+  (default: the newest 4096, for an hour)."""
   app = fastapi.FastAPI(title="areal_jax policy server")
   if api_key:
     _require_api_key(app, api_key)
@@ -109,7 +112,7 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
   generation = _Generation(backend=backend, tokenizer=tokenizer, model_name=model_name, episodes=episodes,
                            any_model=any_model)
   _completion_routes(app, generation)
-  _agent_api_routes(app, generation, responses_api.ResponseStore())
+  _agent_api_routes(app, generation, responses or responses_api.ResponseStore())
   _info_routes(app, backend, model_name=model_name, max_model_len=generation.limits["max_seq_len"])
   return app
 
@@ -196,12 +199,12 @@ def _agent_api_routes(app: fastapi.FastAPI, generation: _Generation, store: resp
 
   @app.post("/v1/responses")
   async def responses(body: responses_api.ResponsesRequest, request: fastapi.Request):
-    turn = responses_api.Turn(body, store)
+    episode = request.headers.get(EPISODE_HEADER)
+    turn = responses_api.Turn(body, store, owner=episode)
     events = functools.partial(responses_api.ResponseEvents, turn, tokenizer=generation.tokenizer,
                                model=generation.model_name)
     respond = functools.partial(responses_api.respond, turn)
-    return await generation.generate(turn.chat, openai_api.chat_prompts, respond, request.headers.get(EPISODE_HEADER),
-                                     events=events)
+    return await generation.generate(turn.chat, openai_api.chat_prompts, respond, episode, events=events)
 
   @app.post("/v1/messages")
   async def messages(body: messages_api.MessagesRequest, request: fastapi.Request):

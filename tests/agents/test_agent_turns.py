@@ -121,6 +121,19 @@ async def agents_sdk_default(data, client):
   return float(product(data) in str(result.final_output))
 
 
+async def agents_sdk_streamed(data, client):
+  """The same, streamed (`Runner.run_streamed`: the Responses API's events)."""
+  import agents as sdk  # pylint: disable=g-import-not-at-top
+
+  sdk.set_default_openai_client(client, use_for_tracing=False)
+  sdk.set_tracing_disabled(True)
+  agent = sdk.Agent(name="calculator", instructions="use calc.", tools=[sdk.function_tool(calc)], model="m")
+  result = sdk.Runner.run_streamed(agent, data["question"], max_turns=3)
+  kinds = {event.type async for event in result.stream_events()}
+  assert "raw_response_event" in kinds
+  return float(product(data) in str(result.final_output))
+
+
 async def edits_history(data, client):
   """Sends its first answer back rewritten: no drawn answer matches it."""
   messages = [{"role": "user", "content": data["question"]}]
@@ -132,7 +145,8 @@ async def edits_history(data, client):
 
 PROBLEMS = [{"uid": f"p{i}", "question": f"what is {i + 3}*{i + 4}?"} for i in range(8)]
 API_AGENTS = {"chat": chat_agent, "responses_by_id": responses_by_id, "responses_by_items": responses_by_items,
-              "anthropic": anthropic_agent, "agents_sdk_default": agents_sdk_default}
+              "anthropic": anthropic_agent, "agents_sdk_default": agents_sdk_default,
+              "agents_sdk_streamed": agents_sdk_streamed}
 
 
 def run_episodes(agent, rollout, tok, problems=PROBLEMS[:1]):
@@ -141,7 +155,9 @@ def run_episodes(agent, rollout, tok, problems=PROBLEMS[:1]):
                                 limits={"max_seq_len": 512, "vocab_size": tok.vocab_size}, version=lambda: 0)
   try:
     futures = [runner.submit(p, group_id=i, index=0, min_version=0) for i, p in enumerate(problems)]
-    return [f.result(timeout=120) for f in futures]
+    results = [f.result(timeout=120) for f in futures]
+    assert len(runner.responses) == 0  # the Responses API's stored responses went with their episodes
+    return results
   finally:
     runner.stop()
 

@@ -1,13 +1,15 @@
-"""Agents written with real agent frameworks, unchanged, in training and in serving: the OpenAI Agents SDK (`Agent`,
-`function_tool`, `Runner` over chat completions) and LangChain (`ChatOpenAI.bind_tools`). A tiny policy is scripted
-(trained in the test until its greedy answers are a tool call, then the answer after the tool's result); each
-framework's agent then trains through `EpisodeRunner` (recorded token for token, reward 1) and runs against the
-policy server with a plain `openai.AsyncOpenAI`."""
+"""Agents written with real agent frameworks and clients, unchanged, in training and in serving: the OpenAI Agents SDK
+(`Agent`, `function_tool`, `Runner`) over chat completions and with its default model (the Responses API, on a global
+default client), LangChain (`ChatOpenAI.bind_tools`), `openai`'s `responses.create` and `anthropic`'s
+`messages.create`. A tiny policy is scripted (trained in the test until its greedy answers are a tool call, then the
+answer after the tool's result); each agent then trains through `EpisodeRunner` (recorded token for token, reward 1)
+and runs against the policy server with a plain `openai.AsyncOpenAI` (or `anthropic.AsyncAnthropic`)."""
 
 import asyncio
 import dataclasses
 import json
 
+import anthropic
 import jax
 import openai
 import pytest
@@ -15,6 +17,7 @@ from flax import nnx
 
 import agent_examples
 from areal_jax import agents
+from areal_jax.agents.runner import wants_anthropic
 from areal_jax.models import load_hf, save_hf
 from areal_jax.rl.rollout import LocalRollout
 from areal_jax.sampler.config import SamplerConfig
@@ -31,7 +34,9 @@ PROBLEM = {"uid": "p0", "question": "What is 12 + 34?", "reference": "46", "kind
            "prompt": "What is 12 + 34?"}
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>'
 ANSWER = "The answer is 46."
-FRAMEWORKS = {"agents_sdk": agent_examples.agents_sdk_calculator, "langchain": agent_examples.langchain_calculator}
+FRAMEWORKS = {"agents_sdk": agent_examples.agents_sdk_calculator, "langchain": agent_examples.langchain_calculator,
+              "agents_sdk_default": agent_examples.agents_sdk_default_calculator,
+              "responses": agent_examples.responses_calculator, "anthropic": agent_examples.anthropic_calculator}
 SCHEMAS = [  # what the two frameworks send for `add` (their own converters' output), so the tokenizer compresses it
     '{"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": '
     '{"properties": {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}}, "required": '
@@ -104,7 +109,7 @@ def test_agent_frameworks_train_and_serve_unchanged(hf_dir, tok, rollout):
   rollout.publish(params, version=2)
   # Training: two recorded completions per episode, the tool call and the answer, rewarded 1.
   for name, r in episodes(rollout, tok).items():
-    assert (r.turns, r.reward) == (2, 1.0), name
+    assert (r.turns, r.reward, r.retokenized) == (2, 1.0, 0), name
     assert [c.tokens.tolist() for c in r.completions] == [call, answer]
     assert all(set(c.versions.tolist()) == {2} for c in r.completions)
     assert sum(t.num_loss_tokens for t in r.trajectories) == len(call) + len(answer)
@@ -114,7 +119,9 @@ def test_agent_frameworks_train_and_serve_unchanged(hf_dir, tok, rollout):
     server.backend.update_params(server.backend.scheduler.engine.load_params(params), version=2)
 
     async def serve(agent):
-      client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+      client = (anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0)
+                if wants_anthropic(agent) else openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                                                  max_retries=0))
       async with client:
         return await agent(dict(PROBLEM), client)
 

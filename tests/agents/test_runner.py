@@ -193,6 +193,26 @@ def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evalu
 
 
 @pytest.mark.slow
+def test_256_concurrent_episodes_in_three_apis_all_finish(rollout):
+  """256 episodes at once on an 8-slot sampler, chat completions, the Responses API and the Messages API mixed:
+  within the time limit every episode finishes with both its completions recorded and merged."""
+  import agent_examples  # pylint: disable=g-import-not-at-top
+
+  kinds = [agent_examples.two_turn, agent_examples.two_turn_responses, agent_examples.two_turn_messages]
+  runners = [runner(rollout, agent) for agent in kinds]
+  problems = [{**PROBLEMS[i % 4], "uid": f"load{i}"} for i in range(256)]
+  try:
+    futures = [runners[i % 3].submit(p, group_id=100 + i, index=0, min_version=0) for i, p in enumerate(problems)]
+    results = [f.result(timeout=600) for f in futures]
+  finally:
+    for r in runners:
+      r.stop()
+  assert [r.failure for r in results] == [None] * 256
+  assert all(r.turns == 2 and len(r.completions[0].tokens) == 8 and r.retokenized == 0 for r in results)
+  assert all(len(r.trajectories) == 1 and r.trajectories[0].group_id == 100 + i for i, r in enumerate(results))
+
+
+@pytest.mark.slow
 def test_the_calculator_written_for_the_messages_api_trains(tmp_path):
   """configs/agent.py (small shapes) with the calculator written against Anthropic's Messages API: its episodes call
   the tool (more than one completion each on average) and train, their turns kept as drawn."""
@@ -232,7 +252,8 @@ def test_the_calculator_agent_calls_its_tool_and_its_turns_merge(agent):
   rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, mesh=make_mesh(
       jax.devices()[:1], {"data": 1, "tensor": 1}), params=nnx.state(model, nnx.Param), version=0,
                          eos_ids=[TOK.eos_id], detokenize=TOK.decode)
-  run = agents.EpisodeRunner(agent=getattr(calculator, agent)().run, config=agents.AgentConfig(max_turns=4, timeout_s=120),
+  run = agents.EpisodeRunner(agent=getattr(calculator, agent)().run,
+                             config=agents.AgentConfig(max_turns=4, timeout_s=120),
                              rollout=rollout, tokenizer=TOK, sampling=SamplingParams(temperature=0.0, seed=0),
                              limits={"max_seq_len": 224, "vocab_size": 64}, version=lambda: 0)
   try:
