@@ -83,8 +83,9 @@ def _model(preset: str) -> ml_collections.ConfigDict:
   m.remat = "none"  # none | full | dots
   # Decoder layers under lax.scan (one layer compiled, one layer's activations live); tiny runs its 4 layers unrolled.
   m.scan_layers = preset != "tiny"
-  # Packed training attention: auto = splash (Pallas) on TPU, else flash (pure JAX; dense for rows of <= 2 blocks).
-  m.attention = "auto"  # auto | flash | splash | dense
+  # Packed training attention: auto = splash (Pallas TPU) on TPU, pallas_gpu (Pallas GPU flash) on GPU, else flash
+  # (pure JAX; dense for rows of <= 2 blocks).
+  m.attention = "auto"  # auto | flash | splash | pallas_gpu | dense
   m.attention_block = 0  # tokens per block; 0 = flash: 128 on CPU, 512 elsewhere; splash: 512
   # Mixture of experts (family qwen3_moe; 0 experts = dense): layer i is sparse unless it is in mlp_only_layers or
   # (i + 1) % decoder_sparse_step != 0, as in HF's Qwen3-MoE.
@@ -205,7 +206,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.temperature = 1.0  # sampling temperature (the learner divides logits by it too)
   c.sampler.top_p = 1.0  # nucleus sampling; 1 = off
   c.sampler.top_k = -1  # -1 = off
-  c.sampler.attention = "auto"  # auto | jax | pallas_tpu
+  c.sampler.attention = "auto"  # auto | jax | pallas_tpu | pallas_gpu (decode attention; auto: by platform)
   c.sampler.attention_block = 0  # tokens per block of the pure-JAX paged attention; 0 = 32 on CPU, 256 elsewhere
   # Decode steps per device call, one while loop (new answers and weights wait for the call to end).
   c.sampler.decode_steps = 8

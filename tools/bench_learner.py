@@ -70,9 +70,11 @@ def long_tail_batch(n: int, max_len: int, vocab: int, seed: int):
   return out
 
 
-def make_torch_step(learner, trajs, max_tokens: int, temperature: float):
+def make_torch_step(learner, trajs, max_tokens: int, temperature: float, *, device: str = "cpu",
+                    dtype: str = "float32"):
   """A plain PyTorch PPO step on a copy of `learner`'s weights: proximal pass, then per minibatch (the learner's
-  split) micro-batches padded to their longest sequence, decoupled PPO loss averaged over response tokens, AdamW."""
+  split) micro-batches padded to their longest sequence, decoupled PPO loss averaged over response tokens, AdamW
+  (on torch `device`, weights in `dtype`; attention by transformers' default, SDPA)."""
   import tempfile
 
   import numpy as np
@@ -87,7 +89,7 @@ def make_torch_step(learner, trajs, max_tokens: int, temperature: float):
   transformers.utils.logging.disable_progress_bar()
   with tempfile.TemporaryDirectory() as d:
     save_hf(learner.model(), d)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device)
   model.train()
   opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.b1, cfg.b2), eps=cfg.adam_eps,
                           weight_decay=cfg.weight_decay)
@@ -113,7 +115,7 @@ def make_torch_step(learner, trajs, max_tokens: int, temperature: float):
       ids[r, :lengths[i]] = np.concatenate([t.prompt_ids, t.response_ids])
       mask[r, :lengths[i]] = 1
       behav[r, p - 1:lengths[i] - 1], a[r, p - 1:lengths[i] - 1], resp[r, p - 1:lengths[i] - 1] = t.logprobs, adv[i], 1
-    return [torch.from_numpy(x) for x in (ids, mask, behav, a, resp)]
+    return [torch.from_numpy(x).to(device) for x in (ids, mask, behav, a, resp)]
 
   moe = bool(learner.model_cfg.num_experts)  # with the router's load-balancing loss, as the learner's
 

@@ -85,9 +85,9 @@ def model_config(shape: str):
   return ModelConfig.from_config(c)
 
 
-def make_hf_generate(model, seed: int):
+def make_hf_generate(model, seed: int, *, device: str = "cpu", dtype: str = "float32"):
   """`run(prompts, new_tokens)`: one left-padded batch through transformers `generate` (sampling at temperature 1,
-  EOS ignored), on a torch copy of `model`'s weights."""
+  EOS ignored), on a torch copy of `model`'s weights (on torch `device`, in `dtype`)."""
   import numpy as np
   import torch
   import transformers
@@ -97,7 +97,7 @@ def make_hf_generate(model, seed: int):
   transformers.utils.logging.disable_progress_bar()
   with tempfile.TemporaryDirectory() as d:
     save_hf(model, d)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
   hf.generation_config.eos_token_id = None
   torch.manual_seed(seed)
 
@@ -108,9 +108,9 @@ def make_hf_generate(model, seed: int):
     for i, p in enumerate(prompts):
       ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
     with torch.inference_mode():
-      out = hf.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=True,
-                        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                        pad_token_id=0)
+      out = hf.generate(torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
+                        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, pad_token_id=0)
     assert out.shape[1] == width + new_tokens, out.shape
 
   return run, torch.get_num_threads()

@@ -17,7 +17,7 @@ FAMILIES = {
 }
 _ARCH_TO_FAMILY = {arch: fam for fam, (arch, _) in FAMILIES.items()}
 ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLS = ("auto", "flash", "splash", "dense")  # see models/packed_attention.py
+ATTENTION_IMPLS = ("auto", "flash", "splash", "pallas_gpu", "dense")  # see models/packed_attention.py
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The projections LoRA adapters can sit on (models/lora.py); configured as `learner.lora.targets`.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -13,6 +13,9 @@ pairs however short its sequences are. Two exact implementations avoid that:
 * `splash` (TPU): JAX's Pallas splash-attention kernel with segment ids, given block tables made from each row's
   segments (`splash_block_tables`), so it visits the same blocks as `flash` (per row) instead of every block below the
   causal diagonal.
+* `pallas_gpu` (GPU): JAX's Pallas GPU (Triton) flash-attention kernel (`pallas.ops.gpu.attention.mha`) with segment
+  ids, forward and backward. It visits every block below the causal diagonal (T² / 2 pairs a row, masked by segment)
+  and has no grouped heads, so keys and values are repeated to the query heads.
 
 Inside a sharding context (`sharding.use_rules`) `packed_attention` runs either one per device under `shard_map` (rows
 over the batch axes, heads over `tensor`), so the block bounds of one device's rows never need another device.
@@ -273,15 +276,35 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   return jnp.where((segment_ids != 0)[..., None, None], out, 0).astype(q.dtype)
 
 
+GPU_BLOCK = 64  # the Pallas GPU kernel's query/key tile (its default is 128; 64 keeps bfloat16 tiles of d=128 in SRAM)
+
+
+def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, block: int = GPU_BLOCK,
+                         interpret: bool = False) -> jax.Array:
+  """The same contract on JAX's Pallas GPU flash kernel (`interpret`: run it on CPU, for tests). Rows are padded to a
+  multiple of `block`; keys and values are repeated to the query heads (the kernel has no grouped heads)."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu  # pylint: disable=g-import-not-at-top
+
+  b, t, h, d = q.shape
+  tp = -(-t // block) * block
+  k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+  sizes = gpu.BlockSizes(block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block, block_q_dq=block,
+                         block_kv_dq=block)
+  out = gpu.mha(_pad_rows(q, tp), _pad_rows(k, tp), _pad_rows(v, tp), _pad_rows(segment_ids, tp),
+                sm_scale=1.0 / math.sqrt(d), causal=True, block_sizes=sizes, interpret=interpret)
+  return jnp.where((segment_ids != 0)[..., None, None], out[:, :t], 0).astype(q.dtype)
+
+
 def resolve(impl: str, length: int, block: int) -> str:
-  """`auto` → `splash` on TPU; elsewhere `flash`, or `dense` for rows of at most two blocks, where skipping blocks saves
-  at most a quarter of the work and the loops cost more to compile than they save (the tiny CPU preset's rows)."""
+  """`auto` → `splash` on TPU, `pallas_gpu` on GPU; elsewhere `flash`, or `dense` for rows of at most two blocks, where
+  skipping blocks saves at most a quarter of the work and the loops cost more to compile than they save (the tiny CPU
+  preset's rows)."""
   if impl not in IMPLS:
     raise ValueError(f"attention implementation {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  if sharding.platform() == "tpu":
-    return "splash"
+  if sharding.platform() in ("tpu", "gpu"):
+    return "splash" if sharding.platform() == "tpu" else "pallas_gpu"
   return "dense" if length <= 2 * block else "flash"
 
 
@@ -293,8 +316,12 @@ def packed_attention(segment_ids: jax.Array, *, impl: str = "auto", block: int =
   if impl == "dense":
     from areal_jax.models.modules import dense_attention  # pylint: disable=g-import-not-at-top
     return dense_attention(segment_ids)
-  local = (functools.partial(splash_attention, block=block, interpret=interpret) if impl == "splash"
-           else functools.partial(flash_attention, block=block or FLASH_BLOCK.get(sharding.platform(), FLASH_BLOCK_DEFAULT)))
+  if impl == "splash":
+    local = functools.partial(splash_attention, block=block, interpret=interpret)
+  elif impl == "pallas_gpu":
+    local = functools.partial(pallas_gpu_attention, block=block or GPU_BLOCK, interpret=interpret)
+  else:
+    local = functools.partial(flash_attention, block=block or FLASH_BLOCK.get(sharding.platform(), FLASH_BLOCK_DEFAULT))
 
   def attend(q, k, v):
     ctx = sharding.current()

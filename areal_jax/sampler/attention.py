@@ -12,6 +12,9 @@ over the mesh's `data` axis and heads over `tensor`. Both attention implementati
   interpret mode, for tests). Chosen over `ragged_paged_attention` because it reads this layout as it is (the ragged
   kernel wants keys and values interleaved per page, `[pages, page_size, 2 * kv_heads, head_dim]`) and the engine
   prefills densely, so it needs decode only. The kernel reads keys and values in bfloat16 whatever the cache's dtype.
+* `pallas_gpu_paged_attention`: `jax.experimental.pallas.ops.gpu.paged_attention` (GPU, Triton; on CPU in Pallas
+  interpret mode, for tests), which reads the same layout. It splits each sequence's pages over `k_splits` programs
+  and visits every page of the table (masked past the length), not only up to the longest live sequence.
 """
 
 from __future__ import annotations
@@ -173,6 +176,23 @@ def pallas_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
+def pallas_gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                               page_table: jax.Array, *, block_tokens: int = 128, k_splits: int = 16,
+                               interpret: bool = False) -> jax.Array:
+  """Same contract as `paged_attention`, on the Pallas GPU kernel (which expects q pre-scaled and lengths >= 1): blocks
+  of about `block_tokens` keys, the page table padded with the scratch page to whole blocks in `k_splits` parts."""
+  from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as kernel  # imported on use
+
+  d, page, m = q.shape[-1], k_pages.shape[2], page_table.shape[1]
+  ppcb = max(1, min(m, block_tokens // page))
+  splits = max(1, min(k_splits, -(-m // ppcb)))
+  table, _ = _in_blocks(page_table, ppcb * splits)
+  q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)
+  out = kernel(q, k_pages, v_pages, table, jnp.maximum(lengths, 1).astype(jnp.int32), pages_per_compute_block=ppcb,
+               k_splits=splits, interpret=interpret)
+  return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
 def tpu_interpret_forced() -> bool:
   """Whether Pallas TPU kernels traced now run in TPU interpret mode (`pltpu.force_tpu_interpret_mode()`)."""
   from jax._src import config  # the mode has no public getter
@@ -227,9 +247,11 @@ def cache_spec(mesh: Mesh, num_kv_heads: int) -> P:
   return P(kv_head_axis(mesh, num_kv_heads), "data", None, None)
 
 
-def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_per_block: int):
+def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_per_block: int,
+                             interpret: bool = False):
   """`f(q [S,H,D], k, v [S,K,D], k_pages, v_pages, page_table, positions, active) -> (out, k_pages, v_pages)`,
-  run per device with `shard_map`: writes the step's keys/values, then attends over positions + 1 keys."""
+  run per device with `shard_map`: writes the step's keys/values, then attends over positions + 1 keys (`impl`:
+  "jax", "pallas_tpu" or "pallas_gpu"; `interpret`: the GPU kernel interpreted, for tests on CPU)."""
   heads = kv_head_axis(mesh, num_kv_heads)
 
   def local(q, k, v, k_pages, v_pages, page_table, positions, active):
@@ -237,6 +259,8 @@ def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_
     lengths = jnp.where(active, positions + 1, 0)
     if impl == "pallas_tpu":
       out = pallas_paged_attention(q, k_pages, v_pages, lengths, page_table)
+    elif impl == "pallas_gpu":
+      out = pallas_gpu_paged_attention(q, k_pages, v_pages, lengths, page_table, interpret=interpret)
     else:
       out = paged_attention(q, k_pages, v_pages, lengths, page_table, pages_per_block=pages_per_block)
     return out, k_pages, v_pages

@@ -7,7 +7,7 @@ import dataclasses
 from areal_jax.models.config import DTYPES
 from areal_jax.sampler.requests import SamplingParams
 
-ATTENTION_IMPLS = ("auto", "jax", "pallas_tpu")
+ATTENTION_IMPLS = ("auto", "jax", "pallas_tpu", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

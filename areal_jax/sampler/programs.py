@@ -83,21 +83,27 @@ class Programs:
   sample: Callable
   insert: Callable
   decode: Callable
-  attention: str  # the decode attention implementation in use: "jax" | "pallas_tpu"
+  attention: str  # the decode attention implementation in use: "jax" | "pallas_tpu" | "pallas_gpu"
 
 
 def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) -> str:
-  """`auto` picks the Pallas TPU kernel on TPU for a bfloat16 cache and head_dim a multiple of 128, else pure JAX (the
-  kernel reads keys and values in bfloat16, so a float32 cache would lose precision). `pallas_tpu` needs TPU devices,
-  or Pallas' TPU interpret mode forced (`pltpu.force_tpu_interpret_mode()`: the kernel runs interpreted on CPU)."""
-  platform = mesh.devices.flat[0].platform
+  """`auto` picks the Pallas TPU kernel on TPU for a bfloat16 cache and head_dim a multiple of 128 (the kernel reads
+  keys and values in bfloat16, so a float32 cache would lose precision), the Pallas GPU kernel on GPU for head_dim a
+  power of two >= 16 (Triton's tiles), else pure JAX. `pallas_tpu` needs TPU devices, or Pallas' TPU interpret mode
+  forced (`pltpu.force_tpu_interpret_mode()`: the kernel runs interpreted on CPU); `pallas_gpu` needs GPU devices."""
+  platform, d = mesh.devices.flat[0].platform, model_cfg.head_dim
   if cfg.attention == "pallas_tpu":
     if platform != "tpu" and not attention.tpu_interpret_forced():
       raise ValueError(f"sampler.attention='pallas_tpu' needs TPU devices; the sampler mesh has {platform!r}")
     return "pallas_tpu"
-  if (cfg.attention == "auto" and platform == "tpu" and model_cfg.head_dim % 128 == 0
-      and model_cfg.compute_dtype == jnp.bfloat16):
+  if cfg.attention == "pallas_gpu":
+    if platform != "gpu":
+      raise ValueError(f"sampler.attention='pallas_gpu' needs GPU devices; the sampler mesh has {platform!r}")
+    return "pallas_gpu"
+  if cfg.attention == "auto" and platform == "tpu" and d % 128 == 0 and model_cfg.compute_dtype == jnp.bfloat16:
     return "pallas_tpu"
+  if cfg.attention == "auto" and platform == "gpu" and d >= 16 and d & (d - 1) == 0:
+    return "pallas_gpu"
   return "jax"
 
 

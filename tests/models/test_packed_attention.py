@@ -1,6 +1,7 @@
 """Packed training attention (models/packed_attention.py) equals the dense masked reference, values and gradients:
-the pure-JAX block-skipping `flash` kernel on random packings, and the Pallas TPU splash kernel in interpret mode, both
-through `packed_attention` under the learner's sharding rules (shard_map over rows and heads)."""
+the pure-JAX block-skipping `flash` kernel on random packings, and the Pallas TPU splash and Pallas GPU flash kernels
+in interpret mode, all through `packed_attention` under the learner's sharding rules (shard_map over rows and
+heads)."""
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,23 @@ def test_splash_kernel_in_interpret_mode_under_learner_sharding(case):
   _check(sharded, seg, q, k, v, atol=1e-4)
 
 
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_pallas_gpu_kernel_in_interpret_mode_under_learner_sharding(tensor):
+  """The GPU path (JAX's Pallas GPU flash kernel with segment ids, GQA heads repeated) run on CPU: rows padded from
+  40 to 48 tokens (blocks of 16), segments across block edges, a row of padding only."""
+  rng = np.random.default_rng(11 + tensor)
+  seg = _packing(rng, 4 // tensor, 40, max_len=15)
+  seg[-1] = 0
+  q, k, v = _qkv(rng, 4 // tensor, 40)
+  attend = packed_attention(jnp.asarray(seg), impl="pallas_gpu", block=16, interpret=True)
+
+  def sharded(q, k, v):
+    with use_rules(_learner_mesh(tensor), LEARNER_RULES):
+      return attend(q, k, v)[0]
+
+  _check(jax.jit(sharded), seg, q, k, v, atol=1e-4)
+
+
 def test_splash_block_tables_follow_the_segments():
   """The kernel's forward tables list, per query block, the key blocks its segments reach, then repeat the last one
   (no new copy) unmasked-off; the dkv tables the query blocks per key block, padded at the front."""
@@ -138,8 +156,11 @@ def test_splash_block_tables_follow_the_segments():
   assert splash_blocks_computed(np.ones((1, 1024), np.int32), 64) == 16 * 17 // 2
 
 
-def test_auto_picks_dense_only_for_rows_of_two_blocks_off_tpu():
+def test_auto_picks_dense_only_for_rows_of_two_blocks_off_tpu(monkeypatch):
   assert resolve("auto", 256, 128) == "dense" and resolve("auto", 384, 128) == "flash"
+  for platform, impl in (("gpu", "pallas_gpu"), ("tpu", "splash")):
+    monkeypatch.setattr("areal_jax.sharding.platform", lambda p=platform: p)
+    assert resolve("auto", 256, 128) == impl
   assert resolve("splash", 256, 128) == "splash"
   with pytest.raises(ValueError, match="'flashy'"):
     resolve("flashy", 256, 128)

@@ -1,5 +1,5 @@
-"""Paged attention against the dense reference, cache writes, the Pallas TPU kernel (interpreted on CPU) against the
-pure-JAX path, and the Pallas TPU path compiling for a v5e topology with the pool updated in place."""
+"""Paged attention against the dense reference, cache writes, the Pallas TPU and GPU kernels (interpreted on CPU)
+against the pure-JAX path, and the Pallas TPU path compiling for a v5e topology with the pool updated in place."""
 
 import functools
 import os
@@ -12,6 +12,7 @@ import pytest
 
 from areal_jax.models import ModelConfig
 from areal_jax.models.modules import gqa_attention
+from areal_jax.sampler import attention
 from areal_jax.sampler.attention import pallas_paged_attention, paged_attention, write_chunks, write_decode_kv
 from areal_jax.sampler.config import SamplerConfig
 
@@ -79,6 +80,29 @@ def test_pallas_kernel_interpreted_equals_jax_path(heads, kv_heads):
     got = jax.jit(functools.partial(pallas_paged_attention, block_tokens=2 * page))(*args)  # 4 blocks of 2 pages
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert np.all(np.asarray(got)[0] == 0)  # length 0: zeros
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
+def test_pallas_gpu_kernel_interpreted_equals_jax_path(heads, kv_heads):
+  """The GPU decode path under the sampler's shard_map (slots and pages over 2 data shards), the Pallas GPU kernel
+  interpreted on CPU: ragged lengths (an idle slot, one key, mid-page, page-aligned, full) over shuffled pages, in
+  several splits and compute blocks, query heads per KV head not a multiple of the kernel's head block."""
+  rng = np.random.default_rng(3)
+  slots, dim, page, m = 4, 16, 4, 8
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  lengths = np.array([0, 1, 7, m * page, 16, 5, 3, 2], np.int32)
+  q, _, _, kp, vp, ids = _random_paged(rng, slots=2 * slots, heads=heads, kv_heads=kv_heads, dim=dim, page=page,
+                                       pages_per_seq=m, lengths=lengths)
+  k_new = jnp.asarray(rng.normal(size=(2 * slots, kv_heads, dim)), jnp.float32)
+  kp2, vp2 = (jnp.concatenate([jnp.asarray(x)] * 2, axis=1) for x in (kp, vp))  # each data shard: a copy of the pool
+  table = jnp.asarray(ids)
+  args = (jnp.asarray(q), k_new, k_new, kp2, vp2, table, jnp.asarray(np.maximum(lengths - 1, 0)),
+          jnp.asarray(lengths > 0))
+  want = attention.sharded_decode_attention(mesh, kv_heads, impl="jax", pages_per_block=2)(*args)
+  got = jax.jit(attention.sharded_decode_attention(mesh, kv_heads, impl="pallas_gpu", pages_per_block=2,
+                                                   interpret=True))(*args)
+  np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got[0])[0] == 0)  # the idle slot: zeros
 
 
 def test_write_chunks_keeps_only_this_shard():

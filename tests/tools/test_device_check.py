@@ -1,0 +1,35 @@
+"""tools/device_check.py's dry run (tiny shapes, the Pallas GPU kernels interpreted on CPU): every section runs and
+writes its rows, the kernels and the sampler's float32 logprobs agree with their references, greedy answers equal
+`transformers`'."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_device_check_dry_run(tmp_path):
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_check.py"), "--dry_run",
+                        f"--out={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  rows = json.loads((tmp_path / "device_check.json").read_text())["rows"]
+  assert {r["section"] for r in rows} == {"kernels", "logprobs", "sampler", "learner", "run"}, rows
+  assert "| kernels | packed attention (Pallas GPU) vs dense" in (tmp_path / "device_check.md").read_text()
+  by_check = {r["check"]: r for r in rows}
+
+  def number(text):
+    return float(re.search(r"[-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?", text).group().replace(",", ""))
+
+  kernels = [r for r in rows if r["section"] == "kernels"]
+  assert len(kernels) == 2 and all(number(r["value"]) < 1e-4 for r in kernels), kernels
+  assert number(kernels[0]["ratio"]) < 1e-4  # the gradients
+  assert number(by_check["sampler (float32 weights) vs learner forward"]["value"]) < 1e-5
+  assert by_check["greedy answers equal to transformers (cpu)"]["value"] == "8/8"
+  assert any(r["section"] == "learner" and "faster" in r["ratio"] for r in rows)
