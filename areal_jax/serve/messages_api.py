@@ -23,7 +23,7 @@ from typing import Any
 
 import pydantic
 
-from areal_jax.serve import openai_api, responses_api, streaming, tool_calls
+from areal_jax.serve import openai_api, streaming, tool_calls
 from areal_jax.serve.openai_api import ApiError, Prepared
 from areal_jax.tokenizer import Tokenizer
 
@@ -208,18 +208,18 @@ def respond(prepared: Prepared, seqs, *, tokenizer: Tokenizer, model: str, score
   return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
           "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
           "usage": _usage(len(request.prompt_ids), len(a.token_ids)),
-          **responses_api.answer_fields(a.token_ids, a.logprobs, [a.version_start, a.version_end], 0)}
+          **openai_api.answer_fields(a.token_ids, a.logprobs, [a.version_start, a.version_end], 0)}
 
 
 class MessageEvents:
   """Anthropic's streamed events for the one answer (`streaming.Events`)."""
 
   def __init__(self, prepared: Prepared, *, tokenizer: Tokenizer, model: str, version: int):
-    self.prepared, self.tokenizer, self.model, self.version = prepared, tokenizer, model, version
+    self.prepared, self.tokenizer, self.model = prepared, tokenizer, model
     self.request_id = f"msg_{uuid.uuid4().hex}"
     self.blocks = 0  # content blocks started
     self.open = False  # a text block is open
-    self.text, self.token_ids, self.logprobs, self.versions = "", [], [], []
+    self.answer = streaming.Streamed(version)
     self.calls, self.finish = None, "stop"
 
   def start(self) -> list[str]:
@@ -248,11 +248,7 @@ class MessageEvents:
 
   def delta(self, index: int, d: streaming.Delta) -> list[str]:
     del index  # one answer
-    self.version = max([self.version, *d.versions])
-    self.token_ids += d.token_ids
-    self.logprobs += d.logprobs
-    self.versions += d.versions
-    self.text += d.text
+    self.answer.add(d)
     out = []
     if d.text:
       if not self.open:
@@ -275,10 +271,11 @@ class MessageEvents:
 
   def end(self, prompt_tokens: int, completion_tokens: int) -> list[str]:
     del prompt_tokens
-    reason, sequence = _stop(self.finish, self.calls, self.token_ids, self.text, self.prepared.stops, self.tokenizer)
+    a = self.answer
+    reason, sequence = _stop(self.finish, self.calls, a.token_ids, a.text, self.prepared.stops, self.tokenizer)
     body = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": {"output_tokens": completion_tokens},
-            **responses_api.answer_fields(self.token_ids, self.logprobs, self.versions, self.version)}
+            **a.fields()}
     return [streaming.sse(body, "message_delta"), streaming.sse({"type": "message_stop"}, "message_stop")]
 
   def error(self, err: ApiError) -> list[str]:

@@ -359,6 +359,14 @@ def shape_answer(seq: Sequence, stops: tuple[str, ...], tokenizer: Tokenizer) ->
                 version_end=int(seq.versions[len(tokens) - 1]))
 
 
+def answer_fields(token_ids: list[int], logprobs: list[float], versions: list[int], version: int) -> dict[str, Any]:
+  """This project's fields: the answer's token ids, their logprobs, the versions of its first and last token and the
+  newest version that produced one (`versions`: each token's, or just the first and last)."""
+  start, end = (int(versions[0]), int(versions[-1])) if versions else (version, version)
+  return {"policy_version": max(version, end), "token_ids": token_ids, "token_logprobs": logprobs,
+          "version_start": start, "version_end": end}
+
+
 def envelope(kind: str, choices: list[dict], *, model: str, version: int, request_id: str | None = None,
              usage: dict[str, int] | None = None) -> dict[str, Any]:
   prefix = "chatcmpl" if kind.startswith("chat.completion") else "cmpl"

@@ -252,14 +252,6 @@ def _logprob_entries(tokenizer: Tokenizer, ids: list[int], logprobs: list[float]
           for t, lp in zip(ids, logprobs)]
 
 
-def answer_fields(token_ids: list[int], logprobs: list[float], versions: list[int], version: int) -> dict[str, Any]:
-  """This project's fields: the answer's token ids, their logprobs, the versions of its first and last token and the
-  newest version that produced one (`versions`: each token's, or just the first and last)."""
-  start, end = (int(versions[0]), int(versions[-1])) if versions else (version, version)
-  return {"policy_version": max(version, end), "token_ids": token_ids, "token_logprobs": logprobs,
-          "version_start": start, "version_end": end}
-
-
 def respond(turn: Turn, prepared: Prepared, seqs, *, tokenizer: Tokenizer, model: str, score=None) -> dict[str, Any]:
   """The unstreamed response to `turn`."""
   del score
@@ -273,19 +265,20 @@ def respond(turn: Turn, prepared: Prepared, seqs, *, tokenizer: Tokenizer, model
   output += [call_item(c) for c in calls or ()]
   return turn.response(model=model, output=output, finish=a.finish_reason,
                        usage=openai_api.usage(len(request.prompt_ids), len(a.token_ids)),
-                       answer=answer_fields(a.token_ids, a.logprobs, [a.version_start, a.version_end], 0))
+                       answer=openai_api.answer_fields(a.token_ids, a.logprobs,
+                                                                [a.version_start, a.version_end], 0))
 
 
 class ResponseEvents:
   """The Responses API's typed events for `turn`'s one answer (`streaming.Events`)."""
 
   def __init__(self, turn: Turn, prepared: Prepared, *, tokenizer: Tokenizer, model: str, version: int):
-    self.turn, self.prepared, self.tokenizer, self.model, self.version = turn, prepared, tokenizer, model, version
+    self.turn, self.prepared, self.tokenizer, self.model = turn, prepared, tokenizer, model
     self.request_id = turn.response_id
     self.sequence = 0
     self.output: list[dict] = []
     self.message: dict | None = None  # the open message item
-    self.token_ids, self.logprobs, self.versions = [], [], []
+    self.answer = streaming.Streamed(version)
     self.finish = "stop"
 
   def _event(self, kind: str, **fields) -> str:
@@ -296,7 +289,7 @@ class ResponseEvents:
   def _snapshot(self, status: str, usage=None) -> dict[str, Any]:
     return self.turn.response(model=self.model, output=list(self.output), finish=self.finish,
                               usage=usage or openai_api.usage(0, 0), status=status,
-                              answer=answer_fields(self.token_ids, self.logprobs, self.versions, self.version))
+                              answer=self.answer.fields())
 
   def start(self) -> list[str]:
     snapshot = self._snapshot("in_progress")
@@ -336,10 +329,7 @@ class ResponseEvents:
 
   def delta(self, index: int, d: streaming.Delta) -> list[str]:
     del index  # one answer
-    self.version = max([self.version, *d.versions])
-    self.token_ids += d.token_ids
-    self.logprobs += d.logprobs
-    self.versions += d.versions
+    self.answer.add(d)
     out = []
     if d.text:
       if self.message is None:

@@ -46,6 +46,28 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
   return longest
 
 
+@dataclasses.dataclass
+class Streamed:
+  """One answer as streamed so far: its text sent, tokens, logprobs and versions, and the newest policy version."""
+
+  version: int
+  text: str = ""
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+
+  def add(self, d: Delta) -> None:
+    self.version = max([self.version, *d.versions])
+    self.text += d.text
+    self.token_ids += d.token_ids
+    self.logprobs += d.logprobs
+    self.versions += d.versions
+
+  def fields(self) -> dict[str, Any]:
+    """This project's fields of the answer (`openai_api.answer_fields`)."""
+    return openai_api.answer_fields(self.token_ids, self.logprobs, self.versions, self.version)
+
+
 class ChoiceStream:
   """One choice's stream: the answer's tokens so far and how much of its text and tokens went out."""
 
