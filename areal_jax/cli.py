@@ -64,21 +64,12 @@ class Stopped(BaseException):
     self.signum = signum
 
 
-_stopping = False  # a stop is under way in this process (a signal, or a peer process that got one)
-
-
 def stop_on_signals() -> None:
-  """The first SIGTERM or SIGINT raises `Stopped` in the main thread; a second one ends the process at once.
-
-  After `peer_stopped` the first signal is taken for the same stop reaching this process late: it is absorbed.
-  """
+  """The first SIGTERM or SIGINT raises `Stopped` in the main thread; a second one ends the process at once."""
   def stop(signum, _frame):
-    global _stopping
     for s in (signal.SIGTERM, signal.SIGINT):
       signal.signal(s, signal.SIG_DFL)
-    if not _stopping:
-      _stopping = True
-      raise Stopped(signum)
+    raise Stopped(signum)
 
   for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, stop)
@@ -103,11 +94,3 @@ def check_stopped() -> None:
   that wait in the main thread call it."""
   if _swallowed is not None:
     raise _swallowed
-
-
-def peer_stopped(signum: int) -> Stopped:
-  """Another process of the job was stopped by `signum` (a job is signalled as a whole): returns the `Stopped` for
-  this process to raise (from any thread) and absorbs the signal's own arrival here, so it cannot cut the shutdown."""
-  global _stopping
-  _stopping = True
-  return Stopped(signum)

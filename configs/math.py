@@ -305,6 +305,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # Emulated devices per process when running on CPU (4: 2 sampler, 2 learner).
   c.mesh.cpu_devices = 4
   c.mesh.sampler_processes = 1  # multi-process jobs (--num_processes > 1): how many processes are samplers
+  # A sampler process that sends nothing this long (hung, or cut off) is dropped and its groups generated again.
+  c.mesh.sampler_heartbeat_s = 30.0
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
   # sampler mesh: data x tensor (data = devices / tensor); 30B-A3B: its 61 GB of bfloat16 weights over 4 chips
   c.mesh.sampler_tensor = 4 if preset == "qwen3-30b-a3b" else 1

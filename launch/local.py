@@ -3,8 +3,9 @@ r"""Runs a multi-process job on this machine: learner and sampler processes, eac
   python launch/local.py --config=configs/math.py[:PRESET] --workdir=DIR --num_processes=2 [--cpus_per_process=1] \
       [--config.mesh.sampler_processes=1 --config.mesh.cpu_devices=1 ...]
 
-Every other flag is passed to each `launch/tpu_run.py` process. If a process dies the others are stopped and the job
-exits non-zero naming it; the same command resumes from the last checkpoint.
+Every other flag is passed to each `launch/tpu_run.py` process. A sampler process that dies is restarted and rejoins
+the running job with `--restart_samplers` (else the job goes on without it). If a learner process dies the others are
+stopped and the job exits non-zero naming it; the same command resumes from the last checkpoint.
 """
 
 import os
@@ -21,7 +22,8 @@ _CONFIG = cli.define_config()
 flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (passed on).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _CPUS = flags.DEFINE_integer("cpus_per_process", None, "Cores pinned to each process (default: cores / processes).")
-_OWN = ("--num_processes", "--cpus_per_process")
+_RESTART = flags.DEFINE_bool("restart_samplers", False, "Restart sampler processes that exit; they rejoin the job.")
+_OWN = ("--num_processes", "--cpus_per_process", "--restart_samplers", "--norestart_samplers")
 
 
 def main(argv):
@@ -30,7 +32,7 @@ def main(argv):
   sys.exit(local_job.run_local(script=os.path.join(ROOT, "launch", "tpu_run.py"), args=passed,
                                num_processes=_NUM_PROCESSES.value,
                                sampler_processes=_CONFIG.value.mesh.sampler_processes,
-                               cpus_per_process=_CPUS.value))
+                               cpus_per_process=_CPUS.value, restart_samplers=_RESTART.value))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ def main(argv):
     logging.warning("%s: stopped (the run's threads and workers are shut down and the checkpoint write in flight "
                     "finished); the same command resumes from the last checkpoint", e)
     status = 128 + e.signum
+  except Exception:  # pylint: disable=broad-except
+    if layout.role != "sampler":
+      raise
+    logging.exception("%s failed (the job goes on without it; started again, it rejoins)", layout.name)
+    status = 1
   else:
     status = 0
   if layout.role == "sampler" or status:

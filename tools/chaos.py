@@ -23,6 +23,16 @@ from metrics.jsonl, rollouts.jsonl and the checkpoints:
 
 Prints a table of attempts and one of checks; exits 1 on any violation, on an attempt that crashed or hung, and when
 the run completed before all kills were made. Logs of each attempt: <workdir>/chaos/.
+
+    python tools/chaos.py --workdir=/tmp/chaos --processes=3 --target=sampler --kills=20 --seed=0
+
+`--target=sampler` is the other kind of fault: samplers that come and go while the learner runs on. The job (a learner
+and processes - 1 sampler processes, `launch/local.py --restart_samplers`, a short heartbeat) runs once, start to end;
+about every `--interval` seconds a random sampler process is killed (SIGKILL: lost), preempted (SIGTERM) or stopped
+(SIGSTOP: hung; it is let go after the heartbeat limit, finds its connection dropped and exits), and the launcher
+restarts it. The same checks, plus: the learner never restarted, and the run's trained answers per second (from its
+step 0 row to its last) against a fault-free run of the same job run first (`<workdir>/fault_free`), which must be
+at least `--min-ratio`.
 """
 
 from __future__ import annotations
@@ -62,8 +72,9 @@ def parse_args():
   p.add_argument("--workdir", required=True, help="run directory (emptied first)")
   p.add_argument("--kills", type=int, default=20)
   p.add_argument("--seed", type=int, default=0, help="draws the kills; also the run's config.seed")
-  p.add_argument("--steps", type=int, default=150,
-                 help="learner steps of the run (enough that it does not finish before the last kill)")
+  p.add_argument("--steps", type=int, default=None,
+                 help="learner steps of the run (enough that it does not finish before the last kill); default 150, "
+                      "900 with --target=sampler")
   p.add_argument("--phases", default="time," + ",".join(PHASES),
                  help=f"kill kinds to draw from: 'time' (a random delay) and phases of {PHASES}")
   p.add_argument("--max-delay", type=float, default=40.0, help="longest random delay of a 'time' kill, seconds")
@@ -71,14 +82,29 @@ def parse_args():
   p.add_argument("--processes", type=int, default=0,
                  help="0: one process (launch/tpu_run.py); N >= 2: a multi-process job (launch/local.py, one sampler "
                       "process), where a kill takes down one process and the launcher must stop the rest")
+  p.add_argument("--target", choices=("job", "sampler"), default="job",
+                 help="job: kill the job (or one of its processes) and resume it; sampler: kill, preempt and stop "
+                      "sampler processes of a running job (--processes >= 3: a learner and the rest samplers)")
+  p.add_argument("--interval", type=float, default=20.0, help="--target=sampler: mean seconds between faults")
+  p.add_argument("--heartbeat", type=float, default=5.0, help="--target=sampler: mesh.sampler_heartbeat_s")
+  p.add_argument("--min-ratio", type=float, default=0.8,
+                 help="--target=sampler: trained answers/s under faults over the fault-free run's, at least")
   args = p.parse_args()
   if args.processes == 1 or args.processes < 0:
     p.error(f"--processes={args.processes}: 0 (one process) or at least 2")
+  if args.target == "sampler" and args.processes < 3:
+    p.error(f"--processes={args.processes}: --target=sampler needs a learner and at least two sampler processes (3)")
+  if args.steps is None:
+    args.steps = 900 if args.target == "sampler" else 150
   return args
 
 
 def _overrides(args) -> dict:
-  extra = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 1} if getattr(args, "processes", 0) else {}
+  extra = {}
+  if getattr(args, "processes", 0):
+    extra = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 1}
+  if getattr(args, "target", "job") == "sampler":
+    extra |= {"mesh.sampler_processes": args.processes - 1, "mesh.sampler_heartbeat_s": args.heartbeat}
   return {"total_steps": args.steps, "seed": args.seed, "eval.every_steps": 4, **extra}
 
 
@@ -256,18 +282,154 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
   return results
 
 
+# --- --target=sampler: samplers come and go, the learner runs on ---------------------------------------------------
+
+_SAMPLER = re.compile(r"local: (sampler \d+) is (?:process \d+|restarted) \(pid (\d+)\)")
+
+
+@dataclasses.dataclass
+class Fault:
+  at_s: float  # since the job started
+  sampler: str
+  kind: str  # "kill", "preempt", "stop"
+  pid: int
+
+
+def _job(args, workdir: str, log_path: str) -> subprocess.Popen:
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+         f"--num_processes={args.processes}", "--restart_samplers"]
+  cmd += [f"--config.{k}={v}" for k, v in _overrides(args).items()]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop(ENV, None)
+  with open(log_path, "w") as log:
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+
+def _answers_per_s(workdir: str, config) -> float:
+  """Trained answers per second from the step 0 row (warm-start and first evaluation done) to the last."""
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  seconds = rows[-1]["time/elapsed_s"] - rows[0]["time/elapsed_s"]
+  return rows[-1]["step"] * config.rollout.batch_size * config.rollout.group_size / seconds
+
+
+def _fault(args, log_path: str, rng, start: float) -> Fault:
+  """One fault on a random sampler process: SIGKILL, SIGTERM, or SIGSTOP let go after the heartbeat limit."""
+  pids = dict(_SAMPLER.findall(open(log_path).read()))  # the latest pid of each
+  name = str(rng.choice(sorted(pids)))
+  pid, kind = int(pids[name]), str(rng.choice(["kill", "preempt", "stop"]))
+  fault = Fault(at_s=time.time() - start, sampler=name, kind=kind, pid=pid)
+  try:
+    if kind == "stop":
+      os.kill(pid, signal.SIGSTOP)
+      time.sleep(args.heartbeat + 2.0)
+      os.kill(pid, signal.SIGCONT)
+    else:
+      os.killpg(pid, signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+  except ProcessLookupError:
+    fault.kind += " (it had exited)"
+  return fault
+
+
+def sampler_chaos(args, rng) -> tuple[list[Fault], list[str], dict]:
+  """The fault-free run, then the run under faults; (faults, failures, {"fault_free": a/s, "faults": a/s})."""
+  from areal_jax.config import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config(CONFIG, **_overrides(args))
+  clean, workdir = os.path.join(args.workdir, "fault_free"), args.workdir
+  rates, failures, faults = {}, [], []
+  proc = _job(args, clean, os.path.join(workdir, "chaos", "fault_free.log"))
+  try:
+    if proc.wait(timeout=args.attempt_timeout * 4) != 0:
+      failures.append(f"the fault-free run exited with {proc.returncode}; see {workdir}/chaos/fault_free.log")
+      return faults, failures, rates
+  except subprocess.TimeoutExpired:
+    _kill_groups([proc.pid])
+    failures.append("the fault-free run hung")
+    return faults, failures, rates
+  rates["fault_free"] = _answers_per_s(clean, config)
+  print(f"fault-free run: {rates['fault_free']:.1f} trained answers/s", flush=True)
+
+  log_path = os.path.join(workdir, "chaos", "faults.log")
+  start = time.time()
+  proc = _job(args, os.path.join(workdir, "run"), log_path)
+  try:
+    while _last_step(os.path.join(workdir, "run")) is None and proc.poll() is None:  # training begun
+      time.sleep(0.5)
+    while len(faults) < args.kills and proc.poll() is None:
+      time.sleep(rng.uniform(0.5, 1.5) * args.interval)
+      if proc.poll() is None:
+        faults.append(_fault(args, log_path, rng, start))
+        print(f"fault {len(faults)}: {faults[-1].sampler} {faults[-1].kind} at {faults[-1].at_s:.0f} s", flush=True)
+    rc = proc.wait(timeout=args.attempt_timeout * 4)
+  except subprocess.TimeoutExpired:
+    rc = None
+  finally:
+    if proc.poll() is None:
+      _kill_groups([proc.pid, *_children(log_path).values()])
+      proc.wait()
+  text = open(log_path).read()
+  if rc != 0:
+    failures.append(f"the run under faults {'hung' if rc is None else f'exited with {rc}'}; see {log_path}")
+  elif len(faults) < args.kills:
+    failures.append(f"only {len(faults)} of {args.kills} faults: the run completed first (raise --steps)")
+  if text.count("learner 0 is process 0") != 1 or "resumed" in text or "learner 0 (pid" in text:
+    failures.append("the learner process restarted")
+  if rc == 0:
+    rates["faults"] = _answers_per_s(os.path.join(workdir, "run"), config)
+  return faults, failures, rates
+
+
+def _report(checks: list[tuple[str, list[str]]], failures: list[str]) -> None:
+  """Prints the checks and failures; exits 1 if any."""
+  print(f"{'check':<48}result")
+  for name, problems in checks:
+    print(f"{name:<48}{'ok' if not problems else 'VIOLATED: ' + '; '.join(problems)}")
+  for f in failures:
+    print(f"FAILED: {f}")
+  sys.exit(1 if failures or any(p for _, p in checks) else 0)
+
+
+def _fresh(workdir: str) -> None:
+  if os.path.exists(workdir):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(workdir)
+  os.makedirs(os.path.join(workdir, "chaos"))
+
+
+def main_samplers(args) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  _fresh(args.workdir)
+  start = time.time()
+  faults, failures, rates = sampler_chaos(args, np.random.default_rng(args.seed))
+  print(f"\n{'#':>3}  {'at s':>6}  {'sampler':<12}{'fault':<24}")
+  for i, f in enumerate(faults):
+    print(f"{i:>3}  {f.at_s:>6.0f}  {f.sampler:<12}{f.kind:<24}")
+  checks = []
+  if "faults" in rates:
+    run_args = argparse.Namespace(**{**vars(args), "workdir": os.path.join(args.workdir, "run")})
+    checks = check_run(run_args, [Attempt(kill="none", outcome="completed")])
+    ratio = rates["faults"] / rates["fault_free"]
+    print(f"\ntrained answers/s: fault-free {rates['fault_free']:.1f}, under {len(faults)} faults "
+          f"{rates['faults']:.1f}: effective-time ratio {ratio:.3f}")
+    checks.append((f"throughput: >= {args.min_ratio:g} of the fault-free run's",
+                   [] if ratio >= args.min_ratio else [f"ratio {ratio:.3f}"]))
+  checks.append(("learner: never restarted", [f for f in failures if "learner" in f]))
+  print(f"\n{len(faults)} faults, {time.time() - start:.0f} s")
+  _report(checks, failures)
+
+
 def main():
   args = parse_args()
+  if args.target == "sampler":
+    return main_samplers(args)
   import numpy as np
 
   kinds = args.phases.split(",")
   unknown = sorted(set(kinds) - {"time", *PHASES})
   if unknown:
     sys.exit(f"--phases: unknown {unknown}; choose from time,{','.join(PHASES)}")
-  if os.path.exists(args.workdir):
-    import shutil
-    shutil.rmtree(args.workdir)
-  os.makedirs(os.path.join(args.workdir, "chaos"))
+  _fresh(args.workdir)
   rng = np.random.default_rng(args.seed)
   attempts: list[Attempt] = []
   start = time.time()
@@ -293,12 +455,7 @@ def main():
     failures.append(f"only {kills} of {args.kills} kills: the run completed first (raise --steps)")
   checks = check_run(args, attempts) if attempts[-1].outcome == "completed" else []
   print(f"\n{kills} kills, {len(attempts)} attempts, {time.time() - start:.0f} s")
-  print(f"{'check':<48}result")
-  for name, problems in checks:
-    print(f"{name:<48}{'ok' if not problems else 'VIOLATED: ' + '; '.join(problems)}")
-  for f in failures:
-    print(f"FAILED: {f}")
-  sys.exit(1 if failures or any(p for _, p in checks) else 0)
+  _report(checks, failures)
 
 
 if __name__ == "__main__":

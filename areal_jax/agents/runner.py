@@ -48,6 +48,7 @@ from areal_jax.agents.agent import AgentConfig, AgentFn
 from areal_jax.agents.episodes import Completion, assign_rewards, to_trajectories
 from areal_jax.agents.turns import TurnHistory
 from areal_jax.async_thread import AsyncThread
+from areal_jax.rl.rollout import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.serve import openai_api, responses_api
 from areal_jax.serve.backend import Tokens
@@ -80,6 +81,7 @@ class EpisodeResult:
   reward: float  # the last completion's (0 when the episode failed)
   turns: int  # completions the agent received
   failure: str | None = None
+  lost: bool = False  # a sampler process generating one of its completions was lost: the group is generated again
   completions: tuple[Completion, ...] = ()  # as recorded, in order
   retokenized: int = 0  # turns whose history held an answer that had to be re-encoded (`turns.TurnHistory`)
 
@@ -90,9 +92,11 @@ class RolloutSampling:
 
   error = None
 
-  def __init__(self, rollout, *, sampling: SamplingParams, limits: dict[str, int], version: Callable[[], int]):
+  def __init__(self, rollout, *, sampling: SamplingParams, limits: dict[str, int], version: Callable[[], int],
+               lost: Callable[[str], None] = lambda key: None):
     self.rollout, self.sampling, self._version = rollout, sampling, version
     self._limits = dict(limits)
+    self._lost = lost  # told the episode (its key) whose request failed with `SamplerLost`
 
   @property
   def version(self) -> int:
@@ -109,6 +113,7 @@ class RolloutSampling:
     sampling = dataclasses.replace(self.sampling, max_new_tokens=request.sampling.max_new_tokens,
                                    stop=request.sampling.stop, ignore_eos=request.sampling.ignore_eos)
     answers = self.rollout.submit(dataclasses.replace(request, group_id=next(_GROUP_IDS), sampling=sampling))
+    episode = _EPISODE.get()  # the route runs in the episode's task
     out = concurrent.futures.Future()
     out.set_running_or_notify_cancel()
     left = [len(answers)]
@@ -122,6 +127,8 @@ class RolloutSampling:
       try:
         trajs = [f.result() for f in answers]
       except BaseException as e:  # pylint: disable=broad-except  # cancelled (the run stops) or the sampler failed
+        if isinstance(e, SamplerLost) and episode is not None:
+          self._lost(episode)
         out.set_exception(e)
         return
       drawn = [Drawn(tokens=t.response_ids.tolist(), logprobs=t.logprobs.tolist(), versions=t.versions.tolist(),
@@ -150,6 +157,7 @@ class _Episode:
   completions: list[Completion] = dataclasses.field(default_factory=list)
   turns: int = 0
   retokenized: int = 0
+  lost: bool = False
 
 
 class _EpisodeTransport(httpx2.ASGITransport):
@@ -177,7 +185,7 @@ class EpisodeRunner:
   def __init__(self, *, agent: AgentFn, config: AgentConfig, rollout, tokenizer: Tokenizer, sampling: SamplingParams,
                limits: dict[str, int], version: Callable[[], int]):
     self.agent, self.config, self.tokenizer = agent, config, tokenizer
-    self.sampling = RolloutSampling(rollout, sampling=sampling, limits=limits, version=version)
+    self.sampling = RolloutSampling(rollout, sampling=sampling, limits=limits, version=version, lost=self._lost)
     # The Responses API's stored responses go with their episode: the bound only guards against a leak.
     self.responses = responses_api.ResponseStore(max_items=1 << 20)
     self.app = create_app(backend=self.sampling, tokenizer=tokenizer, model_name=MODEL_NAME, episodes=self,
@@ -249,9 +257,15 @@ class EpisodeRunner:
                      "agent/episode_failures): %s", index, data.get("uid"), len(completions), n, failure)
     trajs = to_trajectories(completions, rewards, group_id=group_id)
     return EpisodeResult(trajectories=tuple(trajs), reward=rewards[-1] if rewards else 0.0, turns=len(completions),
-                         failure=failure, completions=tuple(completions), retokenized=episode.retokenized)
+                         failure=failure, lost=episode.lost, completions=tuple(completions),
+                         retokenized=episode.retokenized)
 
   # --- the routes' hooks (`serve.server.Episodes`) ----------------------------------------------------------------
+
+  def _lost(self, key: str) -> None:
+    with self._lock:
+      if key in self._episodes:
+        self._episodes[key].lost = True
 
   def _episode(self, key: str) -> _Episode:
     with self._lock:

@@ -73,6 +73,16 @@ class Peer:
     return kind, payload
 
   def close(self) -> None:
+    """Shuts the connection down (a thread blocked reading it wakes, and the other side sees it end), then closes
+    it."""
+    try:
+      sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+      try:
+        sock.shutdown(socket.SHUT_RDWR)
+      finally:
+        sock.close()
+    except OSError:
+      pass
     try:
       self.conn.close()
     except OSError:
@@ -87,6 +97,8 @@ class ControlServer:
     self.layout, self._authkey = layout, authkey
     self._listener = Listener(layout.control_address)
     self._peers: dict[int, Peer] = {}
+    self._given: dict[int, Peer] = {}  # what `wait` returned
+    self._on_sampler = None
     self._cond = threading.Condition()
     self._closed = False
     self._thread = threading.Thread(target=self._accept, name="control-accept", daemon=True)
@@ -120,14 +132,29 @@ class ControlServer:
       conn.close()
       return
     peer = Peer(conn, name=dataclasses.replace(self.layout, process_id=pid).name, process_id=pid)
+    sampler = pid >= self.layout.num_learners  # samplers may (re)connect at any time, with ids beyond the job's too
     with self._cond:
-      if hello != "hello" or not 0 < pid < self.layout.num_processes or pid in self._peers or self._closed:
+      if hello != "hello" or pid <= 0 or self._closed or not sampler and (pid in self._peers or
+                                                                            pid >= self.layout.num_processes):
         logging.warning("control: rejected %r from process %s", hello, pid)
         peer.close()
         return
-      self._peers[pid] = peer
-      self._cond.notify_all()
+      handler = self._on_sampler if sampler else None
+      if handler is None:
+        self._peers[pid] = peer
+        self._cond.notify_all()
     logging.info("control: %s connected", peer.name)
+    if handler is not None:
+      handler(peer)
+
+  def on_sampler(self, handler) -> None:
+    """From now on a sampler process's connection goes to `handler(peer)` (on its handshake thread), a restarted
+    one's too; those that connected since `wait` returned go to it now."""
+    with self._cond:
+      self._on_sampler = handler
+      late = [p for i, p in self._peers.items() if i >= self.layout.num_learners and p is not self._given.get(i)]
+    for peer in late:
+      handler(peer)
 
   def wait(self, process_ids, *, timeout_s: float) -> dict[int, Peer]:
     """The peers of `process_ids`, waiting up to `timeout_s` for them to connect."""
@@ -138,7 +165,9 @@ class ControlServer:
                    for i in ids if i not in self._peers]
         raise TimeoutError(f"control: {', '.join(missing)} did not connect to {self.layout.coordinator_address} "
                            f"within {timeout_s:.0f} s")
-      return {i: self._peers[i] for i in ids}
+      given = {i: self._peers[i] for i in ids}
+      self._given.update(given)
+      return given
 
   def close(self) -> None:
     """Stops accepting (the accept thread is woken by a connection of our own and exits) and closes every peer."""

@@ -2,10 +2,14 @@
 
 Each process is `launch/tpu_run.py` with `--num_processes/--process_id/--coordinator_address` added, started with
 its CPU affinity already set (XLA sizes its CPU thread pool from the affinity mask when JAX starts, so the pinning
-reaches XLA too), a shared random authkey for the control connections, and its output prefixed with its role.
-SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits with 128 + the signal's number. If a
-process dies, the others are stopped within seconds and the job exits non-zero naming the dead role; starting it
-again with the same workdir resumes from the last checkpoint.
+reaches XLA too), a shared authkey for the control connections ($AREAL_JAX_AUTHKEY if set, else a random one), and
+its output prefixed with its role.
+SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits with 128 + the signal's number.
+
+Samplers come and go: a sampler process that exits is restarted with the same command (`restart_samplers`; after a
+pause that doubles while restarts fail within a minute, up to `MAX_RESTART_PAUSE_S`) and joins the running job, or
+else the job goes on without it. If a learner process dies, the others are stopped within seconds and the job exits
+non-zero naming it; starting it again with the same workdir resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 FINISH_GRACE_S = 60.0  # after the leader finished: how long the others get to exit on their own
+MAX_RESTART_PAUSE_S = 60.0  # a sampler that keeps failing at once is restarted at most this often
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
@@ -61,7 +66,20 @@ def _signal_name(code: int) -> str:
 @dataclasses.dataclass
 class _Child:
   name: str
-  proc: subprocess.Popen
+  cmd: list[str]
+  env: dict[str, str]
+  proc: subprocess.Popen | None = None
+  sampler: bool = False
+  started: float = 0.0
+  pause_s: float = 1.0  # before the next restart
+  restart_at: float | None = None  # when a sampler that exited is started again
+  gone: bool = False  # a sampler that exited and is not restarted
+
+  def start(self) -> None:
+    self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, start_new_session=True)
+    self.started = time.monotonic()
+    threading.Thread(target=_prefix, args=(self.proc.stdout, self.name), daemon=True).start()
 
 
 # argv: cores, then the python arguments to exec with that affinity (set before JAX starts, so XLA's pool follows it).
@@ -76,24 +94,25 @@ def pinned(cores: Sequence[int], args: Sequence[str], python: str = sys.executab
 
 
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
-              cpus_per_process: int | None = None, python: str = sys.executable) -> int:
-  """Starts the job, waits for it, returns 0 if every process finished cleanly (else 1)."""
+              cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False) -> int:
+  """Starts the job, waits for it, returns 0 if every learner process finished cleanly (else 1)."""
   port = free_port_pair()
   address = f"127.0.0.1:{port}"
   layouts = [ProcessLayout.create(num_processes=num_processes, process_id=i, coordinator_address=address,
                                   sampler_processes=sampler_processes) for i in range(num_processes)]
-  env = dict(os.environ, **{AUTHKEY_ENV: secrets.token_hex(16)})
+  # The environment's key if it has one, so that more samplers can be started by hand against the running job.
+  env = dict(os.environ, **{AUTHKEY_ENV: os.environ.get(AUTHKEY_ENV) or secrets.token_hex(16)})
+  print(f"local: the job's control address is {address}", flush=True)
   children: list[_Child] = []
   for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
     cmd = pinned(cores, ["-u", script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
                          f"--coordinator_address={address}"], python)
     child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
                      MKL_NUM_THREADS=str(len(cores)))
-    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    children.append(_Child(layout.name, proc))
-    threading.Thread(target=_prefix, args=(proc.stdout, layout.name), daemon=True).start()
-    print(f"local: {layout.name} is process {layout.process_id} (pid {proc.pid}) on cores {cores}", flush=True)
+    child = _Child(layout.name, cmd, child_env, sampler=layout.role == "sampler")
+    child.start()
+    children.append(child)
+    print(f"local: {layout.name} is process {layout.process_id} (pid {child.proc.pid}) on cores {cores}", flush=True)
 
   stopped: list[int] = []
 
@@ -104,7 +123,7 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _supervise(children, stopped)
+    return _supervise(children, stopped, restart_samplers)
   finally:
     for s, handler in old.items():
       signal.signal(s, handler)
@@ -141,31 +160,59 @@ def _stop(children: Sequence[_Child]) -> None:
   _wait_or_kill(children, STOP_GRACE_S)
 
 
-def _supervise(children: list[_Child], stopped: list[int]) -> int:
-  """0 when every process finished cleanly; 1 when one died; 128 + N after forwarding signal N (then each process
-  gets FINISH_GRACE_S to shut down cleanly; a second signal ends them at once)."""
+def _supervise(children: list[_Child], stopped: list[int], restart_samplers: bool) -> int:
+  """0 when every learner process finished cleanly; 1 when one died; 128 + N after forwarding signal N (then each
+  process gets FINISH_GRACE_S to shut down cleanly; a second signal ends them at once)."""
   leader_done_at = None
+  learners = [c for c in children if not c.sampler]
   while True:
     if stopped:
       _wait_or_kill(children, FINISH_GRACE_S)
       print(f"local: stopped by {signal.Signals(stopped[0]).name}; run the same command again to resume from the "
             "last checkpoint", flush=True)
       return 128 + stopped[0]
-    for c in children:
+    for c in learners:
       code = c.proc.poll()
       if code is not None and code != 0:
         print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; stopping the other processes. "
               "Run the same command again to resume from the last checkpoint.", flush=True)
         _stop(children)
         return 1
-    if all(c.proc.poll() == 0 for c in children):
-      return 0
+    if leader_done_at is None:
+      _tend_samplers(children, restart_samplers)
+    if all(c.proc.poll() is not None for c in children):
+      return 0 if all(c.proc.poll() == 0 for c in learners) else 1
     if children[0].proc.poll() == 0:  # the leader finished: the others are told to stop and should exit soon
       leader_done_at = leader_done_at or time.monotonic()
       if time.monotonic() - leader_done_at > FINISH_GRACE_S:
-        late = [c.name for c in children if c.proc.poll() is None]
-        print(f"local: {', '.join(late)} still running {FINISH_GRACE_S:.0f} s after the leader finished; stopping "
-              "them", flush=True)
+        late = [c for c in children if c.proc.poll() is None]
+        print(f"local: {', '.join(c.name for c in late)} still running {FINISH_GRACE_S:.0f} s after the leader "
+              "finished; stopping them", flush=True)
         _stop(children)
-        return 1
+        return 1 if any(not c.sampler for c in late) else 0
     time.sleep(0.2)
+
+
+def _tend_samplers(children: list[_Child], restart: bool) -> None:
+  """A sampler process that exited (while the leader runs) is restarted when its pause is over, or left gone."""
+  now = time.monotonic()
+  for c in children:
+    code = c.proc.poll()
+    if not c.sampler or code is None or code == 0:  # 0: the leader told it to stop
+      continue
+    if c.restart_at is None:
+      if not restart:
+        if not c.gone:
+          c.gone = True
+          print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; the job goes on without it "
+                "(--restart_samplers starts it again)", flush=True)
+        continue
+      # One that fails soon after its start waits longer each time before the next (a broken host, a bad config).
+      c.pause_s = 1.0 if now - c.started > 60 else min(2 * c.pause_s, MAX_RESTART_PAUSE_S)
+      c.restart_at = now + c.pause_s
+      print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; restarting it in "
+            f"{c.pause_s:.0f} s", flush=True)
+    elif now >= c.restart_at:
+      c.restart_at = None
+      c.start()
+      print(f"local: {c.name} is restarted (pid {c.proc.pid})", flush=True)

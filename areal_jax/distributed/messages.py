@@ -15,10 +15,14 @@ error naming it.
       Stop()                          ──────►       finishes a pull in flight, says Bye, exits
                                       ◄──────       Answer(index, trajectory)   one finished answer
                                       ◄──────       Pulled(version, seconds)
-                                      ◄──────       Stats(counters)             once a second
-                                      ◄──────       Failed(traceback)
-                                      ◄──────       Signalled(signum)           the leader stops too
+                                      ◄──────       Stats(counters)             once a second: its heartbeat
+                                      ◄──────       Failed(traceback)           it stops; the leader drops it
+                                      ◄──────       Leaving(signum)             preempted: the leader drops it
                                       ◄──────       Bye()                       the answer to Stop
+
+A sampler process may connect at any time (a restart, or one more): the leader's first message to it is the current
+`Weights`. One that leaves, dies or falls silent is dropped, and its groups in flight are generated again elsewhere
+(`sampler_hub.py`).
 """
 
 from __future__ import annotations
@@ -103,8 +107,8 @@ class Failed:
 
 
 @dataclasses.dataclass(frozen=True)
-class Signalled:
-  signum: int  # the signal that stopped the sampler process (and so the whole job)
+class Leaving:
+  signum: int  # the signal that stopped the sampler process (a preemption): it leaves, the job goes on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,4 +116,4 @@ class Bye:
   pass
 
 
-RECORDS = (Start, TrainStep, Save, Stop, Weights, Generate, Answer, Pulled, Stats, Failed, Signalled, Bye)
+RECORDS = (Start, TrainStep, Save, Stop, Weights, Generate, Answer, Pulled, Stats, Failed, Leaving, Bye)

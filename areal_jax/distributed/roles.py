@@ -5,6 +5,7 @@ A job of N processes (`--num_processes`, `--process_id`, `--coordinator_address`
 
     process id   0 .. L-1        learner (rank 0 is the leader: rollout controller, checkpoints, metrics)
     process id   L .. N-1        sampler (each runs its own engine on its local devices)
+    process id   N, N+1, ...     more samplers, joining the running job (samplers come and go; learners do not)
 
 Ports on the coordinator's host (the leader's): `port` takes control connections (requests, trajectories, weight
 notices, learner batches; `multiprocessing.connection`, authenticated), `port + 1` is the `jax.distributed` coordinator
@@ -43,9 +44,8 @@ class ProcessLayout:
       raise ValueError(f"--num_processes={num_processes}: must be >= 1")
     if num_processes == 1:
       return cls.single()
-    if not 0 <= process_id < num_processes:
-      raise ValueError(f"--process_id={process_id}: must lie in [0, {num_processes}) for --num_processes="
-                       f"{num_processes}")
+    if process_id < 0:
+      raise ValueError(f"--process_id={process_id}: must be >= 0")
     if not 0 < sampler_processes < num_processes:
       raise ValueError(f"config.mesh.sampler_processes={sampler_processes}: must leave at least one of "
                        f"--num_processes={num_processes} processes to each role")

@@ -7,12 +7,14 @@ the leader, and then, until told to stop:
 - sends every finished answer back as its future completes (detokenised here, scored by the leader's reward workers);
 - pulls each new policy version in a background thread, beside decoding, and swaps it in between two decode steps
   (answers in flight are re-prefilled under it);
-- reports its counters once a second.
+- reports its counters once a second, from the moment it connects: its heartbeat (`mesh.sampler_heartbeat_s`).
 
 The messages each way are the typed records of `messages.py` (its diagram), sent under the kind `SAMPLER`.
 
 Any failure (the leader gone, a pull that hangs or arrives corrupted, a device error) is reported to the leader when
-possible and ends the process with a non-zero status.
+possible and ends the process with a non-zero status; SIGTERM or SIGINT (a preemption) says `Leaving` first. Either
+way the leader generates its answers in flight again elsewhere and the job goes on; the same command started again
+(or `launch/local.py --restart_samplers`) rejoins it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from flax import nnx
 from areal_jax import cli
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
-from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Pulled, Signalled, Stats, Stop,
+from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Leaving, Pulled, Stats, Stop,
                                             Weights)
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.slices import MeshConfig
@@ -70,12 +72,13 @@ class _Sampler:
     self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
     self.error: BaseException | None = None
     self.stop = threading.Event()
+    self.answers = 0  # sent to the leader
 
   def run(self) -> None:
     try:
       self._serve()
     except cli.Stopped as e:
-      self._send(Signalled(e.signum))  # a signal, not an error: the leader stops too, quietly
+      self._send(Leaving(e.signum))  # preempted: the leader drops it at once (not after the heartbeat limit)
       raise
     except BaseException as e:
       self._report(e)
@@ -97,7 +100,10 @@ class _Sampler:
       pass
 
   def _serve(self) -> None:
-    # The first message is the initial weights: pull them before generating anything.
+    threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
+               for f in (self._report_stats, self._pull_loop)}
+    threads["_report_stats"].start()  # the heartbeat, through the first pull and the warm-up compile too
+    # The first message is the current weights: pull them before generating anything.
     kind, notice = self.leader.recv()
     if isinstance(notice, Stop):
       return
@@ -110,10 +116,7 @@ class _Sampler:
     params = self._pull(notice)
     self.loop = SamplerLoop(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,
                             detokenize=self.detokenize).start()
-    threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
-               for f in (self._report_stats, self._pull_loop)}
-    for t in threads.values():
-      t.start()
+    threads["_pull_loop"].start()
     while not self.stop.is_set():
       if self.error is not None:
         raise self.error
@@ -128,7 +131,7 @@ class _Sampler:
         case Weights():
           self.notices.put(msg)
         case Stop():
-          logging.info("%s: stopping", self.layout.name)
+          logging.info("%s: stopping after %d answers", self.layout.name, self.answers)
           self.stop.set()
           # A pull in flight finishes first: the leader keeps its transfer server up until it hears Bye.
           threads["_pull_loop"].join(PULL_TIMEOUT_S)
@@ -175,7 +178,9 @@ class _Sampler:
       except queue.Empty:
         continue
       # Every published version is pulled (the learner holds each until then); the loop swaps in the newest.
-      self.loop.update_params(self._pull(notice), notice.version)
+      params = self._pull(notice)
+      if notice.version > self.loop.version:  # never back: a sampler that joins may hear of a version twice
+        self.loop.update_params(params, notice.version)
 
   def _send_answer(self, answer: int, future) -> None:
     """On the loop's detokenising thread: one finished answer to the leader (a failed future: the loop's error, which
@@ -184,10 +189,11 @@ class _Sampler:
       return
     try:
       self.leader.send(SAMPLER, Answer(index=answer, trajectory=future.result()))
+      self.answers += 1
     except OSError as e:
       if not self.stop.is_set():
         self.error = e
 
   def _report_stats(self) -> None:
     while not self.stop.wait(1.0):
-      self.leader.send(SAMPLER, Stats(self.loop.stats()))
+      self.leader.send(SAMPLER, Stats(self.loop.stats() if self.loop is not None else {}))

@@ -37,6 +37,7 @@ class MeshConfig:
 
   cpu_devices: int = 4  # emulated devices per process on CPU
   sampler_processes: int = 1  # of a multi-process job
+  sampler_heartbeat_s: float = 30.0  # a sampler process silent this long is dropped (its groups generated again)
   sampler_devices: int | float = 0.5  # int = count, float in (0, 1) = fraction
   sampler_tensor: int = 1
   learner_tensor: int = 1
@@ -48,6 +49,9 @@ class MeshConfig:
       raise ValueError(f"mesh.cpu_devices={self.cpu_devices!r}: must be positive")
     if self.sampler_processes < 0:
       raise ValueError(f"mesh.sampler_processes={self.sampler_processes!r}: must be >= 0")
+    if not self.sampler_heartbeat_s >= 2:
+      raise ValueError(f"mesh.sampler_heartbeat_s={self.sampler_heartbeat_s!r}: must be >= 2 (samplers report every "
+                       "second)")
 
   def sampler_axes(self) -> dict[str, int]:
     """The sampler mesh's axes: data (the rest of the devices) x expert x tensor."""

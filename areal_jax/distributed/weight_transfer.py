@@ -14,7 +14,8 @@ Between processes, the learner publishes each version and sampler processes pull
 `jax.experimental.transfer` copies shard i of the published array into shard i of the puller's, with no resharding,
 so both sides use the same layout: the sampler's parameter shardings on a (data 1 x tensor t) mesh of their first t
 local devices. The sampler then reshards device-to-device onto its own (data x tensor) mesh. A published copy stays
-alive until every puller has reported it (`pulled`); each puller gets its own uuid (a uuid can be pulled once).
+alive until every puller has reported it (`pulled`) or left (`forget`); each puller gets its own uuid (a uuid can be
+pulled once).
 
 Under LoRA a published version is either `part="all"` (the whole model: the first) or `part="adapters"` (the
 adapters alone, which the sampler joins to the base it keeps); each part has its own layout on both ends.
@@ -26,6 +27,7 @@ wrong bytes fails loudly instead of training on garbage.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 from collections.abc import Sequence
@@ -157,7 +159,11 @@ class WeightPublisher:
       raise ValueError(f"published weights: floating leaves of several dtypes {sorted(map(str, floats))}")
     self._dtype = floats.pop() if floats else None
     self.server = _server(devices, host)
-    self._live: dict[int, tuple[list, set[int]]] = {}  # version -> (published leaves, pullers still to pull)
+    self._uuids = itertools.count(1)  # a uuid can be pulled once: every offer to every puller gets its own
+    self._offers = itertools.count()
+    # offer -> (version, published leaves, {puller: uuid} still to pull): a staged copy lives until all have pulled
+    self._live: dict[int, tuple[int, list, dict[int, int]]] = {}
+    self._own = None  # a connection to this server, to take the pulls of pullers that left (`forget`)
     self._cond = threading.Condition()
 
   @property
@@ -182,26 +188,51 @@ class WeightPublisher:
     """Registers `staged` once per puller; returns ({puller: uuid}, fingerprint)."""
     leaves = jax.tree.leaves(staged)
     fp = fingerprint(leaves)
-    uuids = {}
-    for i in pullers:
-      uuids[i] = version * 4096 + i
-      self.server.await_pull(uuids[i], leaves)
-    with self._cond:
-      self._live[version] = (leaves, set(pullers))
+    uuids = {i: next(self._uuids) for i in pullers}
+    for uuid in uuids.values():
+      self.server.await_pull(uuid, leaves)
+    if uuids:
+      with self._cond:
+        self._live[next(self._offers)] = (version, leaves, dict(uuids))
     return uuids, fp
 
   def pulled(self, version: int, puller: int) -> None:
     """`puller` has version `version`: once every puller has it, the published copy is released."""
     with self._cond:
-      if version in self._live:
-        leaves, waiting = self._live[version]
-        waiting.discard(puller)
-        if not waiting:
-          del self._live[version]
-          self._cond.notify_all()
+      for key, (v, _, waiting) in self._live.items():
+        if v == version and waiting.pop(puller, None) is not None:
+          self._release_if_done(key)
+          return
+
+  def forget(self, puller: int) -> None:
+    """`puller` left: what it had still to pull is taken here, in the background (the transfer server holds an
+    offered copy until it is pulled, and has no way to withdraw it), and copies only it was waiting for are
+    released."""
+    with self._cond:
+      pending = []
+      for key, (_, leaves, waiting) in list(self._live.items()):
+        if puller in waiting:
+          pending.append((waiting.pop(puller), leaves))
+          self._release_if_done(key)
+    if pending:
+      threading.Thread(target=self._take, args=(pending,), name=f"weight-forget-{puller}", daemon=True).start()
+
+  def _take(self, pending: list[tuple[int, list]]) -> None:
+    with self._cond:
+      if self._own is None:
+        self._own = self.server.connect(self.address)
+    for uuid, leaves in pending:
+      # If the puller had started this pull before it left, it is gone and this waits forever: a daemon thread.
+      jax.block_until_ready(self._own.pull(uuid, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                                  for x in leaves]))
+
+  def _release_if_done(self, key: int) -> None:
+    if not self._live[key][2]:
+      del self._live[key]
+      self._cond.notify_all()
 
   def wait_live_below(self, n: int, timeout: float | None = None) -> bool:
-    """Waits until fewer than `n` versions are live; False if `timeout` passed first."""
+    """Waits until fewer than `n` published copies are live; False if `timeout` passed first."""
     with self._cond:
       return self._cond.wait_for(lambda: len(self._live) < n, timeout)
 

@@ -18,6 +18,9 @@ where they do not merge), all with the group's id. Staleness counts from an epis
 Every group is admitted under the learner's current version and asks the sampler for weights of that version or
 newer, so a group admitted just after a learner step waits for that step's weights.
 
+A group whose sampler process is lost (an answer fails with `SamplerLost`) is withdrawn and its prompt drawn again
+first, as a new group admitted under the version of that moment (`rollout/regenerated_groups`).
+
 For exact resumption the controller tracks which drawn prompts are not yet done (trained on or filtered): a checkpoint
 saves them with the dataset's iterator state, and a restarted run generates them again before drawing new ones.
 """
@@ -39,6 +42,7 @@ from areal_jax import cli
 from areal_jax.async_thread import AsyncThread, awaitable
 from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardResult, RewardService
+from areal_jax.rl.rollout import SamplerLost
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
@@ -72,7 +76,10 @@ class Stalled(RuntimeError):
   """No prompt group was accepted for `rollout.stall_timeout_s`: the run cannot learn as configured."""
 
 
-def _why_stalled(dropped: int) -> str:
+def _why_stalled(dropped: int, samplers: dict[str, float]) -> str:
+  if samplers.get("samplers/live", 1) == 0:
+    return (f"no sampler process is live ({samplers['samplers/lost']:.0f} lost since the start, see their errors "
+            "above): start one against this job (or use launch/local.py --restart_samplers)")
   if dropped:
     return (f"the {dropped} groups that finished were all dropped because every answer scored the same "
             "(learner.filter_uniform_groups): the policy solves none of these prompts (or all of them). Warm-start "
@@ -152,12 +159,15 @@ class RolloutController:
       if time.time() - last_accept > stall_timeout_s:
         raise Stalled(f"step {step + 1}: no prompt group accepted for {stall_timeout_s:.0f} s "
                       f"(rollout.stall_timeout_s; {len(buffer)} of the batch's {n} groups are ready); "
-                      f"{_why_stalled(self.counters['groups_filtered'] - filtered)}")
+                      f"{_why_stalled(self.counters['groups_filtered'] - filtered, self._samplers())}")
       if time.time() - waiting_since > 120:
         logging.warning("step %d: no batch of %d groups after %.0fs (%d finished; %s); groups whose answers all "
                         "score the same are dropped (learner.filter_uniform_groups)", step + 1, n,
                         time.time() - waiting_since, len(buffer), dict(self.counters))
         waiting_since = time.time()
+
+  def _samplers(self) -> dict[str, float]:
+    return getattr(self.rollout, "sampler_metrics", dict)()  # a bare SamplerLoop (tests, the simulator) has none
 
   def mark_trained(self, groups: Sequence[Group]) -> None:
     with self._lock:
@@ -221,6 +231,8 @@ class RolloutController:
         results = await asyncio.gather(*(
             self.episodes.episode(problem(record), group_id=gid, index=i, min_version=version)
             for i in range(self.group_size)))
+        if any(r.lost for r in results):
+          raise SamplerLost(f"group {gid}: a sampler was lost during its episodes")
         with self._lock:
           self.counters["episode_failures"] += sum(r.failure is not None for r in results)
           self.counters["retokenized_turns"] += sum(r.retokenized for r in results)
@@ -234,9 +246,20 @@ class RolloutController:
         self._finish(gid, record, version, trajs, [t.reward for t in trajs])
     except asyncio.CancelledError:
       raise
+    except SamplerLost:
+      self._regenerate(gid, record)
     except BaseException as e:  # pylint: disable=broad-except  # surfaced by check()
       self._fail(e)
     self._wake_up()
+
+  def _regenerate(self, gid: int, record: PromptRecord) -> None:
+    """Group `gid` lost its sampler: withdrawn, and its prompt is the next one drawn (answers it already had are
+    dropped with it, so none is trained twice)."""
+    with self._lock:
+      del self._undone[gid]
+      self._replay.appendleft(record)
+      self.counters["regenerated_groups"] += 1
+    self.buffer.withdraw(gid)
 
   async def _scored(self, record: PromptRecord, index: int, answer) -> Trajectory:
     """One answer, scored as soon as it is generated."""

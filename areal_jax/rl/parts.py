@@ -119,6 +119,7 @@ def _start_rollout(mesh: MeshConfig, layout: ProcessLayout, control: ControlServ
                               tensor=mesh.sampler_tensor, expert=mesh.sampler_expert, devices=learner_local,
                               host=layout.host)
   peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
-  hub = SamplerHub(peers=peers, publisher=publisher).start()
+  hub = SamplerHub(peers=peers, publisher=publisher, heartbeat_s=mesh.sampler_heartbeat_s).start()
   hub.publish(local, learner.version)
+  control.on_sampler(hub.join)  # samplers that restart, or more of them, join the running job
   return hub

@@ -2,7 +2,9 @@
 
     futures = rollout.submit(request)   # one future per answer, generated from request.min_version or newer
     rollout.publish(params, version)    # the learner's new weights (its local copy), swapped in between decode steps
-    rollout.stats(), rollout.sync_metrics(), rollout.check(), rollout.stop()
+    rollout.stats(), rollout.sync_metrics(), rollout.sampler_metrics(), rollout.check(), rollout.stop()
+
+An answer whose sampler process was lost fails with `SamplerLost`: the controller generates its group again.
 
 `LocalRollout` runs a `SamplerLoop` on this process's sampler slice and moves weights device-to-device;
 `SamplerHub` (sampler_hub.py) drives sampler processes and moves weights over `jax.experimental.transfer`.
@@ -26,6 +28,10 @@ from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import Request
 
 
+class SamplerLost(RuntimeError):
+  """The sampler process generating this answer left, died or fell silent; its group is generated again."""
+
+
 class Rollout(Protocol):
 
   def submit(self, request: Request) -> list[Future]:
@@ -40,6 +46,10 @@ class Rollout(Protocol):
 
   def sync_metrics(self) -> dict[str, float]:
     """The latest weight transfers' `sync/...` metrics beyond the publish time ({} when there is nothing more)."""
+    ...
+
+  def sampler_metrics(self) -> dict[str, float]:
+    """Sampler processes coming and going (`samplers/...`; {} in one process)."""
     ...
 
   def check(self) -> None:
@@ -85,6 +95,9 @@ class LocalRollout:
 
   def sync_metrics(self) -> dict[str, float]:
     return {"sync/bytes": float(self._bytes)}
+
+  def sampler_metrics(self) -> dict[str, float]:
+    return {}
 
   def check(self) -> None:
     self.loop.check()

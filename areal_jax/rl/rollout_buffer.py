@@ -1,6 +1,7 @@
 """The rollout buffer: the one owner of the staleness bound η (paper Eq. 3) and of the finished groups.
 
     capacity(version) ─► admit(gid, version) ─► generating ─► finish(gid, group | None) ─► take_batch(n, version)
+                                                           └─► withdraw(gid)   (its sampler was lost: admitted again)
 
 - `capacity(version)`: how many new prompt groups may start generating when the sampler runs policy `version`:
   min(max_concurrent - running, ⌊(a + version + 1) * B⌋ - (accepted + running)), where `accepted` counts finished
@@ -113,6 +114,13 @@ class RolloutBuffer:
       if group is not None:
         heapq.heappush(self._heap, (version, next(self._arrival), group))
         self.accepted += 1
+      del self._out[group_id]
+      self._cond.notify_all()
+
+  def withdraw(self, group_id: int) -> None:
+    """Group `group_id` stops generating without finishing (its sampler was lost): its admission is undone, so it
+    neither counts as accepted nor holds back a batch; the controller admits its prompt again as a new group."""
+    with self._cond:
       del self._out[group_id]
       self._cond.notify_all()
 

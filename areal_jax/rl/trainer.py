@@ -300,7 +300,8 @@ def _row(parts: LeaderParts, timer: step_metrics.Timer, stats: dict, groups, tra
           "rollout/queue_groups": len(parts.buffer),
           "rollout/groups_filtered": controller.counters["groups_filtered"],
           "rollout/reward_failures": controller.counters["reward_failures"],
-          **step_metrics.agent_metrics(controller, groups), **rollout.sync_metrics()}
+          "rollout/regenerated_groups": controller.counters["regenerated_groups"],
+          **step_metrics.agent_metrics(controller, groups), **rollout.sync_metrics(), **rollout.sampler_metrics()}
 
 
 def _saver(workdir: epath.Path, st: _Start, learners: LearnerGroup) -> Callable[..., None]:

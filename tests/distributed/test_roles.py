@@ -16,13 +16,18 @@ def test_learners_come_first_then_samplers():
   assert names[0].control_address == ("10.0.0.2", 8476) and names[0].learner_coordinator == "10.0.0.2:8477"
 
 
+def test_process_ids_beyond_the_job_are_samplers_that_join_it():
+  layout = ProcessLayout.create(num_processes=3, process_id=4, coordinator_address="h:1", sampler_processes=1)
+  assert (layout.role, layout.name, layout.sampler_index) == ("sampler", "sampler 2", 2)
+
+
 def test_one_process_is_the_single_controller_mode():
   layout = ProcessLayout.create(num_processes=1, process_id=0, coordinator_address="", sampler_processes=1)
   assert not layout.multi_process and layout.role == "learner" and layout.name == "controller"
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(num_processes=2, process_id=2, coordinator_address="h:1", sampler_processes=1), "--process_id=2"),
+    (dict(num_processes=2, process_id=-1, coordinator_address="h:1", sampler_processes=1), "--process_id=-1"),
     (dict(num_processes=2, process_id=0, coordinator_address="h:1", sampler_processes=2),
      "config.mesh.sampler_processes=2"),
     (dict(num_processes=2, process_id=0, coordinator_address="h:1", sampler_processes=0),

@@ -10,6 +10,7 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.data.records import PromptRecord
 from areal_jax.reward.service import RewardResult
 from areal_jax.rl.controller import RolloutController
+from areal_jax.rl.rollout import SamplerLost
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.types import Trajectory
@@ -189,3 +190,45 @@ def test_a_groups_error_stops_admission_and_reaches_the_learner():
   with pytest.raises(RuntimeError, match="rollout controller failed") as info:
     ctl.check()
   assert "verifier broke" in str(info.value.__cause__)
+
+
+class LosingLoop(FakeLoop):
+  """Loses every third group's sampler after its first answer: the rest of its answers fail with `SamplerLost`."""
+
+  def submit(self, request):
+    futures = super().submit(request)
+    if len(self.submitted) % 3 == 1:
+      futures = futures[:1] + [Future() for _ in futures[1:]]
+      for f in futures[1:]:
+        f.set_exception(SamplerLost("sampler 0 is gone"))
+    return futures
+
+
+def test_a_group_whose_sampler_is_lost_is_admitted_again_and_trained_once():
+  ds = _dataset()
+  loop = LosingLoop()
+  b, eta = 4, 1
+  buffer = RolloutBuffer(batch_size=b, max_offpolicyness=eta, max_concurrent=100)
+  ctl = RolloutController(dataset=ds, rollout=loop, rewards=FakeRewards(), buffer=buffer, version=0,
+                          group_size=G, sampling=SamplingParams(), filter_uniform=False).start()
+  trained = []
+  try:
+    for version in range(1, 5):
+      batch = buffer.take_batch(b, version - 1, timeout=10)
+      assert batch is not None
+      trained += [g.record.uid for g in batch]
+      assert all(len(g.trajectories) == G for g in batch)
+      ctl.mark_trained(batch)
+      loop.version = version
+      ctl.admit(version)
+  finally:
+    ctl.stop()
+  ctl.check()
+  state, _ = ctl.snapshot()
+  regenerated = ctl.counters["regenerated_groups"]
+  assert regenerated >= 4 and len(loop.submitted) == len(set(loop.submitted))  # a new group id each time
+  assert len(trained) == len(set(trained))  # none twice
+  drawn = trained + state["undone"]  # none lost: a regenerated prompt is trained or still pending
+  assert len(drawn) == len(set(drawn)) == state["dataset"]["index"]
+  assert buffer.accepted == len(trained) + len(buffer)  # withdrawn groups never counted as accepted
+  assert buffer.accepted + buffer.running <= (eta + 4 + 1) * b

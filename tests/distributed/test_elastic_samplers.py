@@ -1,0 +1,113 @@
+"""Samplers come and go while the learner runs on: a job of a learner and two sampler processes
+(`launch/local.py --restart_samplers`) through a sampler killed with groups in flight, one stopped (SIGSTOP) past the
+heartbeat limit, and a third started by hand that joins."""
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from areal_jax.config import load_config
+from areal_jax.rl.metrics import read_metrics
+from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
+
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+HEARTBEAT_S = 5
+STEPS = 60
+OVERRIDES = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 2, "mesh.sampler_heartbeat_s": HEARTBEAT_S,
+             "total_steps": STEPS}
+
+
+class Log:
+  """The launcher's output, read as it grows."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def text(self) -> str:
+    with open(self.path) as f:
+      return f.read()
+
+  def wait_for(self, pattern: str, timeout: float, proc=None) -> re.Match:
+    deadline = time.time() + timeout
+    while True:
+      if m := re.search(pattern, self.text()):
+        return m
+      assert proc is None or proc.poll() is None, f"the job ended waiting for {pattern!r}:\n{self.text()[-4000:]}"
+      assert time.time() < deadline, f"no {pattern!r} within {timeout:.0f} s:\n{self.text()[-4000:]}"
+      time.sleep(0.1)
+
+
+def _steps(workdir) -> int:
+  return len(read_metrics(workdir)) - 1 if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else -1
+
+
+def test_samplers_leave_and_join_a_running_job(tmp_path):
+  workdir = str(tmp_path / "run")
+  flags = [f"--config={FAST}", f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", AREAL_JAX_AUTHKEY=secrets.token_hex(16))
+  log = Log(str(tmp_path / "job.log"))
+  with open(log.path, "w") as out:
+    job = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "local.py"), *flags, "--num_processes=3",
+                            "--restart_samplers"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                           start_new_session=True)
+  extra = None
+  try:
+    address = log.wait_for(r"control address is (\S+)", 60, job).group(1)
+    log.wait_for(r"sampler 1 is process 2", 60, job)
+    pids = {name: int(pid) for name, pid in re.findall(r"(sampler \d) is process \d \(pid (\d+)\)", log.text())}
+    deadline = time.time() + 300
+    while _steps(workdir) < 2:
+      assert job.poll() is None and time.time() < deadline, log.text()[-4000:]
+      time.sleep(0.2)
+
+    # Killed with groups in flight: they are generated again; it is restarted and rejoins.
+    os.kill(pids["sampler 0"], signal.SIGKILL)
+    lost = int(log.wait_for(r"sampler 0 \(process 1\) is gone.*: dropped; its (\d+) groups", 30, job).group(1))
+    log.wait_for(r"local: sampler 0 is restarted", 30, job)
+    log.wait_for(r"sampler 0 joined at version", 120, job)
+
+    # Hung (SIGSTOP): dropped at the heartbeat limit; once it runs again its connection is gone, it exits and is
+    # restarted.
+    os.kill(pids["sampler 1"], signal.SIGSTOP)
+    stopped_at = time.time()
+    log.wait_for(r"sampler 1 sent nothing for \d+ s \(mesh.sampler_heartbeat_s=5\)", HEARTBEAT_S + 10, job)
+    dropped_after = time.time() - stopped_at
+    os.kill(pids["sampler 1"], signal.SIGCONT)
+    log.wait_for(r"local: sampler 1 is restarted", 60, job)
+
+    # One more sampler, started by hand against the running job: it gets the current weights and work.
+    with open(tmp_path / "extra.log", "w") as out:
+      extra = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), *flags,
+                                "--num_processes=3", "--process_id=3", f"--coordinator_address={address}"],
+                               env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    step_before = _steps(workdir)
+    joined_at = int(log.wait_for(r"sampler 2 joined at version (\d+)", 120, job).group(1))
+    assert job.wait(timeout=600) == 0, log.text()[-4000:]
+    assert extra.wait(timeout=60) == 0
+  finally:
+    for p in (job, extra):
+      if p is not None and p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+
+  text = log.text()
+  assert dropped_after <= HEARTBEAT_S + 3, f"a SIGSTOPped sampler was dropped after {dropped_after:.1f} s"
+  assert joined_at >= step_before  # the version current when it joined
+  answers = int(re.search(r"sampler 2: stopping after (\d+) answers", open(tmp_path / "extra.log").read()).group(1))
+  assert answers > 0
+  assert text.count("learner 0 is process 0") == 1 and "resumed" not in text  # the learner never restarted
+  config = load_config(FAST, **OVERRIDES)
+  assert_every_prompt_once(workdir, config, last_step=STEPS)
+  last = read_metrics(workdir)[-1]
+  assert last["samplers/lost"] >= 2 and last["samplers/joined"] >= 3 and last["samplers/live"] == 3
+  assert last["rollout/regenerated_groups"] >= lost >= 1, (lost, last["rollout/regenerated_groups"])
+  eta = config.rollout.max_head_offpolicyness
+  for r in rollouts(workdir):
+    assert r["filtered"] or all((r["step"] - 1) - v <= eta for v in r["version_start"]), json.dumps(r)

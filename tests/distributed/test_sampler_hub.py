@@ -1,0 +1,179 @@
+"""The sampler hub over samplers that come and go, with scripted sampler processes on the other end of real control
+connections: a lost sampler's answers fail with `SamplerLost` (and release its pulls), work goes to the others or
+waits for one to join, a joiner gets the current weights first, a silent one is dropped at the heartbeat limit."""
+
+import multiprocessing
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from areal_jax.distributed.control import Peer
+from areal_jax.distributed.messages import (SAMPLER, Answer, Generate, Leaving, Pulled, Stats, Weights)
+from areal_jax.distributed.sampler_hub import SamplerHub
+from areal_jax.rl.rollout import SamplerLost
+from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.types import Trajectory
+
+
+class FakePublisher:
+  """What the hub asks of a `WeightPublisher`, recorded."""
+
+  parts = {"all": None}
+  address = "127.0.0.1:1"
+
+  def __init__(self):
+    self.offers, self.forgotten, self.pulls = [], [], []
+
+  def stage(self, params, part="all"):
+    return ("staged", params, part)
+
+  def offer(self, staged, version, pullers):
+    self.offers.append((staged, version, list(pullers)))
+    return {p: 100 + p for p in pullers}, np.zeros((1, 2), np.float32)
+
+  def wait_live_below(self, n, timeout=None):
+    return True
+
+  def pulled(self, version, puller):
+    self.pulls.append((version, puller))
+
+  def forget(self, puller):
+    self.forgotten.append(puller)
+
+  def nbytes(self, part="all"):
+    return 8
+
+
+class Sampler:
+  """The sampler process's end of a control connection, driven by the test."""
+
+  def __init__(self, pid: int):
+    ours, theirs = multiprocessing.Pipe()
+    self.hub_end = Peer(ours, name=f"sampler {pid - 1}", process_id=pid)
+    self.peer = Peer(theirs, name="the leader", process_id=0)
+
+  def next(self, timeout=5.0):
+    assert self.peer.poll(timeout), "the hub sent nothing"
+    return self.peer.recv()[1]
+
+  def answer(self, request: Request, index: int):
+    traj = Trajectory(prompt_ids=np.asarray(request.prompt_ids, np.int32), response_ids=np.array([5, 6], np.int32),
+                      logprobs=np.zeros(2, np.float32), versions=np.zeros(2, np.int32), finish_reason="eos",
+                      group_id=request.group_id)
+    self.peer.send(SAMPLER, Answer(index=index, trajectory=traj))
+
+
+def _request(gid, n=2):
+  return Request(group_id=gid, prompt_ids=np.array([1, 2, 3], np.int32), num_answers=n,
+                 sampling=SamplingParams(max_new_tokens=4), min_version=0)
+
+
+def _wait(cond, timeout=10.0):
+  deadline = time.time() + timeout
+  while not cond():
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+@pytest.fixture
+def hub_of_two():
+  a, b = Sampler(1), Sampler(2)
+  pub = FakePublisher()
+  hub = SamplerHub(peers={1: a.hub_end, 2: b.hub_end}, publisher=pub, heartbeat_s=30).start()
+  hub.publish({"w": 0}, 0)
+  for s in (a, b):
+    assert isinstance(s.next(), Weights)
+  yield hub, pub, a, b
+  hub.stop(timeout_s=1)
+
+
+def test_a_lost_sampler_fails_only_its_own_answers_and_the_next_group_goes_elsewhere(hub_of_two):
+  hub, pub, a, b = hub_of_two
+  first, second = hub.submit(_request(0)), hub.submit(_request(1))  # one each: the fewest outstanding
+  [to_a], [to_b] = [a.next()], [b.next()]
+  assert isinstance(to_a, Generate) and isinstance(to_b, Generate)
+  assert {to_a.request.group_id, to_b.request.group_id} == {0, 1}
+  mine = first if to_a.request.group_id == 0 else second
+  theirs = second if mine is first else first
+  a.answer(to_a.request, 0)  # one answer arrives before it dies
+  _wait(lambda: mine[0].done())
+  a.peer.close()  # killed
+  with pytest.raises(SamplerLost, match=r"sampler 0 \(process 1\) is gone"):
+    mine[1].result(timeout=10)
+  assert mine[0].result().group_id == to_a.request.group_id  # what arrived stays arrived
+  assert not any(f.done() for f in theirs)
+  assert pub.forgotten == [1]
+  assert hub.sampler_metrics() == {"samplers/live": 1.0, "samplers/joined": 0.0, "samplers/lost": 1.0,
+                                   "samplers/wait_s": 0.0}
+  hub.submit(_request(2))
+  assert b.next().request.group_id == 2
+
+
+def test_a_preempted_sampler_leaves_at_once_and_work_waits_for_one_that_joins(hub_of_two):
+  hub, pub, a, b = hub_of_two
+  for s in (a, b):
+    s.peer.send(SAMPLER, Leaving(int(signal.SIGTERM)))
+  _wait(lambda: hub.sampler_metrics()["samplers/live"] == 0)
+  waiting = hub.submit(_request(7))  # nobody to take it: held
+  time.sleep(0.2)
+  assert hub.sampler_metrics()["samplers/wait_s"] > 0
+  c = Sampler(3)
+  hub.join(c.hub_end)
+  weights, work = c.next(), c.next()  # the current weights (the whole model) first, then the group that waited
+  assert isinstance(weights, Weights) and weights.version == 0 and weights.part == "all"
+  assert pub.offers[-1] == (("staged", {"w": 0}, "all"), 0, [3])
+  assert isinstance(work, Generate) and work.request.group_id == 7
+  for i in range(2):
+    c.answer(work.request, i)
+  assert [f.result(timeout=10).group_id for f in waiting] == [7, 7]
+  hub.publish({"w": 1}, 1)  # the joiner is live: it hears of the next version
+  assert c.next().version == 1
+  m = hub.sampler_metrics()
+  assert (m["samplers/live"], m["samplers/joined"], m["samplers/lost"]) == (1.0, 1.0, 2.0)
+
+
+def test_a_restarted_sampler_replaces_its_previous_connection(hub_of_two):
+  hub, _, a, _ = hub_of_two
+  group = hub.submit(_request(0))
+  gid = a.next().request.group_id if a.peer.poll(0.5) else None
+  again = Sampler(1)  # the same process id connects again: the old process is gone
+  hub.join(again.hub_end)
+  assert isinstance(again.next(), Weights)
+  if gid == 0:
+    with pytest.raises(SamplerLost, match="reconnected"):
+      group[0].result(timeout=10)
+  assert hub.sampler_metrics()["samplers/live"] == 2.0
+
+
+def test_a_silent_sampler_is_dropped_at_the_heartbeat_limit():
+  a, b = Sampler(1), Sampler(2)
+  start = time.time()
+  hub = SamplerHub(peers={1: a.hub_end, 2: b.hub_end}, publisher=FakePublisher(), heartbeat_s=2.0).start()
+  stop = threading.Event()
+
+  def beat():  # b reports every 0.3 s; a says nothing (SIGSTOPped)
+    while not stop.wait(0.3):
+      b.peer.send(SAMPLER, Stats({"tokens": 1.0}))
+
+  threading.Thread(target=beat, daemon=True).start()
+  try:
+    _wait(lambda: hub.sampler_metrics()["samplers/lost"] == 1, timeout=10)
+    assert 2.0 <= time.time() - start <= 4.0
+    assert hub.sampler_metrics()["samplers/live"] == 1
+    assert hub.stats() == {"tokens": 1.0}
+    with pytest.raises(ConnectionError):  # the hub closed its connection: a stopped process that resumes exits
+      a.peer.recv()
+  finally:
+    stop.set()
+    hub.stop(timeout_s=1)
+
+
+def test_pulls_are_reported_to_the_publisher(hub_of_two):
+  hub, pub, a, _ = hub_of_two
+  a.peer.send(SAMPLER, Pulled(version=0, seconds=0.5))
+  _wait(lambda: pub.pulls == [(0, 1)])
+  _wait(lambda: "sync/sampler0/seconds" in hub.sync_metrics())
+  assert hub.sync_metrics()["sync/sampler0/seconds"] == 0.5
