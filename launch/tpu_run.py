@@ -62,10 +62,14 @@ def main(argv):
     status = 1
   else:
     status = 0
-  if layout.role == "sampler" or status:
-    # Done and said goodbye (or stopped and shut down). Skip interpreter teardown: destroying the transfer client
-    # after the learner's server has gone can abort in C++ and turn a clean stop into a crash.
+  if layout.role == "sampler" or status or (layout.multi_process and layout.num_learners == 1):
+    # Done and said goodbye (or stopped and shut down). Skip interpreter teardown: destroying a transfer client or
+    # server while a pull is still blocked in it (the leader's takes back what a lost sampler never pulled) can abort
+    # in C++ and turn a clean stop into a crash. Learners of a multi-learner job keep it: `jax.distributed` shuts
+    # down together there.
     logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(status)  # pylint: disable=protected-access
 
 

@@ -178,7 +178,7 @@ def _supervise(children: list[_Child], stopped: list[int], restart_samplers: boo
               "Run the same command again to resume from the last checkpoint.", flush=True)
         _stop(children)
         return 1
-    if leader_done_at is None:
+    if leader_done_at is None and not stopped:
       _tend_samplers(children, restart_samplers)
     if all(c.proc.poll() is not None for c in children):
       return 0 if all(c.proc.poll() == 0 for c in learners) else 1

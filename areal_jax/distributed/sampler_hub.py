@@ -40,6 +40,8 @@ from areal_jax.sampler.loop import end_futures
 from areal_jax.sampler.requests import Request
 
 MAX_LIVE_VERSIONS = 2
+# Counters that only grow: a sampler that leaves keeps its share in the sums (`stats`), so rates never go back.
+CUMULATIVE = ("tokens", "decode_steps", "prefill_rows", "prefill_tokens", "cached_tokens", "recomputed", "busy_s")
 WAIT_WARNING_S = 60.0  # with no sampler live: how often to say so
 
 
@@ -75,6 +77,7 @@ class SamplerHub:
     self._publish_s = 0.0  # the latest publish: staged and offered
     self._part = "all"  # what the latest publish held: "all", or under LoRA (after the first) "adapters"
     self.joined = self.lost = 0
+    self._retired = dict.fromkeys(CUMULATIVE, 0.0)  # the counters of samplers that left
     self._none_since: float | None = None  # since when no sampler has been live
     self._none_s = 0.0  # seconds without a live sampler before that
     self._lock = threading.Lock()  # membership, futures, counters
@@ -117,10 +120,10 @@ class SamplerHub:
       raise RuntimeError(f"sampler hub failed: {self.error}") from self.error
 
   def stats(self) -> dict[str, float]:
-    """Counters summed over the live sampler processes (tokens, busy_s, running, ...; `version`: the oldest), as
-    `SamplerLoop.stats`."""
+    """Counters summed over the sampler processes (tokens, busy_s, ..., those that left included; running, waiting:
+    the live ones'; `version`: the oldest live one's), as `SamplerLoop.stats`."""
     with self._lock:
-      out: dict[str, float] = {}
+      out: dict[str, float] = {k: v for k, v in self._retired.items() if v}
       for s in self._live.values():
         for k, v in s.stats.items():
           out[k] = min(out.get(k, v), v) if k == "version" else out.get(k, 0) + v
@@ -217,6 +220,8 @@ class SamplerHub:
         return  # dropped already, or replaced by a restart
       del self._live[pid]
       self.lost += 1
+      for k in CUMULATIVE:
+        self._retired[k] += s.stats.get(k, 0.0)
       owed = [k for k in self._futures if k[0] in s.groups]
       futures = [self._futures.pop(k) for k in owed]
       if not self._live and self._none_since is None:

@@ -129,8 +129,6 @@ class RolloutController:
       self.thread.stop()
 
   def check(self) -> None:
-    if isinstance(self.error, cli.Stopped):
-      raise self.error  # a sampler process was signalled: this process stops the same way
     if self.error is not None:
       raise RuntimeError("rollout controller failed") from self.error
 
@@ -277,8 +275,7 @@ class RolloutController:
 
   def _fail(self, e: BaseException) -> None:
     if self.error is None:
-      if not isinstance(e, cli.Stopped):
-        logging.error("rollout controller failed", exc_info=e)
+      logging.error("rollout controller failed", exc_info=e)
       self.error = e
       self._wake_up()
 

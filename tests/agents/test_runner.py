@@ -3,6 +3,7 @@ prompts extend each other (numpy references), and episodes run by the real `open
 training sampler, recorded token for token (checked against a dense forward pass); a faulty agent loses only its own
 episode; a run trains on an agent's episodes."""
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -19,7 +20,7 @@ from areal_jax.config import load_config
 from areal_jax.learner.microbatch import Layout, assemble
 from areal_jax.rl import trainer
 from areal_jax.rl.metrics import read_metrics
-from areal_jax.rl.rollout import LocalRollout
+from areal_jax.rl.rollout import LocalRollout, SamplerLost
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh
@@ -152,6 +153,36 @@ def test_a_faulty_agent_loses_only_its_episode(rollout, agent, config, why, turn
   assert why in failed.failure and failed.turns == turns and bad.failures == 1
   assert all(t.reward == 0.0 for t in failed.trajectories) and len(failed.trajectories) == turns
   assert fine.failure is None and fine.turns == 2 and good.failures == 0
+
+
+class LosesSecondRequest:
+  """The rollout, except that the answers of its second request fail as when their sampler process is lost."""
+
+  def __init__(self, rollout):
+    self.rollout, self.requests = rollout, 0
+
+  def submit(self, request):
+    self.requests += 1
+    if self.requests != 2:
+      return self.rollout.submit(request)
+    futures = [concurrent.futures.Future() for _ in range(request.num_answers)]
+    for f in futures:
+      f.set_exception(SamplerLost("sampler 0 (process 1) is gone"))
+    return futures
+
+  def __getattr__(self, name):
+    return getattr(self.rollout, name)
+
+
+def test_an_episode_whose_sampler_is_lost_says_so_for_its_group_to_be_generated_again(rollout):
+  import agent_examples  # pylint: disable=g-import-not-at-top
+
+  lossy = runner(LosesSecondRequest(rollout), agent_examples.two_turn)
+  try:
+    result = lossy.submit(PROBLEMS[0], group_id=4, index=0, min_version=0).result(timeout=300)
+  finally:
+    lossy.stop()
+  assert result.lost and result.turns == 1 and "503" in result.failure  # its second completion never came
 
 
 def test_agent_config_and_loading_name_what_is_wrong():

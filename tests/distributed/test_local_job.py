@@ -82,7 +82,8 @@ def test_an_agent_trains_through_the_sampler_hub(tmp_path):
   assert all(r["turns"] == [2] * load_config(FAST).rollout.group_size for r in trained)
 
 
-def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
+def test_a_killed_learner_process_stops_the_job_and_a_restart_resumes(tmp_path):
+  """Learners are not elastic (samplers are: test_elastic_samplers.py)."""
   workdir = str(tmp_path / "run")
   overrides = dict(PROCESS_OVERRIDES, total_steps=6)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -96,12 +97,12 @@ def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
       assert time.time() < deadline, "no checkpoint at step 2 within 300 s"
       time.sleep(0.2)
     out = proc.stdout
-    sampler_pid = None
-    while sampler_pid is None:  # the launcher printed every process's pid first
+    learner_pid = None
+    while learner_pid is None:  # the launcher printed every process's pid first
       lines.append(out.readline())
-      if m := re.search(r"sampler 0 is process 1 \(pid (\d+)\)", lines[-1]):
-        sampler_pid = int(m.group(1))
-    os.kill(sampler_pid, signal.SIGKILL)
+      if m := re.search(r"learner 0 is process 0 \(pid (\d+)\)", lines[-1]):
+        learner_pid = int(m.group(1))
+    os.kill(learner_pid, signal.SIGKILL)
     killed_at = time.time()
     lines += out.readlines()
     proc.wait(timeout=60)
@@ -109,9 +110,9 @@ def test_killed_sampler_process_stops_the_job_and_a_restart_resumes(tmp_path):
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
   assert proc.returncode != 0
-  assert time.time() - killed_at < 30, "the job took too long to stop after its sampler died"
+  assert time.time() - killed_at < 30, "the job took too long to stop after its learner died"
   log = "".join(lines)
-  assert "local: sampler 0" in log and "exited with signal SIGKILL" in log, log[-3000:]
+  assert "local: learner 0" in log and "exited with signal SIGKILL" in log, log[-3000:]
 
   done = _run(workdir, 2, overrides)
   assert done.returncode == 0, done.stdout[-4000:]

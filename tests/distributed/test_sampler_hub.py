@@ -99,13 +99,15 @@ def test_a_lost_sampler_fails_only_its_own_answers_and_the_next_group_goes_elsew
   mine = first if to_a.request.group_id == 0 else second
   theirs = second if mine is first else first
   a.answer(to_a.request, 0)  # one answer arrives before it dies
-  _wait(lambda: mine[0].done())
+  a.peer.send(SAMPLER, Stats({"tokens": 5.0, "running": 2.0}))
+  _wait(lambda: mine[0].done() and hub.stats().get("running") == 2.0)
   a.peer.close()  # killed
   with pytest.raises(SamplerLost, match=r"sampler 0 \(process 1\) is gone"):
     mine[1].result(timeout=10)
   assert mine[0].result().group_id == to_a.request.group_id  # what arrived stays arrived
   assert not any(f.done() for f in theirs)
   assert pub.forgotten == [1]
+  assert hub.stats() == {"tokens": 5.0}  # its work still counts; its answers running do not
   assert hub.sampler_metrics() == {"samplers/live": 1.0, "samplers/joined": 0.0, "samplers/lost": 1.0,
                                    "samplers/wait_s": 0.0}
   hub.submit(_request(2))
