@@ -7,11 +7,11 @@ setup(
     version="0.1.0",
     description="Asynchronous reinforcement learning for language reasoning models, in JAX/Flax NNX.",
     packages=find_packages(include=["areal_jax", "areal_jax.*"]),
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.12,<3.13",
     install_requires=[
-        "jax==0.10.2",
-        "jaxlib==0.10.2",
-        "flax==0.12.8",
+        "jax==0.12.0.1",
+        "jaxlib==0.12.0.1",
+        "flax==0.12.12",
         "optax==0.2.8",
         "qwix==0.1.8",  # quantized arrays for QLoRA bases (models/lora.py)
         "orbax-checkpoint==0.12.8",
@@ -42,7 +42,8 @@ setup(
         "anthropic==2.14.0",  # agents written against the Messages API get an Anthropic client the same way
     ],
     extras_require={
-        # The test oracle. torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build.
+        # The test oracle. torch is pinned exactly (for Python 3.12 on Linux PyPI has only its CUDA build, which runs
+        # on the CPU too: 2.6 GB with its NVIDIA libraries; an unpinned torch would move with every release).
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "torch==2.13.0", "transformers==5.23.0",
                  "peft==0.21.2", "accelerate==1.15.0",  # PEFT's own LoRA layers check our adapters and their export
                  "gcp-storage-emulator==2026.7.19",
@@ -56,6 +57,6 @@ setup(
         "gcs": ["gcsfs==2026.10.1"],
         # The documentation site (docs/, mkdocs.yml); its configs reference is generated from the code.
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
-        "tpu": ["libtpu==0.0.42.1"],
+        "tpu": ["libtpu==0.0.50.1"],
     },
 )
