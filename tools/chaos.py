@@ -28,9 +28,9 @@ the run completed before all kills were made. Logs of each attempt: <workdir>/ch
 
 `--target=sampler` is the other kind of fault: samplers that come and go while the learner runs on. The job (a learner
 and processes - 1 sampler processes, `launch/local.py --restart_samplers`, a short heartbeat) runs once, start to end;
-about every `--interval` seconds a random sampler process is killed (SIGKILL: lost), preempted (SIGTERM) or stopped
-(SIGSTOP: hung; it is let go after the heartbeat limit, finds its connection dropped and exits), and the launcher
-restarts it. The same checks, plus: the learner never restarted, and the run's trained answers per second (from its
+about every `--interval` seconds until it ends (at least `--kills` times) a random sampler process is killed
+(SIGKILL: lost), preempted (SIGTERM) or stopped (SIGSTOP: hung; it is let go after the heartbeat limit, finds its
+connection dropped and exits), and the launcher restarts it. The same checks, plus: the learner never restarted, and the run's trained answers per second (from its
 step 0 row to its last) against a fault-free run of the same job run first (`<workdir>/fault_free`), which must be
 at least `--min-ratio`.
 """
@@ -74,7 +74,7 @@ def parse_args():
   p.add_argument("--seed", type=int, default=0, help="draws the kills; also the run's config.seed")
   p.add_argument("--steps", type=int, default=None,
                  help="learner steps of the run (enough that it does not finish before the last kill); default 150, "
-                      "900 with --target=sampler")
+                      "1800 with --target=sampler")
   p.add_argument("--phases", default="time," + ",".join(PHASES),
                  help=f"kill kinds to draw from: 'time' (a random delay) and phases of {PHASES}")
   p.add_argument("--max-delay", type=float, default=40.0, help="longest random delay of a 'time' kill, seconds")
@@ -95,7 +95,7 @@ def parse_args():
   if args.target == "sampler" and args.processes < 3:
     p.error(f"--processes={args.processes}: --target=sampler needs a learner and at least two sampler processes (3)")
   if args.steps is None:
-    args.steps = 900 if args.target == "sampler" else 150
+    args.steps = 1800 if args.target == "sampler" else 150
   return args
 
 
@@ -355,7 +355,7 @@ def sampler_chaos(args, rng) -> tuple[list[Fault], list[str], dict]:
   try:
     while _last_step(os.path.join(workdir, "run")) is None and proc.poll() is None:  # training begun
       time.sleep(0.5)
-    while len(faults) < args.kills and proc.poll() is None:
+    while proc.poll() is None:  # faults until the run ends, so all of it runs under them
       time.sleep(rng.uniform(0.5, 1.5) * args.interval)
       if proc.poll() is None:
         faults.append(_fault(args, log_path, rng, start))
@@ -371,7 +371,8 @@ def sampler_chaos(args, rng) -> tuple[list[Fault], list[str], dict]:
   if rc != 0:
     failures.append(f"the run under faults {'hung' if rc is None else f'exited with {rc}'}; see {log_path}")
   elif len(faults) < args.kills:
-    failures.append(f"only {len(faults)} of {args.kills} faults: the run completed first (raise --steps)")
+    failures.append(f"only {len(faults)} faults, fewer than --kills={args.kills}: the run was too short "
+                    "(raise --steps)")
   if text.count("learner 0 is process 0") != 1 or "resumed" in text or "learner 0 (pid" in text:
     failures.append("the learner process restarted")
   if rc == 0:
