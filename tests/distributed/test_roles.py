@@ -1,9 +1,14 @@
-"""Process layouts: which process plays which role, where they meet, and the launcher's core split."""
+"""Process layouts: which process plays which role, where they meet, and the launcher's core split and restarts."""
+
+import os
+import sys
 
 import pytest
 
 from areal_jax.distributed import local_job
 from areal_jax.distributed.roles import ProcessLayout, from_flags_or_env
+
+Child, tend = local_job._Child, local_job._tend_samplers  # pylint: disable=protected-access
 
 
 def test_learners_come_first_then_samplers():
@@ -65,3 +70,35 @@ def test_cores_are_split_in_blocks_and_wrap(monkeypatch):
   assert local_job.core_sets(3, 2) == [[0, 1], [2, 3], [0, 1]]  # more processes than cores: they share
   port = local_job.free_port_pair()
   assert 0 < port < 65535
+
+
+def test_a_sampler_that_keeps_failing_at_once_is_restarted_less_and_less_often(monkeypatch, capsys):
+  clock = [100.0]
+  monkeypatch.setattr(local_job.time, "monotonic", lambda: clock[0])
+  failing = Child("sampler 0", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), sampler=True)
+  learner = Child("learner 0", [sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ))
+  failing.start()
+  learner.start()
+  pauses = []
+  try:
+    for _ in range(4):
+      failing.proc.wait(10)
+      tend([learner, failing], restart=True)
+      pauses.append(failing.pause_s)
+      clock[0] = failing.restart_at
+      tend([learner, failing], restart=True)
+  finally:
+    learner.proc.kill()
+  assert pauses == [2.0, 4.0, 8.0, 16.0]  # each failed within a minute of its start
+  out = capsys.readouterr().out
+  assert out.count("sampler 0 is restarted") == 4 and "exited with status 3; restarting it in 16 s" in out
+  assert learner.restart_at is None and learner.pause_s == 1.0  # learners are never tended
+
+
+def test_without_restarts_a_sampler_that_exits_is_left_gone(capsys):
+  gone = Child("sampler 1", [sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ), sampler=True)
+  gone.start()
+  gone.proc.wait(10)
+  for _ in range(3):
+    tend([gone], restart=False)
+  assert capsys.readouterr().out.count("the job goes on without it") == 1 and gone.restart_at is None

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,27 @@ def test_pulled_weights_equal_the_learners_leaf_by_leaf(learner_axes, tensor, sa
       np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
   pub.pulled(3, 0)
   assert not pub._live  # pylint: disable=protected-access  # released once every puller has it
+
+
+def test_a_puller_that_left_releases_its_copies_and_the_server_takes_its_pulls():
+  """A lost sampler never pulls: `forget` releases the copies only it was waiting for, and pulls its uuids here so
+  the transfer server lets go of them (it has no way to withdraw an offer)."""
+  devices = jax.devices()
+  params = nnx.state(tiny_model(), nnx.Param)
+  pub = WeightPublisher(abstract_params=params, tensor=1, devices=devices[:1], host="127.0.0.1")
+  staying = WeightPuller(address=pub.address, abstract_params=params, tensor=1, devices=devices[4:5],
+                         host="127.0.0.1")
+  first, _ = pub.offer(pub.stage(params), version=1, pullers=[0, 1])
+  second, _ = pub.offer(pub.stage(params), version=2, pullers=[1])  # only the one that leaves
+  assert len({*first.values(), *second.values()}) == 3  # every offer to every puller its own uuid
+  staying.pull(first[0], timeout_s=60)
+  pub.pulled(1, 0)
+  assert not pub.wait_live_below(2, timeout=0)  # both copies wait for puller 1
+  pub.forget(1)
+  assert pub.wait_live_below(1, timeout=0)
+  [taker] = [t for t in threading.enumerate() if t.name == "weight-forget-1"]
+  taker.join(60)
+  assert not taker.is_alive()  # both of its pulls were taken
 
 
 def test_a_bfloat16_sampler_pulls_weights_cast_before_staging():
