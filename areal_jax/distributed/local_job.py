@@ -7,8 +7,10 @@ its output prefixed with its role.
 SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits with 128 + the signal's number.
 
 Samplers come and go: a sampler process that exits is restarted with the same command (`restart_samplers`; after a
-pause that doubles while restarts fail within a minute, up to `MAX_RESTART_PAUSE_S`) and joins the running job, or
-else the job goes on without it. If a learner process dies, the others are stopped within seconds and the job exits
+second, or after a pause that doubles while it keeps failing within `QUICK_EXIT_S` of its start, up to
+`MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. Every process shares the job's
+persistent compilation cache (`cache_dir`, unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its
+programs instead of compiling them. If a learner process dies, the others are stopped within seconds and the job exits
 non-zero naming it; starting it again with the same workdir resumes from the last checkpoint.
 """
 
@@ -29,6 +31,7 @@ from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 FINISH_GRACE_S = 60.0  # after the leader finished: how long the others get to exit on their own
+QUICK_EXIT_S = 10.0  # a sampler that exits this soon after its start failed at once (a bad host or config)
 MAX_RESTART_PAUSE_S = 60.0  # a sampler that keeps failing at once is restarted at most this often
 
 
@@ -94,7 +97,8 @@ def pinned(cores: Sequence[int], args: Sequence[str], python: str = sys.executab
 
 
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
-              cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False) -> int:
+              cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False,
+              cache_dir: str | None = None) -> int:
   """Starts the job, waits for it, returns 0 if every learner process finished cleanly (else 1)."""
   port = free_port_pair()
   address = f"127.0.0.1:{port}"
@@ -102,6 +106,8 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
                                   sampler_processes=sampler_processes) for i in range(num_processes)]
   # The environment's key if it has one, so that more samplers can be started by hand against the running job.
   env = dict(os.environ, **{AUTHKEY_ENV: os.environ.get(AUTHKEY_ENV) or secrets.token_hex(16)})
+  if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
   print(f"local: the job's control address is {address}", flush=True)
   children: list[_Child] = []
   for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
@@ -207,8 +213,8 @@ def _tend_samplers(children: list[_Child], restart: bool) -> None:
           print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; the job goes on without it "
                 "(--restart_samplers starts it again)", flush=True)
         continue
-      # One that fails soon after its start waits longer each time before the next (a broken host, a bad config).
-      c.pause_s = 1.0 if now - c.started > 60 else min(2 * c.pause_s, MAX_RESTART_PAUSE_S)
+      # One that fails at once waits longer each time before the next (a broken host, a bad config).
+      c.pause_s = 1.0 if now - c.started > QUICK_EXIT_S else min(2 * c.pause_s, MAX_RESTART_PAUSE_S)
       c.restart_at = now + c.pause_s
       print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; restarting it in "
             f"{c.pause_s:.0f} s", flush=True)
