@@ -105,6 +105,7 @@ def test_the_hub_drops_a_sampler_that_sends_what_it_does_not_know(caplog):
   assert any("sampler 0 sent an unknown message 'sampler': Generate(request=" in r.message for r in caplog.records)
   hub.check()  # not an error of the job: it goes on with the other samplers (or waits for one)
   sampler.close()
+  hub.stop(timeout_s=1)
 
 
 def test_samplers_connect_again_and_more_join_while_learners_cannot(caplog):

@@ -35,11 +35,12 @@ class Log:
     with open(self.path) as f:
       return f.read()
 
-  def wait_for(self, pattern: str, timeout: float, proc=None) -> re.Match:
+  def wait_for(self, pattern: str, timeout: float, proc=None, count: int = 1) -> list:
+    """The matches (`re.findall`) of `pattern` once it has appeared `count` times."""
     deadline = time.time() + timeout
     while True:
-      if m := re.search(pattern, self.text()):
-        return m
+      if len(found := re.findall(pattern, self.text())) >= count:
+        return found
       assert proc is None or proc.poll() is None, f"the job ended waiting for {pattern!r}:\n{self.text()[-4000:]}"
       assert time.time() < deadline, f"no {pattern!r} within {timeout:.0f} s:\n{self.text()[-4000:]}"
       time.sleep(0.1)
@@ -47,6 +48,13 @@ class Log:
 
 def _steps(workdir) -> int:
   return len(read_metrics(workdir)) - 1 if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else -1
+
+
+def _wait_steps(workdir, n, job, timeout=300):
+  deadline = time.time() + timeout
+  while _steps(workdir) < n:
+    assert job.poll() is None and time.time() < deadline, f"no step {n} within {timeout} s"
+    time.sleep(0.1)
 
 
 def test_samplers_leave_and_join_a_running_job(tmp_path):
@@ -60,19 +68,22 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
                            start_new_session=True)
   extra = None
   try:
-    address = log.wait_for(r"control address is (\S+)", 60, job).group(1)
+    [address] = log.wait_for(r"control address is (\S+)", 60, job)
     log.wait_for(r"sampler 1 is process 2", 60, job)
     pids = {name: int(pid) for name, pid in re.findall(r"(sampler \d) is process \d \(pid (\d+)\)", log.text())}
-    deadline = time.time() + 300
-    while _steps(workdir) < 2:
-      assert job.poll() is None and time.time() < deadline, log.text()[-4000:]
-      time.sleep(0.2)
+    _wait_steps(workdir, 2, job)
 
-    # Killed with groups in flight: they are generated again; it is restarted and rejoins.
-    os.kill(pids["sampler 0"], signal.SIGKILL)
-    lost = int(log.wait_for(r"sampler 0 \(process 1\) is gone.*: dropped; its (\d+) groups", 30, job).group(1))
-    log.wait_for(r"local: sampler 0 is restarted", 30, job)
-    log.wait_for(r"sampler 0 joined at version", 120, job)
+    # Killed with groups in flight: they are generated again; it is restarted and rejoins. (A kill that finds it
+    # between groups, the buffer full while the learner evaluates, shows nothing: then again, once it is back.)
+    lost = 0
+    for attempt in range(1, 6):
+      _wait_steps(workdir, _steps(workdir) + 2, job)  # at work: groups go to both samplers
+      os.kill(pids["sampler 0"], signal.SIGKILL)
+      lost = int(log.wait_for(r"sampler 0 \(process 1\) is gone.*: dropped; its (\d+) groups", 30, job, attempt)[-1])
+      pids["sampler 0"] = int(log.wait_for(r"local: sampler 0 is restarted \(pid (\d+)\)", 30, job, attempt)[-1])
+      log.wait_for(r"sampler 0 joined at version", 120, job, attempt)
+      if lost:
+        break
 
     # Hung (SIGSTOP): dropped at the heartbeat limit; once it runs again its connection is gone, it exits and is
     # restarted.
@@ -89,7 +100,7 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
                                 "--num_processes=3", "--process_id=3", f"--coordinator_address={address}"],
                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     step_before = _steps(workdir)
-    joined_at = int(log.wait_for(r"sampler 2 joined at version (\d+)", 120, job).group(1))
+    joined_at = int(log.wait_for(r"sampler 2 joined at version (\d+)", 120, job)[0])
     assert job.wait(timeout=600) == 0, log.text()[-4000:]
     assert extra.wait(timeout=60) == 0
   finally:
@@ -107,7 +118,7 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
   assert_every_prompt_once(workdir, config, last_step=STEPS)
   last = read_metrics(workdir)[-1]
   assert last["samplers/lost"] >= 2 and last["samplers/joined"] >= 3 and last["samplers/live"] == 3
-  assert last["rollout/regenerated_groups"] >= lost >= 1, (lost, last["rollout/regenerated_groups"])
+  assert lost >= 1 and last["rollout/regenerated_groups"] >= lost, (lost, last["rollout/regenerated_groups"])
   eta = config.rollout.max_head_offpolicyness
   for r in rollouts(workdir):
     assert r["filtered"] or all((r["step"] - 1) - v <= eta for v in r["version_start"]), json.dumps(r)
