@@ -104,7 +104,9 @@ def _overrides(args) -> dict:
   if getattr(args, "processes", 0):
     extra = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 1}
   if getattr(args, "target", "job") == "sampler":
-    extra |= {"mesh.sampler_processes": args.processes - 1, "mesh.sampler_heartbeat_s": args.heartbeat}
+    # Enough prompts that the run stays in its first epoch (the prompt check reads the epoch's order once).
+    extra |= {"mesh.sampler_processes": args.processes - 1, "mesh.sampler_heartbeat_s": args.heartbeat,
+              "data.synthetic_size": 8 * args.steps}
   return {"total_steps": args.steps, "seed": args.seed, "eval.every_steps": 4, **extra}
 
 
