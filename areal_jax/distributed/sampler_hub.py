@@ -16,7 +16,8 @@ Samplers are elastic; learners are not:
   to pull are released.
 - **join**: a sampler process that connects while the job runs (a restart, or one more: `ControlServer.on_sampler`)
   is sent the current weights (the whole model) and takes work from then on; groups that waited for a sampler go to
-  it.
+  it. Once its loop runs (its first `Stats` with counters) it is sent the newest version published since, and every
+  publish after that: the learner never waits for a sampler that is still starting.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class _Sampler:
   groups: dict[int, int] = dataclasses.field(default_factory=dict)  # group id -> answers still to come
   stats: dict = dataclasses.field(default_factory=dict)
   pull: Pulled | None = None  # the latest pull it reported
+  # Joined while the job ran: the version it was sent then, until its loop runs (`_catch_up`). Until then it is not
+  # offered new versions, so a sampler still starting (process start, first pull, loop) never holds the learner back.
+  catching_up: int | None = None
 
   @property
   def key(self) -> str:  # "sampler0": the metrics' name for it
@@ -191,10 +195,7 @@ class SamplerHub:
     try:
       with self._publishing:
         for part in [p for p in ("all", "adapters") if p in self._kept]:  # none yet: the first publish reaches it
-          version, staged = self._kept[part]
-          uuids, fp = self.publisher.offer(staged, version, [pid])
-          peer.send(SAMPLER, Weights(version=version, uuid=uuids[pid], address=self.publisher.address,
-                                     fingerprint=fp, part=part))
+          s.catching_up = self._offer_kept(pid, s, part)
         with self._lock:
           self._live[pid] = s
           self.joined += 1
@@ -211,6 +212,30 @@ class SamplerHub:
     self._read_in_background(pid, s)
     for request in waiting:
       self._send_work(pid, s, request)
+
+  def _offer_kept(self, pid: int, s: _Sampler, part: str) -> int:
+    """Offers sampler `s` the kept copy of `part` (under `_publishing`); returns its version."""
+    version, staged = self._kept[part]
+    uuids, fp = self.publisher.offer(staged, version, [pid])
+    s.peer.send(SAMPLER, Weights(version=version, uuid=uuids[pid], address=self.publisher.address, fingerprint=fp,
+                                 part=part))
+    return version
+
+  def _catch_up(self, pid: int, s: _Sampler) -> None:
+    """A sampler that joined has its loop running: it is sent the newest version published since its join, and from
+    now on every publish. (On its reader thread: while a publish holds the lock, which may wait for this thread to
+    read a `Pulled`, it tries again at its next `Stats`.)"""
+    if not self._publishing.acquire(blocking=False):
+      return
+    try:
+      version, part = max((v, p) for p, (v, _) in self._kept.items())
+      if version > s.catching_up:
+        self._offer_kept(pid, s, part)
+      s.catching_up = None
+    except OSError as e:
+      self._drop(pid, s, f"{s.peer.name} cannot be reached ({e})")
+    finally:
+      self._publishing.release()
 
   def _drop(self, pid: int, s: _Sampler, why: str) -> None:
     """Sampler `s` (process `pid`) is gone (`why`: what happened, a sentence naming it): the answers it owed fail
@@ -265,7 +290,7 @@ class SamplerHub:
     while not self.publisher.wait_live_below(MAX_LIVE_VERSIONS, timeout=1.0):
       self.check()
     with self._lock:
-      live = dict(self._live)
+      live = {pid: s for pid, s in self._live.items() if s.catching_up is None}
     uuids, fp = self.publisher.offer(staged, version, list(live))
     for pid, s in live.items():
       try:
@@ -293,6 +318,8 @@ class SamplerHub:
             self._answered(s, answer, traj)
           case Stats(counters=counters):
             s.stats = counters
+            if s.catching_up is not None and counters:
+              self._catch_up(pid, s)
           case Pulled():
             self.publisher.pulled(msg.version, pid)
             s.pull = msg

@@ -73,6 +73,15 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
     pids = {name: int(pid) for name, pid in re.findall(r"(sampler \d) is process \d \(pid (\d+)\)", log.text())}
     _wait_steps(workdir, 2, job)
 
+    # One more sampler, started by hand against the running job: it gets the current weights and work. (Early, so that
+    # the run has most of its steps left to give it work on a slow machine.)
+    with open(tmp_path / "extra.log", "w") as out:
+      extra = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), *flags,
+                                "--num_processes=3", "--process_id=3", f"--coordinator_address={address}"],
+                               env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    step_before = _steps(workdir)
+    joined_at = int(log.wait_for(r"sampler 2 joined at version (\d+)", 120, job)[0])
+
     # Killed with groups in flight: they are generated again; it is restarted and rejoins. (A kill that finds it
     # between groups, the buffer full while the learner evaluates, shows nothing: then again, once it is back.)
     lost = 0
@@ -94,13 +103,6 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
     os.kill(pids["sampler 1"], signal.SIGCONT)
     log.wait_for(r"local: sampler 1 is restarted", 60, job)
 
-    # One more sampler, started by hand against the running job: it gets the current weights and work.
-    with open(tmp_path / "extra.log", "w") as out:
-      extra = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), *flags,
-                                "--num_processes=3", "--process_id=3", f"--coordinator_address={address}"],
-                               env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    step_before = _steps(workdir)
-    joined_at = int(log.wait_for(r"sampler 2 joined at version (\d+)", 120, job)[0])
     assert job.wait(timeout=600) == 0, log.text()[-4000:]
     assert extra.wait(timeout=60) == 0
   finally:

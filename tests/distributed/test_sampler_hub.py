@@ -131,8 +131,13 @@ def test_a_preempted_sampler_leaves_at_once_and_work_waits_for_one_that_joins(hu
   for i in range(2):
     c.answer(work.request, i)
   assert [f.result(timeout=10).group_id for f in waiting] == [7, 7]
-  hub.publish({"w": 1}, 1)  # the joiner is live: it hears of the next version
-  assert c.next().version == 1
+  hub.publish({"w": 1}, 1)  # its loop is not running yet: the learner does not wait for it
+  assert pub.offers[-1][2] == [] and not c.peer.poll(0.2)
+  c.peer.send(SAMPLER, Stats({"version": 0.0}))  # now it runs: it is sent the newest version, then every publish
+  assert c.next().version == 1 and pub.offers[-1] == (("staged", {"w": 1}, "all"), 1, [3])
+  c.peer.send(SAMPLER, Stats({"version": 1.0}))
+  hub.publish({"w": 2}, 2)
+  assert c.next().version == 2 and pub.offers[-1][2] == [3]
   m = hub.sampler_metrics()
   assert (m["samplers/live"], m["samplers/joined"], m["samplers/lost"]) == (1.0, 1.0, 2.0)
 
@@ -148,6 +153,10 @@ def test_a_restarted_sampler_replaces_its_previous_connection(hub_of_two):
     with pytest.raises(SamplerLost, match="reconnected"):
       group[0].result(timeout=10)
   assert hub.sampler_metrics()["samplers/live"] == 2.0
+  again.peer.send(SAMPLER, Stats({"version": 0.0}))  # running, and nothing published since its join: no second offer
+  _wait(lambda: hub._live[1].catching_up is None)  # pylint: disable=protected-access
+  hub.publish({"w": 1}, 1)
+  assert again.next().version == 1 and not again.peer.poll(0.2)
 
 
 def test_a_silent_sampler_is_dropped_at_the_heartbeat_limit():
