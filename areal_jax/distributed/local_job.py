@@ -8,9 +8,10 @@ SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits 
 
 Samplers come and go: a sampler process that exits is restarted with the same command (`restart_samplers`; after a
 second, or after a pause that doubles while it keeps failing within `QUICK_EXIT_S` of its start, up to
-`MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. If a learner process dies,
-the others are stopped within seconds and the job exits non-zero naming it; starting it again with the same workdir
-resumes from the last checkpoint.
+`MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. With `cache_dir` every process shares
+that persistent compilation cache (unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its programs
+instead of compiling them. If a learner process dies, the others are stopped within seconds and the job exits
+non-zero naming it; starting it again with the same workdir resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def pinned(cores: Sequence[int], args: Sequence[str], python: str = sys.executab
 
 
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
-              cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False) -> int:
+              cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False,
+              cache_dir: str | None = None) -> int:
   """Starts the job, waits for it, returns 0 if every learner process finished cleanly (else 1)."""
   port = free_port_pair()
   address = f"127.0.0.1:{port}"
@@ -104,6 +106,8 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
                                   sampler_processes=sampler_processes) for i in range(num_processes)]
   # The environment's key if it has one, so that more samplers can be started by hand against the running job.
   env = dict(os.environ, **{AUTHKEY_ENV: os.environ.get(AUTHKEY_ENV) or secrets.token_hex(16)})
+  if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
   print(f"local: the job's control address is {address}", flush=True)
   children: list[_Child] = []
   for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
