@@ -19,7 +19,8 @@ from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not imp
 from areal_jax.distributed import local_job  # pylint: disable=g-import-not-at-top  # does not import JAX
 
 _CONFIG = cli.define_config()
-flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (passed on).")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (passed on); its compilation_cache/ is "
+                                "the processes' persistent compilation cache.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _CPUS = flags.DEFINE_integer("cpus_per_process", None, "Cores pinned to each process (default: cores / processes).")
 _RESTART = flags.DEFINE_bool("restart_samplers", False, "Restart sampler processes that exit; they rejoin the job.")
@@ -32,7 +33,9 @@ def main(argv):
   sys.exit(local_job.run_local(script=os.path.join(ROOT, "launch", "tpu_run.py"), args=passed,
                                num_processes=_NUM_PROCESSES.value,
                                sampler_processes=_CONFIG.value.mesh.sampler_processes,
-                               cpus_per_process=_CPUS.value, restart_samplers=_RESTART.value))
+                               cpus_per_process=_CPUS.value, restart_samplers=_RESTART.value,
+                               cache_dir=None if "://" in _WORKDIR.value else os.path.join(_WORKDIR.value,
+                                                                                             "compilation_cache")))
 
 
 if __name__ == "__main__":

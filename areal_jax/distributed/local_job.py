@@ -8,9 +8,9 @@ SIGINT/SIGTERM are forwarded: each process shuts down cleanly and the job exits 
 
 Samplers come and go: a sampler process that exits is restarted with the same command (`restart_samplers`; after a
 second, or after a pause that doubles while it keeps failing within `QUICK_EXIT_S` of its start, up to
-`MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. With `cache_dir` every process shares
-that persistent compilation cache (unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its programs
-instead of compiling them. If a learner process dies, the others are stopped within seconds and the job exits
+`MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. Every process shares the job's
+persistent compilation cache (`cache_dir`, unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its
+programs instead of compiling them. If a learner process dies, the others are stopped within seconds and the job exits
 non-zero naming it; starting it again with the same workdir resumes from the last checkpoint.
 """
 
