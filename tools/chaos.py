@@ -74,7 +74,7 @@ def parse_args():
   p.add_argument("--seed", type=int, default=0, help="draws the kills; also the run's config.seed")
   p.add_argument("--steps", type=int, default=None,
                  help="learner steps of the run (enough that it does not finish before the last kill); default 150, "
-                      "1800 with --target=sampler")
+                      "1200 with --target=sampler")
   p.add_argument("--phases", default="time," + ",".join(PHASES),
                  help=f"kill kinds to draw from: 'time' (a random delay) and phases of {PHASES}")
   p.add_argument("--max-delay", type=float, default=40.0, help="longest random delay of a 'time' kill, seconds")
@@ -95,7 +95,7 @@ def parse_args():
   if args.target == "sampler" and args.processes < 3:
     p.error(f"--processes={args.processes}: --target=sampler needs a learner and at least two sampler processes (3)")
   if args.steps is None:
-    args.steps = 1800 if args.target == "sampler" else 150
+    args.steps = 1200 if args.target == "sampler" else 150
   return args
 
 
