@@ -1,16 +1,15 @@
 """Every `python launch/...` and `python tools/...` command shown in the README and the docs still parses: its flags
 are the script's own (absl or argparse) and, for a script with a `--config`, the config loads with its overrides and
 passes `config.validate` (`data=False` for the AOT check and the planner, which read no dataset). Each command runs
-in a child process that stops once its arguments are parsed; the runs themselves are covered by the whole-run tests
-(`tests/rl/test_trainer.py`, `tests/test_faults.py`, `tests/tools/`)."""
+in a child process (forked from one that imported JAX and the config once) that stops once its arguments are parsed;
+the runs themselves are covered by the whole-run tests (`tests/rl/test_trainer.py`, `tests/test_faults.py`,
+`tests/tools/`)."""
 
-import concurrent.futures
 import glob
-import json
+import multiprocessing
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
@@ -21,37 +20,51 @@ SCRIPTS = ("launch/", "tools/")
 # keyword arguments of `config.validate` per script: the AOT check and the planner read no dataset
 VALIDATE = {"tools/aot_check.py": {"data": False}, "tools/plan.py": {"data": False}}
 
-# Runs SCRIPT as __main__ with the documented arguments, stopped right after they are parsed (absl's `app.run` and
-# argparse's `parse_args` are replaced in this child process alone), then validates the parsed `--config`, if any.
-_PARSE = """
-import argparse, json, runpy, sys
-from absl import app, flags
-path, args, validate_kw = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+# Imported once by the fork server that each command's child process is forked from (most of a command's cost).
+PRELOAD = ["numpy", "jax", "flax.nnx", "optax", "absl.app", "absl.flags", "ml_collections.config_flags",
+           "areal_jax.config"]
 
-class Parsed(BaseException):
+
+class _Parsed(BaseException):
   pass
 
-def parse_only(main, argv=None, flags_parser=None, **unused):
-  (flags_parser or flags.FLAGS)(sys.argv)
-  raise Parsed()
 
-def parse_args_only(self, *a, parse=argparse.ArgumentParser.parse_args, **k):
-  parse(self, *a, **k)
-  raise Parsed()
+def parse_only(script: str, args: list[str], validate_kw: dict) -> str:
+  """In a fresh child process: runs SCRIPT as __main__ with `args`, stopped right after they are parsed (absl's
+  `app.run` and argparse's `parse_args` are replaced here alone), then validates the parsed `--config`, if any.
+  Returns "ok", or why the script rejected them (its last line on stderr, or the exception)."""
+  import argparse, contextlib, io, runpy  # pylint: disable=g-import-not-at-top,multiple-imports
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
 
-app.run, argparse.ArgumentParser.parse_args = parse_only, parse_args_only
-sys.argv = [path, *args]  # ml_collections registers --config.* overrides from sys.argv
-try:
-  runpy.run_path(path, run_name="__main__")
-except Parsed:
-  pass
-else:
-  sys.exit("the script ended without parsing its arguments")
-if "config" in flags.FLAGS:
-  from areal_jax.config import validate
-  validate(flags.FLAGS["config"].value, **validate_kw)
-print("PARSED")
-"""
+  def parse_flags(main, argv=None, flags_parser=None, **unused):
+    (flags_parser or flags.FLAGS)(sys.argv)
+    raise _Parsed()
+
+  def parse_args(self, *a, parse=argparse.ArgumentParser.parse_args, **k):
+    parse(self, *a, **k)
+    raise _Parsed()
+
+  os.chdir(ROOT)  # as `python SCRIPT ...` from the repository's root
+  sys.path.insert(0, ROOT)
+  app.run, argparse.ArgumentParser.parse_args = parse_flags, parse_args
+  sys.argv = [script, *args]  # ml_collections registers --config.* overrides from sys.argv
+  err = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(err):
+      try:
+        runpy.run_path(script, run_name="__main__")
+      except _Parsed:
+        pass
+      else:
+        return "the script ended without parsing its arguments"
+      if "config" in flags.FLAGS:
+        from areal_jax.config import validate  # pylint: disable=g-import-not-at-top
+        validate(flags.FLAGS["config"].value, **validate_kw)
+  except SystemExit as e:  # argparse's error after its message; absl's with its message
+    return (err.getvalue().strip().splitlines() or [e.code if isinstance(e.code, str) else f"exit status {e.code}"])[-1]
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{type(e).__name__}: {e}"
+  return "ok"
 
 
 def documented_commands() -> list[tuple[str, str]]:
@@ -75,16 +88,6 @@ def test_the_docs_show_commands_of_the_run_and_the_tools():
   assert {"launch/tpu_run.py", "launch/local.py", "tools/aot_check.py", "tools/chaos.py"} <= scripts, scripts
 
 
-def _parse(script: str, args: list[str]) -> str:
-  """"ok", or why the script rejected `args`."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  proc = subprocess.run([sys.executable, "-c", _PARSE, script, json.dumps(args), json.dumps(VALIDATE.get(script, {}))],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  if proc.returncode == 0 and "PARSED" in proc.stdout:
-    return "ok"
-  return (proc.stderr.strip().splitlines() or ["exit status %d" % proc.returncode])[-1]
-
-
 @pytest.mark.slow
 def test_every_documented_command_parses_and_its_config_validates():
   shown = {}  # (script, args) -> where it is shown
@@ -92,7 +95,11 @@ def test_every_documented_command_parses_and_its_config_validates():
     words = shlex.split(command)
     assert os.path.exists(os.path.join(ROOT, words[1])), f"{where}: {words[1]} does not exist"
     shown.setdefault((words[1], tuple(words[2:])), f"{where}: {command}")
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    results = list(pool.map(lambda key: _parse(key[0], list(key[1])), shown))
+  # Each command in its own process (a script's flags are global), forked from a server that imported PRELOAD once.
+  ctx = multiprocessing.get_context("forkserver")
+  ctx.set_forkserver_preload(PRELOAD)
+  with ctx.Pool(2, maxtasksperchild=1) as pool:
+    results = pool.starmap(parse_only, [(script, list(args), VALIDATE.get(script, {})) for script, args in shown],
+                           chunksize=1)
   failures = [f"{where}\n  -> {r}" for where, r in zip(shown.values(), results) if r != "ok"]
   assert not failures, "\n".join(failures)
