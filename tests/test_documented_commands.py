@@ -99,7 +99,8 @@ def test_every_documented_command_parses_and_its_config_validates():
   ctx = multiprocessing.get_context("forkserver")
   ctx.set_forkserver_preload(PRELOAD)
   with ctx.Pool(2, maxtasksperchild=1) as pool:
-    results = pool.starmap(parse_only, [(script, list(args), VALIDATE.get(script, {})) for script, args in shown],
-                           chunksize=1)
+    # A bounded wait: a script that hangs, or a child that dies mid-task (a pool never hears of it), fails the test.
+    results = pool.starmap_async(parse_only, [(script, list(args), VALIDATE.get(script, {}))
+                                              for script, args in shown], chunksize=1).get(timeout=600)
   failures = [f"{where}\n  -> {r}" for where, r in zip(shown.values(), results) if r != "ok"]
   assert not failures, "\n".join(failures)
