@@ -24,6 +24,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (pass
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _CPUS = flags.DEFINE_integer("cpus_per_process", None, "Cores pinned to each process (default: cores / processes).")
 _RESTART = flags.DEFINE_bool("restart_samplers", False, "Restart sampler processes that exit; they rejoin the job.")
+_PRELOAD = ("absl.app", "areal_jax.rl.trainer")  # what tpu_run.py imports: a restarted sampler is forked after them
 _OWN = ("--num_processes", "--cpus_per_process", "--restart_samplers", "--norestart_samplers")
 
 
@@ -35,7 +36,8 @@ def main(argv):
                                sampler_processes=_CONFIG.value.mesh.sampler_processes,
                                cpus_per_process=_CPUS.value, restart_samplers=_RESTART.value,
                                cache_dir=None if "://" in _WORKDIR.value else os.path.join(_WORKDIR.value,
-                                                                                             "compilation_cache")))
+                                                                                             "compilation_cache"),
+                               preload=_PRELOAD))
 
 
 if __name__ == "__main__":

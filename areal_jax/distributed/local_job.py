@@ -10,7 +10,8 @@ Samplers come and go: a sampler process that exits is restarted with the same co
 second, or after a pause that doubles while it keeps failing within `QUICK_EXIT_S` of its start, up to
 `MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. Every process shares the job's
 persistent compilation cache (`cache_dir`, unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its
-programs instead of compiling them. If a learner process dies, the others are stopped within seconds and the job exits
+programs instead of compiling them, and a restarted one is forked from a process that has already imported the script's
+modules (`zygote.py`), so it does not spend seconds of the other processes' CPU importing them again. If a learner process dies, the others are stopped within seconds and the job exits
 non-zero naming it; starting it again with the same workdir resumes from the last checkpoint.
 """
 
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from areal_jax.distributed import zygote
 from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
@@ -69,19 +71,34 @@ def _signal_name(code: int) -> str:
 @dataclasses.dataclass
 class _Child:
   name: str
-  cmd: list[str]
+  args: list[str]  # the script and its arguments
+  cores: list[int]
   env: dict[str, str]
-  proc: subprocess.Popen | None = None
+  python: str = sys.executable
+  proc: subprocess.Popen | zygote.Forked | None = None
   sampler: bool = False
   started: float = 0.0
   pause_s: float = 1.0  # before the next restart
   restart_at: float | None = None  # when a sampler that exited is started again
   gone: bool = False  # a sampler that exited and is not restarted
 
-  def start(self) -> None:
-    self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, start_new_session=True)
+  def start(self, forker: zygote.Zygote | None = None) -> None:
+    """Starts the process: forked by `forker` if given (falling back to a new interpreter if that fails)."""
     self.started = time.monotonic()
+    if forker is not None:
+      read, write = os.pipe()
+      try:
+        self.proc = forker.spawn(self.args, self.cores, self.env, write)
+      except OSError as e:
+        print(f"local: {e}; starting {self.name} in a new interpreter", flush=True)
+        os.close(read)
+      else:
+        threading.Thread(target=_prefix, args=(os.fdopen(read), self.name), daemon=True).start()
+        return
+      finally:
+        os.close(write)
+    self.proc = subprocess.Popen(pinned(self.cores, ["-u", *self.args], self.python), env=self.env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     threading.Thread(target=_prefix, args=(self.proc.stdout, self.name), daemon=True).start()
 
 
@@ -98,8 +115,9 @@ def pinned(cores: Sequence[int], args: Sequence[str], python: str = sys.executab
 
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
               cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False,
-              cache_dir: str | None = None) -> int:
-  """Starts the job, waits for it, returns 0 if every learner process finished cleanly (else 1)."""
+              cache_dir: str | None = None, preload: Sequence[str] = ()) -> int:
+  """Starts the job, waits for it, returns 0 if every learner process finished cleanly (else 1). With
+  `restart_samplers`, restarted samplers are forked from a zygote that imported `preload` (the script's modules)."""
   port = free_port_pair()
   address = f"127.0.0.1:{port}"
   layouts = [ProcessLayout.create(num_processes=num_processes, process_id=i, coordinator_address=address,
@@ -111,15 +129,17 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
   print(f"local: the job's control address is {address}", flush=True)
   children: list[_Child] = []
   for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
-    cmd = pinned(cores, ["-u", script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
-                         f"--coordinator_address={address}"], python)
+    argv = [script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
+            f"--coordinator_address={address}"]
     child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
                      MKL_NUM_THREADS=str(len(cores)))
-    child = _Child(layout.name, cmd, child_env, sampler=layout.role == "sampler")
+    child = _Child(layout.name, argv, cores, child_env, python, sampler=layout.role == "sampler")
     child.start()
     children.append(child)
     print(f"local: {layout.name} is process {layout.process_id} (pid {child.proc.pid}) on cores {cores}", flush=True)
 
+  samplers = [c for c in children if c.sampler]
+  forker = zygote.Zygote(preload, samplers[0].env, python) if restart_samplers and preload and samplers else None
   stopped: list[int] = []
 
   def forward(signum, _frame):
@@ -129,8 +149,10 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _supervise(children, stopped, restart_samplers)
+    return _supervise(children, stopped, restart_samplers, forker)
   finally:
+    if forker is not None:
+      forker.close()
     for s, handler in old.items():
       signal.signal(s, handler)
 
@@ -166,7 +188,8 @@ def _stop(children: Sequence[_Child]) -> None:
   _wait_or_kill(children, STOP_GRACE_S)
 
 
-def _supervise(children: list[_Child], stopped: list[int], restart_samplers: bool) -> int:
+def _supervise(children: list[_Child], stopped: list[int], restart_samplers: bool,
+               forker: zygote.Zygote | None) -> int:
   """0 when every learner process finished cleanly; 1 when one died; 128 + N after forwarding signal N (then each
   process gets FINISH_GRACE_S to shut down cleanly; a second signal ends them at once)."""
   leader_done_at = None
@@ -185,7 +208,7 @@ def _supervise(children: list[_Child], stopped: list[int], restart_samplers: boo
         _stop(children)
         return 1
     if leader_done_at is None and not stopped:
-      _tend_samplers(children, restart_samplers)
+      _tend_samplers(children, restart_samplers, forker)
     if all(c.proc.poll() is not None for c in children):
       return 0 if all(c.proc.poll() == 0 for c in learners) else 1
     if children[0].proc.poll() == 0:  # the leader finished: the others are told to stop and should exit soon
@@ -199,7 +222,7 @@ def _supervise(children: list[_Child], stopped: list[int], restart_samplers: boo
     time.sleep(0.2)
 
 
-def _tend_samplers(children: list[_Child], restart: bool) -> None:
+def _tend_samplers(children: list[_Child], restart: bool, forker: zygote.Zygote | None) -> None:
   """A sampler process that exited (while the leader runs) is restarted when its pause is over, or left gone."""
   now = time.monotonic()
   for c in children:
@@ -220,5 +243,5 @@ def _tend_samplers(children: list[_Child], restart: bool) -> None:
             f"{c.pause_s:.0f} s", flush=True)
     elif now >= c.restart_at:
       c.restart_at = None
-      c.start()
+      c.start(forker)
       print(f"local: {c.name} is restarted (pid {c.proc.pid})", flush=True)
