@@ -10,9 +10,10 @@ Samplers come and go: a sampler process that exits is restarted with the same co
 second, or after a pause that doubles while it keeps failing within `QUICK_EXIT_S` of its start, up to
 `MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. Every process shares the job's
 persistent compilation cache (`cache_dir`, unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its
-programs instead of compiling them, and a restarted one is forked from a process that has already imported the script's
-modules (`zygote.py`), so it does not spend seconds of the other processes' CPU importing them again. If a learner process dies, the others are stopped within seconds and the job exits
-non-zero naming it; starting it again with the same workdir resumes from the last checkpoint.
+programs instead of compiling them; a restarted one is forked from a process that has already imported the script's
+modules (`zygote.py`), so it does not spend seconds of the other processes' CPU importing them again. If a learner
+process dies, the others are stopped within seconds and the job exits non-zero naming it; starting it again with the
+same workdir resumes from the last checkpoint.
 """
 
 from __future__ import annotations

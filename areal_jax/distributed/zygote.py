@@ -26,7 +26,8 @@ from collections.abc import Sequence
 _MAX_MESSAGE = 1 << 20
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # argv: the package's root, the socket's fd, the modules to import.
-_START = "import sys; sys.path.insert(0, sys.argv[1]); from areal_jax.distributed import zygote; zygote.main(sys.argv[2:])"
+_START = ("import sys; sys.path.insert(0, sys.argv[1]); from areal_jax.distributed import zygote; "
+          "zygote.main(sys.argv[2:])")
 
 
 class Forked:
