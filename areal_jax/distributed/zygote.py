@@ -33,21 +33,35 @@ _START = ("import sys; sys.path.insert(0, sys.argv[1]); from areal_jax.distribut
 class Forked:
   """A child of the zygote, seen from the supervisor: `pid`, `poll()`, `wait()` and `returncode` as in `Popen`."""
 
-  def __init__(self, pid: int):
+  def __init__(self, pid: int, zygote_gone: threading.Event):
     self.pid, self.returncode = pid, None
-    self._exited = threading.Event()
+    self._exited, self._zygote_gone = threading.Event(), zygote_gone
 
   def poll(self) -> int | None:
+    if self.returncode is None and self._zygote_gone.is_set() and not _running(self.pid):
+      self._exit(1)  # its zygote died before it, and its exit status with it
     return self.returncode
 
   def wait(self, timeout: float | None = None) -> int:
-    if not self._exited.wait(timeout):
-      raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while self.poll() is None:
+      left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+      if left <= 0:
+        raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+      self._exited.wait(left)
     return self.returncode
 
   def _exit(self, code: int) -> None:
     self.returncode = code
     self._exited.set()
+
+
+def _running(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except (OSError, IndexError):
+    return False
 
 
 class Zygote:
@@ -60,6 +74,7 @@ class Zygote:
     theirs.close()
     self.sock, self.children = ours, {}
     self._pids: list[int] = []
+    self._gone = threading.Event()
     self._answer = threading.Condition()
     threading.Thread(target=self._read, daemon=True).start()
 
@@ -74,10 +89,12 @@ class Zygote:
       raise OSError(f"the zygote (pid {self.proc.pid}) is gone: {e}") from e
     deadline = time.monotonic() + timeout_s
     with self._answer:
-      while not self._pids:
-        if self.proc.poll() is not None or not self._answer.wait(max(0.0, deadline - time.monotonic())):
-          raise OSError(f"the zygote (pid {self.proc.pid}) did not fork: "
-                        f"{'it exited' if self.proc.poll() is not None else 'no answer'}")
+      while not self._pids and not self._gone.is_set():
+        if not self._answer.wait(max(0.0, deadline - time.monotonic())):
+          self.proc.kill()  # one that does not answer is not asked again
+          raise OSError(f"the zygote (pid {self.proc.pid}) did not answer within {timeout_s:.0f} s")
+      if not self._pids:
+        raise OSError(f"the zygote (pid {self.proc.pid}) is gone")
       return self.children[self._pids.pop(0)]
 
   def close(self) -> None:
@@ -92,16 +109,25 @@ class Zygote:
       self.proc.kill()
 
   def _read(self) -> None:
-    with self.sock.makefile("r") as lines:
-      for line in lines:
-        msg = json.loads(line)
-        with self._answer:
-          if "forked" in msg:
-            self.children[msg["forked"]] = Forked(msg["forked"])
-            self._pids.append(msg["forked"])
-            self._answer.notify_all()
-          else:
-            self.children[msg["exited"]]._exit(msg["code"])  # pylint: disable=protected-access
+    try:
+      self._take(self.sock.makefile("r"))
+    except OSError:
+      pass  # closed
+    finally:
+      with self._answer:
+        self._gone.set()
+        self._answer.notify_all()
+
+  def _take(self, lines) -> None:
+    for line in lines:
+      msg = json.loads(line)
+      with self._answer:
+        if "forked" in msg:
+          self.children[msg["forked"]] = Forked(msg["forked"], self._gone)
+          self._pids.append(msg["forked"])
+          self._answer.notify_all()
+        else:
+          self.children[msg["exited"]]._exit(msg["code"])  # pylint: disable=protected-access
 
 
 def _child(request: dict, out_fd: int) -> None:

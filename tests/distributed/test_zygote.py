@@ -66,3 +66,16 @@ def test_a_gone_zygote_is_an_error_not_a_hang(tmp_path, forker):
   forker.proc.wait()
   with pytest.raises(OSError, match="the zygote"):
     _spawn(forker, tmp_path / "child.py", "0")
+
+
+def test_a_child_outliving_its_zygote_is_still_seen_to_exit(tmp_path, forker):
+  script = tmp_path / "child.py"
+  script.write_text(SCRIPT)
+  sleeper, out = _spawn(forker, script, "sleep")
+  assert '"env": "sleep"' in out.readline()
+  forker.proc.kill()  # its exit status goes with the zygote
+  forker.proc.wait()
+  with pytest.raises(subprocess.TimeoutExpired):
+    sleeper.wait(0.5)
+  os.killpg(sleeper.pid, signal.SIGKILL)
+  assert sleeper.wait(30) == 1
