@@ -29,10 +29,10 @@ the run completed before all kills were made. Logs of each attempt: <workdir>/ch
 `--target=sampler` is the other kind of fault: samplers that come and go while the learner runs on. The job (a learner
 and processes - 1 sampler processes, `launch/local.py --restart_samplers`, a short heartbeat) runs once, start to end;
 about every `--interval` seconds until it ends (at least `--kills` times) a random sampler process is killed
-(SIGKILL: lost), preempted (SIGTERM) or stopped (SIGSTOP: hung; it is let go after the heartbeat limit, finds its
-connection dropped and exits), and the launcher restarts it. The same checks, plus: the learner never restarted, and the run's trained answers per second (from its
-step 0 row to its last) against a fault-free run of the same job run first (`<workdir>/fault_free`), which must be
-at least `--min-ratio`.
+(SIGKILL: lost) or preempted (SIGTERM), and the launcher restarts it, or stopped (SIGSTOP: hung; it is let go after
+the heartbeat limit, finds itself dropped and connects again). The same checks, plus: the learner never restarted,
+and the run's trained answers per second (from its step 0 row to its last) against a fault-free run of the same job
+run first (`<workdir>/fault_free`), which must be at least `--min-ratio`.
 """
 
 from __future__ import annotations

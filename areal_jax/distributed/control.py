@@ -55,6 +55,18 @@ class Peer:
     with self._lock:
       self.conn.send_bytes(data)
 
+  def send_last(self, kind: str, payload=None, timeout_s: float = 1.0) -> None:
+    """Best effort, before `close`: gives up after `timeout_s` (a peer that stopped reading) instead of blocking."""
+    if not self._lock.acquire(timeout=timeout_s):
+      return
+    try:
+      _io_timeout(self.conn, timeout_s)
+      self.conn.send_bytes(wire.encode((kind, payload)))
+    except OSError:
+      pass
+    finally:
+      self._lock.release()
+
   def poll(self, timeout: float) -> bool:
     """Whether a message (or the end of the connection) is waiting, after at most `timeout` seconds."""
     try:

@@ -13,6 +13,7 @@ error naming it.
       Weights(version, uuid, ...)     ──────►       pulls, checks the fingerprint, swaps between two decode steps
       Generate(request)               ──────►       generates the group's answers
       Stop()                          ──────►       finishes a pull in flight, says Bye, exits
+      Dropped(why)                    ──────►       (its last word to one silent too long) connects again
                                       ◄──────       Answer(index, trajectory)   one finished answer
                                       ◄──────       Pulled(version, seconds)
                                       ◄──────       Stats(counters)             once a second: its heartbeat
@@ -22,7 +23,8 @@ error naming it.
 
 A sampler process may connect at any time (a restart, or one more): the leader's first message to it is the current
 `Weights`. One that leaves, dies or falls silent is dropped, and its groups in flight are generated again elsewhere
-(`sampler_hub.py`).
+(`sampler_hub.py`); one dropped for silence that was only slow or stopped reads `Dropped` when it resumes, and
+connects again with its engine as it is.
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ class Weights:
 
 
 @dataclasses.dataclass(frozen=True)
+class Dropped:
+  """To a sampler that sent nothing for the heartbeat limit: its groups went elsewhere; it may connect again."""
+
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Generate:
   request: Request  # generated from request.min_version or newer
 
@@ -116,4 +125,4 @@ class Bye:
   pass
 
 
-RECORDS = (Start, TrainStep, Save, Stop, Weights, Generate, Answer, Pulled, Stats, Failed, Leaving, Bye)
+RECORDS = (Start, TrainStep, Save, Stop, Weights, Dropped, Generate, Answer, Pulled, Stats, Failed, Leaving, Bye)

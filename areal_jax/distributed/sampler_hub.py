@@ -10,7 +10,8 @@ against it before the swap. The messages each way are the typed records of `mess
 Samplers are elastic; learners are not:
 
 - **leave**: a sampler whose connection ends (it died), that reports a failure, that is preempted (a signal: it says
-  `Leaving`), or that sends nothing for `heartbeat_s` (hung, or cut off: it sends `Stats` every second) is dropped.
+  `Leaving`), or that sends nothing for `heartbeat_s` (hung, or cut off: it sends `Stats` every second; it is told
+  `Dropped`, and if it resumes it connects again as a joiner, without restarting) is dropped.
   The answers it still owed fail with `SamplerLost`, and the controller generates their groups again, admitted anew
   (so no prompt is lost, none is trained twice, and staleness counts from the new admission). Versions it had still
   to pull are released.
@@ -33,8 +34,8 @@ import numpy as np
 
 from areal_jax import faults
 from areal_jax.distributed.control import Peer
-from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Leaving, Pulled, Stats, Stop,
-                                            Weights)
+from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Failed, Generate, Leaving, Pulled, Stats,
+                                            Stop, Weights)
 from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.rl.rollout import SamplerLost
 from areal_jax.sampler.loop import end_futures
@@ -237,9 +238,10 @@ class SamplerHub:
     finally:
       self._publishing.release()
 
-  def _drop(self, pid: int, s: _Sampler, why: str) -> None:
+  def _drop(self, pid: int, s: _Sampler, why: str, tell: bool = False) -> None:
     """Sampler `s` (process `pid`) is gone (`why`: what happened, a sentence naming it): the answers it owed fail
-    with `SamplerLost` (their groups are generated again), what it had to pull is released."""
+    with `SamplerLost` (their groups are generated again), what it had to pull is released. With `tell`, its last
+    message is `Dropped`: one that was only stopped or slow connects again when it resumes."""
     with self._lock:
       if self._live.get(pid) is not s:
         return  # dropped already, or replaced by a restart
@@ -252,6 +254,8 @@ class SamplerHub:
       if not self._live and self._none_since is None:
         self._none_since = time.monotonic()
       live = len(self._live)
+    if tell:
+      s.peer.send_last(SAMPLER, Dropped(why))
     s.peer.close()
     if self.publisher is not None:
       self.publisher.forget(pid)
@@ -364,7 +368,7 @@ class SamplerHub:
         none_since = self._none_since
       for pid, s in silent:
         self._drop(pid, s, f"{s.peer.name} sent nothing for {now - s.heard:.0f} s "
-                           f"(mesh.sampler_heartbeat_s={self.heartbeat_s:g}): hung or cut off")
+                           f"(mesh.sampler_heartbeat_s={self.heartbeat_s:g}): hung or cut off", tell=True)
       if none_since is not None and now - max(none_since, warned) > WAIT_WARNING_S:
         warned = now
         logging.warning("waiting for samplers: none live for %.0f s (%d groups wait); a sampler process that starts "

@@ -1,7 +1,7 @@
 """`run_sampler(settings, layout)`: a sampler process of a multi-process run.
 
-It owns its local devices (a data x expert x tensor mesh of its own; it never joins the learner's collectives), connects to
-the leader, and then, until told to stop:
+It owns its local devices (a data x expert x tensor mesh of its own; it never joins the learner's collectives),
+connects to the leader, and then, until told to stop:
 - generates the prompt groups the leader sends (a `SamplerLoop`: continuous batching, paged KV cache), each from
   the policy version it names or newer;
 - sends every finished answer back as its future completes (detokenised here, scored by the leader's reward workers);
@@ -14,12 +14,14 @@ The messages each way are the typed records of `messages.py` (its diagram), sent
 Any failure (the leader gone, a pull that hangs or arrives corrupted, a device error) is reported to the leader when
 possible and ends the process with a non-zero status; SIGTERM or SIGINT (a preemption) says `Leaving` first. Either
 way the leader generates its answers in flight again elsewhere and the job goes on; the same command started again
-(or `launch/local.py --restart_samplers`) rejoins it.
+(or `launch/local.py --restart_samplers`) rejoins it. One the leader dropped for silence (stopped, or too slow) reads
+`Dropped` when it runs again and connects again as it is: its engine and compiled programs, no restart.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import queue
 import threading
@@ -32,8 +34,8 @@ from flax import nnx
 from areal_jax import cli
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
-from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Failed, Generate, Leaving, Pulled, Stats, Stop,
-                                            Weights)
+from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Failed, Generate, Leaving, Pulled, Stats,
+                                            Stop, Weights)
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.slices import MeshConfig
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
@@ -44,6 +46,7 @@ from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import load_tokenizer
 
 PULL_TIMEOUT_S = 600.0
+REJOIN_TIMEOUT_S = 60.0  # a dropped sampler that resumes tries this long to connect again, then exits
 
 
 def run_sampler(settings, layout: ProcessLayout) -> None:
@@ -54,25 +57,41 @@ def run_sampler(settings, layout: ProcessLayout) -> None:
   engine = Engine(model=abstract_model, config=settings.sampler.for_tokenizer(tokenizer.vocab_size), mesh=mesh)
   abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
   logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
-  leader = connect(layout, authkey(), timeout_s=CONNECT_TIMEOUT_S, devices=mesh.devices.size)
-  _Sampler(leader, engine, abstract_params, layout=layout, mesh=settings.mesh, eos_ids=[tokenizer.eos_id],
-           detokenize=tokenizer.decode).run()
+  puller, timeout_s = None, CONNECT_TIMEOUT_S
+  while True:
+    leader = connect(layout, authkey(), timeout_s=timeout_s, devices=mesh.devices.size)
+    sampler = _Sampler(leader, engine, abstract_params, layout=layout, mesh=settings.mesh, eos_ids=[tokenizer.eos_id],
+                       detokenize=tokenizer.decode, puller=puller)
+    try:
+      sampler.run()
+      return
+    except _Dropped as e:  # it was stopped or too slow, and runs again: the same engine joins again
+      logging.warning("%s: the leader dropped it (%s); connecting again", layout.name, e)
+    puller, timeout_s = (sampler.puller if sampler.idle_puller() else None), REJOIN_TIMEOUT_S
+    del sampler
+    gc.collect()  # the dropped loop's KV cache goes before the next one is allocated
+
+
+class _Dropped(Exception):
+  pass
 
 
 class _Sampler:
 
   def __init__(self, leader: Peer, engine: Engine, abstract_params, *, layout: ProcessLayout, mesh: MeshConfig, eos_ids,
-               detokenize):
+               detokenize, puller: WeightPuller | None = None):
     self.leader, self.engine, self.layout = leader, engine, layout
     self.abstract_params, self.mesh = abstract_params, mesh
     self.eos_ids, self.detokenize = eos_ids, detokenize
     self.loop: SamplerLoop | None = None
     self.base = None  # under LoRA: the frozen base weights, pulled once
-    self.puller: WeightPuller | None = None
+    self.puller = puller  # kept across a rejoin
+    self.threads: dict[str, threading.Thread] = {}
     self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
     self.error: BaseException | None = None
     self.stop = threading.Event()
     self.answers = 0  # sent to the leader
+    self.dropped: str | None = None  # why the leader dropped it (its `Dropped`)
 
   def run(self) -> None:
     try:
@@ -81,13 +100,36 @@ class _Sampler:
       self._send(Leaving(e.signum))  # preempted: the leader drops it at once (not after the heartbeat limit)
       raise
     except BaseException as e:
+      if self._dropped():
+        raise _Dropped(self._dropped()) from e
       self._report(e)
       raise
     finally:
       self.stop.set()
       if self.loop is not None:
         self.loop.stop(timeout=10)
+        self.loop = None
       self.leader.close()
+
+  def _dropped(self) -> str | None:
+    """Why the leader dropped this sampler, if its last message said so (read from what is left on the
+    connection: other threads may have failed on the closed connection first)."""
+    if self.dropped is None:
+      try:
+        while self.dropped is None and self.leader.poll(0):
+          msg = self.leader.recv()[1]
+          self.dropped = msg.why if isinstance(msg, Dropped) else None
+      except ConnectionError:
+        pass
+    return self.dropped
+
+  def idle_puller(self) -> bool:
+    """Whether its puller is free for the next connection. A pull the stop cut off may never finish (the leader
+    takes a dropped sampler's offers itself): then the next connection gets a puller of its own."""
+    pull = self.threads.get("_pull_loop")
+    if pull is not None and pull.ident is not None:
+      pull.join(1.0)
+    return self.puller is not None and not (pull is not None and pull.is_alive())
 
   def _report(self, e: BaseException) -> None:
     self._send(Failed("".join(traceback.format_exception(e))))
@@ -100,8 +142,8 @@ class _Sampler:
       pass
 
   def _serve(self) -> None:
-    threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
-               for f in (self._report_stats, self._pull_loop)}
+    threads = self.threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
+                              for f in (self._report_stats, self._pull_loop)}
     threads["_report_stats"].start()  # the heartbeat, through the first pull and the warm-up compile too
     # The first message is the current weights: pull them before generating anything.
     kind, notice = self.leader.recv()
@@ -109,10 +151,10 @@ class _Sampler:
       return
     if not isinstance(notice, Weights):
       raise RuntimeError(f"{self.layout.name}: expected the initial weights, got {kind!r}: {notice!r:.300}")
-    host = local_ip_towards(self.layout.host)
-    self.puller = WeightPuller(address=notice.address, abstract_params=self.abstract_params,
-                               tensor=self.mesh.sampler_tensor, expert=self.mesh.sampler_expert,
-                               devices=jax.local_devices(), host=host)
+    if self.puller is None or self.puller.address != notice.address:
+      self.puller = WeightPuller(address=notice.address, abstract_params=self.abstract_params,
+                                 tensor=self.mesh.sampler_tensor, expert=self.mesh.sampler_expert,
+                                 devices=jax.local_devices(), host=local_ip_towards(self.layout.host))
     params = self._pull(notice)
     self.loop = SamplerLoop(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,
                             detokenize=self.detokenize).start()
@@ -130,6 +172,9 @@ class _Sampler:
             future.add_done_callback(functools.partial(self._send_answer, answer))
         case Weights():
           self.notices.put(msg)
+        case Dropped(why=why):
+          self.dropped = why
+          raise _Dropped(why)
         case Stop():
           logging.info("%s: stopping after %d answers", self.layout.name, self.answers)
           self.stop.set()

@@ -87,7 +87,8 @@ def _by_slice(devices: Sequence[jax.Device], n_sampler: int) -> tuple[list, list
   per = len(devices) // len(slices)
   k = max(1, min(len(slices) - 1, round(n_sampler / per)))
   sampler_ids = set(slices[:k])
-  return ([d for d in devices if d.slice_index in sampler_ids], [d for d in devices if d.slice_index not in sampler_ids])
+  return ([d for d in devices if d.slice_index in sampler_ids],
+          [d for d in devices if d.slice_index not in sampler_ids])
 
 
 def build_slices(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Slices:

@@ -78,7 +78,8 @@ def test_every_control_record_round_trips_by_type():
           messages.Stop(), messages.Bye(), messages.Answer(index=1, trajectory=t),
           messages.Pulled(version=3, seconds=0.25), messages.Stats({"tokens": 12, "busy_s": 0.5}),
           messages.Failed("Traceback ..."), messages.Leaving(15), messages.Start(checkpoint=None),
-          messages.TrainStep(step=2, trajectories=(t,)), messages.Save(step=2, force=True)]
+          messages.TrainStep(step=2, trajectories=(t,)), messages.Save(step=2, force=True),
+          messages.Dropped("sampler 1 sent nothing for 6 s")]
   assert {type(m) for m in sent} == set(messages.RECORDS)
   for m in sent:
     kind, got = wire.decode(wire.encode((messages.SAMPLER, m)))
@@ -89,7 +90,7 @@ def test_every_control_record_round_trips_by_type():
   assert got[1].request.group_id == 7 and got[1].request.prompt_ids.tolist() == [1, 2]
   assert got[4].index == 1 and got[4].trajectory.finish_reason == "eos"
   np.testing.assert_array_equal(got[4].trajectory.logprobs, t.logprobs)
-  assert got[5:9] == sent[5:9] and got[9] == sent[9] and got[11] == sent[11]
+  assert got[5:9] == sent[5:9] and got[9] == sent[9] and got[11:] == sent[11:]
   assert isinstance(got[10].trajectories, tuple) and got[10].trajectories[0].reward == 1.0
 
 

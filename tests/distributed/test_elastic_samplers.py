@@ -94,14 +94,16 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
       if lost:
         break
 
-    # Hung (SIGSTOP): dropped at the heartbeat limit; once it runs again its connection is gone, it exits and is
-    # restarted.
+    # Hung (SIGSTOP): dropped at the heartbeat limit and told so; once it runs again, the same process (its engine
+    # as it was) connects again and rejoins.
+    joins = len(re.findall(r"sampler 1 joined at version", log.text()))
     os.kill(pids["sampler 1"], signal.SIGSTOP)
     stopped_at = time.time()
     log.wait_for(r"sampler 1 sent nothing for \d+ s \(mesh.sampler_heartbeat_s=5\)", HEARTBEAT_S + 10, job)
     dropped_after = time.time() - stopped_at
     os.kill(pids["sampler 1"], signal.SIGCONT)
-    log.wait_for(r"local: sampler 1 is restarted", 60, job)
+    log.wait_for(r"sampler 1: the leader dropped it \(.*hung or cut off\); connecting again", 60, job)
+    log.wait_for(r"sampler 1 joined at version", 60, job, joins + 1)
 
     assert job.wait(timeout=600) == 0, log.text()[-4000:]
     assert extra.wait(timeout=60) == 0
@@ -116,6 +118,7 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
   answers = int(re.search(r"sampler 2: stopping after (\d+) answers", open(tmp_path / "extra.log").read()).group(1))
   assert answers > 0
   assert text.count("learner 0 is process 0") == 1 and "resumed" not in text  # the learner never restarted
+  assert "local: sampler 1 (pid" not in text  # the stopped one rejoined without exiting
   config = load_config(FAST, **OVERRIDES)
   assert_every_prompt_once(workdir, config, last_step=STEPS)
   last = read_metrics(workdir)[-1]

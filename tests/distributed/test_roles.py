@@ -1,14 +1,14 @@
 """Process layouts: which process plays which role, where they meet, and the launcher's core split and restarts."""
 
 import os
-import sys
 
 import pytest
 
-from areal_jax.distributed import local_job
+from areal_jax.distributed import local_job, zygote
 from areal_jax.distributed.roles import ProcessLayout, from_flags_or_env
 
 Child, tend = local_job._Child, local_job._tend_samplers  # pylint: disable=protected-access
+CORES = sorted(os.sched_getaffinity(0))[:1]
 
 
 def test_learners_come_first_then_samplers():
@@ -72,23 +72,29 @@ def test_cores_are_split_in_blocks_and_wrap(monkeypatch):
   assert 0 < port < 65535
 
 
-def test_a_sampler_that_keeps_failing_at_once_is_restarted_less_and_less_often(monkeypatch, capsys):
+@pytest.mark.parametrize("forked", [False, True], ids=["interpreter", "zygote"])
+def test_a_sampler_that_keeps_failing_at_once_is_restarted_less_and_less_often(monkeypatch, capsys, tmp_path, forked):
   clock = [100.0]
   monkeypatch.setattr(local_job.time, "monotonic", lambda: clock[0])
-  failing = Child("sampler 0", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), sampler=True)
-  learner = Child("learner 0", [sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ))
+  (tmp_path / "fail.py").write_text("raise SystemExit(3)")
+  forker = zygote.Zygote(["json"], dict(os.environ)) if forked else None
+  failing = Child("sampler 0", [str(tmp_path / "fail.py")], CORES, dict(os.environ), sampler=True)
+  learner = Child("learner 0", ["-c", "import time; time.sleep(30)"], CORES, dict(os.environ))
   failing.start()
   learner.start()
   pauses = []
   try:
     for _ in range(4):
       failing.proc.wait(10)
-      tend([learner, failing], restart=True)
+      tend([learner, failing], True, forker)
       pauses.append(failing.pause_s)
       clock[0] = failing.restart_at
-      tend([learner, failing], restart=True)
+      tend([learner, failing], True, forker)
+      assert isinstance(failing.proc, zygote.Forked) == forked  # restarted by a fork of the zygote
   finally:
     learner.proc.kill()
+    if forker is not None:
+      forker.close()
   assert pauses == [2.0, 4.0, 8.0, 16.0]  # each failed at once (within QUICK_EXIT_S of its start)
   out = capsys.readouterr().out
   assert out.count("sampler 0 is restarted") == 4 and "exited with status 3; restarting it in 16 s" in out
@@ -96,9 +102,9 @@ def test_a_sampler_that_keeps_failing_at_once_is_restarted_less_and_less_often(m
 
 
 def test_without_restarts_a_sampler_that_exits_is_left_gone(capsys):
-  gone = Child("sampler 1", [sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ), sampler=True)
+  gone = Child("sampler 1", ["-c", "raise SystemExit(1)"], CORES, dict(os.environ), sampler=True)
   gone.start()
   gone.proc.wait(10)
   for _ in range(3):
-    tend([gone], restart=False)
+    tend([gone], False, None)
   assert capsys.readouterr().out.count("the job goes on without it") == 1 and gone.restart_at is None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from areal_jax.distributed.control import Peer
-from areal_jax.distributed.messages import (SAMPLER, Answer, Generate, Leaving, Pulled, Stats, Weights)
+from areal_jax.distributed.messages import (SAMPLER, Answer, Dropped, Generate, Leaving, Pulled, Stats, Weights)
 from areal_jax.distributed.sampler_hub import SamplerHub
 from areal_jax.rl.rollout import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
@@ -175,7 +175,8 @@ def test_a_silent_sampler_is_dropped_at_the_heartbeat_limit():
     assert 2.0 <= time.time() - start <= 4.0
     assert hub.sampler_metrics()["samplers/live"] == 1
     assert hub.stats() == {"tokens": 1.0}
-    with pytest.raises(ConnectionError):  # the hub closed its connection: a stopped process that resumes exits
+    assert isinstance(a.next(), Dropped)  # its last word: a stopped process that resumes connects again
+    with pytest.raises(ConnectionError):  # then the hub closed its connection
       a.peer.recv()
   finally:
     stop.set()
