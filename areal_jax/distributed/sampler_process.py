@@ -99,9 +99,11 @@ class _Sampler:
     except cli.Stopped as e:
       self._send(Leaving(e.signum))  # preempted: the leader drops it at once (not after the heartbeat limit)
       raise
+    except _Dropped:
+      raise
     except BaseException as e:
-      if self._dropped():
-        raise _Dropped(self._dropped()) from e
+      if why := self._dropped():  # another thread failed on the closed connection before `Dropped` was read
+        raise _Dropped(why) from e
       self._report(e)
       raise
     finally:
