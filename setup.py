@@ -53,7 +53,9 @@ setup(
                  "langchain-core==1.8.3",
                  # JetStream's own server and orchestrator serve the engine in the tests: what google-jetstream
                  # 0.2.2 imports (it is installed with --no-deps: its declared dependencies pull in TensorFlow).
-                 "grpcio==1.85.3", "prometheus-client==0.26.0", "shortuuid==1.0.13", "tiktoken==0.14.0"],
+                 "grpcio==1.85.3", "prometheus-client==0.26.0", "shortuuid==1.0.13", "tiktoken==0.14.0",
+                 # The packages' layers (.importlinter), checked by tests/test_layers.py.
+                 "import-linter==2.17"],
         "gcs": ["gcsfs==2026.10.1"],
         # The documentation site (docs/, mkdocs.yml); its configs reference is generated from the code.
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],

@@ -14,6 +14,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from areal_jax.errors import ConfigError
+
 
 def define_config(default: str = "configs/math.py"):
   """`--config=FILE[:PRESET]` and its `--config.KEY=VALUE` overrides (applied here already for the default file)."""
@@ -34,9 +36,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(main) -> None:
-  """`app.run` for the tools: flag and config errors (`config.ConfigError`) end in one line, as the run's do."""
+  """`app.run` for the tools: flag and config errors (`errors.ConfigError`) end in one line, as the run's do."""
   def main_with_config_errors(argv):
-    from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top  # after the flags (imports JAX)
     try:
       return main(argv)
     except ConfigError as e:

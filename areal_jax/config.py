@@ -19,6 +19,7 @@ from etils import epath
 from areal_jax.agents.agent import AgentConfig
 from areal_jax.data.config import DataConfig
 from areal_jax.distributed.slices import MeshConfig, split_devices
+from areal_jax.errors import ConfigError
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.models import hf_io
 from areal_jax.models.config import ModelConfig, ModelSource
@@ -69,10 +70,6 @@ def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
       node = getattr(node, p)
     setattr(node, leaf, value)  # a locked ConfigDict raises on unknown keys, naming them
   return config
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work, named as `config.FIELD=VALUE: why`."""
 
 
 def _fail(field: str, value, why: str):

@@ -24,7 +24,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory (pass
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _CPUS = flags.DEFINE_integer("cpus_per_process", None, "Cores pinned to each process (default: cores / processes).")
 _RESTART = flags.DEFINE_bool("restart_samplers", False, "Restart sampler processes that exit; they rejoin the job.")
-_PRELOAD = ("absl.app", "areal_jax.rl.trainer")  # what tpu_run.py imports: a restarted sampler is forked after them
+_PRELOAD = ("absl.app", "areal_jax.run.trainer")  # what tpu_run.py imports: a restarted sampler is forked after them
 _OWN = ("--num_processes", "--cpus_per_process", "--restart_samplers", "--norestart_samplers")
 
 

@@ -42,8 +42,8 @@ def main(argv):
   roles.start_jax(layout)
   import jax  # pylint: disable=g-import-not-at-top
 
-  from areal_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from areal_jax.rl import trainer  # pylint: disable=g-import-not-at-top
+  from areal_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from areal_jax.run import trainer  # pylint: disable=g-import-not-at-top
 
   jax.devices()  # the backend first: libtpu installs a SIGTERM handler of its own, replaced here
   cli.stop_on_signals()

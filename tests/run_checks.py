@@ -4,8 +4,8 @@ or run as processes) trained every prompt exactly once."""
 import json
 import os
 
+from areal_jax.checkpoint.store import Checkpointer
 from areal_jax.data import DataConfig, build_dataset
-from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.tokenizer import load_tokenizer
 

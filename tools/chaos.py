@@ -215,7 +215,7 @@ def check_run(args, attempts: list[Attempt]) -> list[tuple[str, list[str]]]:
   from areal_jax.learner.config import LearnerConfig
   from areal_jax.learner.step import build_step, make_learner_mesh
   from areal_jax.models import ModelConfig
-  from areal_jax.rl.checkpoint import Checkpointer
+  from areal_jax.checkpoint.store import Checkpointer
   from areal_jax.tokenizer import load_tokenizer
   import jax
 

@@ -18,7 +18,7 @@ from absl import app, flags
 from flax import nnx
 
 from areal_jax import models
-from areal_jax.evaluate import checkpoints
+from areal_jax.checkpoint import sources
 from areal_jax.models import hf_io, orbax_io
 
 _HF = flags.DEFINE_string("hf_dir", None, "HF model directory (config.json + safetensors), or PEFT adapters.",
@@ -30,14 +30,14 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run directory (
 _BASE = flags.DEFINE_string("base_model", "", "--to=peft: the base model's name or path, for adapter_config.json.")
 
 
-def _load(source: checkpoints.Source, step: int | None):
+def _load(source: sources.Source, step: int | None):
   """The model of a policy directory or of a run's checkpoint (LoRA: base and adapters), on the first device."""
   if source.kind == "policy":
     return orbax_io.load_orbax(str(source.path))
-  model_cfg = checkpoints.read_meta(source.path, step).model_cfg
+  model_cfg = sources.read_meta(source.path, step).model_cfg
   graphdef, abstract = orbax_io.abstract_params(model_cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = checkpoints.load_params(source.path, step, model_cfg, shardings=jax.tree.map(lambda _: device, abstract))
+  params = sources.load_params(source.path, step, model_cfg, shardings=jax.tree.map(lambda _: device, abstract))
   return nnx.merge(graphdef, params)
 
 
@@ -47,12 +47,12 @@ def main(argv):
     orbax_io.save_orbax(models.load_hf(_HF.value), _ORBAX.value)
     print(f"wrote Orbax policy {_ORBAX.value}")
     return
-  source = checkpoints.resolve(_ORBAX.value)
+  source = sources.resolve(_ORBAX.value)
   if source.kind == "hf":
     raise app.UsageError(f"--orbax_dir={_ORBAX.value} is a HF model directory, not Orbax")
   step = _STEP.value
   if source.kind == "run" and step is None:
-    step = max(checkpoints.scan(source.path).complete, default=None)
+    step = max(sources.scan(source.path).complete, default=None)
     if step is None:
       raise app.UsageError(f"--orbax_dir={_ORBAX.value}: no complete checkpoint in {source.path}")
   model = _load(source, step)

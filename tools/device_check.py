@@ -333,7 +333,7 @@ def check_learner(table: Table, size: dict) -> None:
 
 def check_run(table: Table, size: dict) -> None:
   from areal_jax.config import load_config
-  from areal_jax.rl import trainer
+  from areal_jax.run import trainer
   from areal_jax.rl.metrics import read_metrics
 
   config = load_config(f"{ROOT / 'configs' / 'math.py'}:{size['run_preset']}", total_steps=size["run_steps"])

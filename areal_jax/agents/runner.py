@@ -48,7 +48,7 @@ from areal_jax.agents.agent import AgentConfig, AgentFn
 from areal_jax.agents.episodes import Completion, assign_rewards, to_trajectories
 from areal_jax.agents.turns import TurnHistory
 from areal_jax.async_thread import AsyncThread
-from areal_jax.rl.rollout import SamplerLost
+from areal_jax.errors import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.serve import openai_api, responses_api
 from areal_jax.serve.backend import Tokens

@@ -19,11 +19,11 @@ import logging
 import os
 import threading
 
+from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import LEARNER, Save, Start, Stop, TrainStep
 from areal_jax.distributed.weight_transfer import local_copy
 from areal_jax.learner.learner import Learner
-from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.types import Trajectory
 
 

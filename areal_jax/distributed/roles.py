@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from areal_jax.config import ConfigError
+from areal_jax.errors import ConfigError
 
 ENV_PREFIX = "AREAL_JAX_"
 AUTHKEY_ENV = ENV_PREFIX + "AUTHKEY"

@@ -37,7 +37,7 @@ from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Failed, Generate, Leaving, Pulled, Stats,
                                             Stop, Weights)
 from areal_jax.distributed.weight_transfer import WeightPublisher
-from areal_jax.rl.rollout import SamplerLost
+from areal_jax.errors import SamplerLost
 from areal_jax.sampler.loop import end_futures
 from areal_jax.sampler.requests import Request
 

@@ -27,7 +27,7 @@ import jax
 from etils import epath
 from flax import nnx
 
-from areal_jax.evaluate import checkpoints
+from areal_jax.checkpoint import sources
 from areal_jax.evaluate.benchmarks import Benchmark, load_benchmarks
 from areal_jax.evaluate.results import Settings, is_done, result_path, summarize, write_result
 from areal_jax.models import hf_io, orbax_io
@@ -132,19 +132,19 @@ def _checkpoint(session: _Session, directory: epath.Path, step: int) -> list[dic
 
   # A corrupt checkpoint fails in many ways (missing files, bad JSON, tensorstore errors); none may stop a watcher.
   try:
-    meta = checkpoints.read_meta(directory, step)
+    meta = sources.read_meta(directory, step)
     model_cfg = meta.model_cfg
   except Exception as e:  # pylint: disable=broad-except
     return unreadable(e)
   shardings = session.evaluator(model_cfg).engine.param_shardings  # outside the try: a failure here is not the data's
   try:
-    params = checkpoints.load_params(directory, step, model_cfg, shardings=shardings)
+    params = sources.load_params(directory, step, model_cfg, shardings=shardings)
   except Exception as e:  # pylint: disable=broad-except
     return unreadable(e)
   return session.run(todo, params, model_cfg, source=str(directory), step=step, version=meta.version)
 
 
-def _model(session: _Session, source: checkpoints.Source, dtype: str) -> list[dict[str, Any]]:
+def _model(session: _Session, source: sources.Source, dtype: str) -> list[dict[str, Any]]:
   """Evaluates a policy or HF model directory (results `model.json`, TensorBoard step 0)."""
   todo = session.pending(None, str(source.path))
   if not todo:
@@ -162,7 +162,7 @@ def _model(session: _Session, source: checkpoints.Source, dtype: str) -> list[di
   return session.run(todo, nnx.state(model, nnx.Param), model_cfg, source=str(source.path), step=None, version=0)
 
 
-def _report(found: checkpoints.Scan, directory: epath.Path, reported: dict[str, str]) -> None:
+def _report(found: sources.Scan, directory: epath.Path, reported: dict[str, str]) -> None:
   """Logs each incomplete entry once (again only if its reason changes)."""
   for name, why in sorted(found.incomplete.items()):
     if reported.get(name) != why:
@@ -171,7 +171,7 @@ def _report(found: checkpoints.Scan, directory: epath.Path, reported: dict[str, 
 
 
 def _steps(session: _Session, directory: epath.Path, which: str) -> list[dict[str, Any]]:
-  found = checkpoints.scan(directory)
+  found = sources.scan(directory)
   _report(found, directory, {})
   if which == "all":
     chosen = found.complete
@@ -198,7 +198,7 @@ def _watch(session: _Session, directory: epath.Path, *, final_step: int | None, 
   out, handled, reported = [], set(), {}
   last_new = time.monotonic()
   while True:
-    found = checkpoints.scan(directory)
+    found = sources.scan(directory)
     _report(found, directory, reported)
     for step in found.complete:
       if step not in handled:
@@ -241,7 +241,7 @@ def evaluate(source: str, *, benchmarks: Sequence[str], step: str = "latest", wa
   """
   if step not in STEPS and not step.isdigit():
     raise ValueError(f"step={step!r}: choose 'latest', 'all' or a step number")
-  src = checkpoints.resolve(source)
+  src = sources.resolve(source)
   run = src.run_config or {}
   run_model, run_data, run_sampler = run.get("model", {}), run.get("data", {}), run.get("sampler", {})
   if src.kind == "hf":

@@ -49,7 +49,7 @@ from areal_jax.sharding import LEARNER_RULES, Rules
 from areal_jax.types import Trajectory
 
 if TYPE_CHECKING:
-  from areal_jax.rl.checkpoint import CheckpointMeta
+  from areal_jax.checkpoint.store import CheckpointMeta
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,7 +149,7 @@ class Learner:
     self.version, self._updates = int(version), int(updates)
 
   def save(self, ckpt, step: int, *, meta: CheckpointMeta, force: bool = False) -> bool:
-    """This process's shards of step `step`'s checkpoint (`rl.checkpoint.Checkpointer`), on its schedule or
+    """This process's shards of step `step`'s checkpoint (`checkpoint.store.Checkpointer`), on its schedule or
     `force`d: the trained parameters (the adapters alone under LoRA), the optimizer state, a critic's state beside
     them. Returns whether a save started."""
     extra = {} if self.critic is None else {"critic_params": self.critic_params, "critic_opt_state": self.critic_opt}

@@ -41,8 +41,8 @@ import numpy as np
 from areal_jax import cli
 from areal_jax.async_thread import AsyncThread, awaitable
 from areal_jax.data.records import PromptRecord
+from areal_jax.errors import SamplerLost
 from areal_jax.reward.service import RewardResult, RewardService
-from areal_jax.rl.rollout import SamplerLost
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory

@@ -28,10 +28,6 @@ from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import Request
 
 
-class SamplerLost(RuntimeError):
-  """The sampler process generating this answer left, died or fell silent; its group is generated again."""
-
-
 class Rollout(Protocol):
 
   def submit(self, request: Request) -> list[Future]:

@@ -60,7 +60,7 @@ class MetricsConfig(_Group):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmstartConfig(_Group):
   """`steps` = 0: no warm-start. `heldout` is checked against the examples when they are known
-  (`rl/initial_weights.py`)."""
+  (`run/initial_weights.py`)."""
 
   GROUP = "warmstart"
   steps: int = 500

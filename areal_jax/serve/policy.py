@@ -1,5 +1,5 @@
 """What `--checkpoint_dir` names, read for serving: a step of a run's checkpoints (local or gs://), an Orbax policy
-directory, or a local HF model directory (resolved as `tools/evaluate.py` does, by `areal_jax.evaluate.checkpoints`).
+directory, or a local HF model directory (resolved as `tools/evaluate.py` does, by `areal_jax.checkpoint.sources`).
 
     source = describe("gs://bucket/run", step="latest")  # metadata only: model config, version, tokenizer
     engine = Engine(model=abstract_model(source.model_cfg), config=..., mesh=mesh)
@@ -16,7 +16,7 @@ from typing import Any
 from etils import epath
 from flax import nnx
 
-from areal_jax.evaluate import checkpoints
+from areal_jax.checkpoint import sources
 from areal_jax.models import hf_io, orbax_io
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
@@ -61,7 +61,7 @@ def _generation_eos(path: epath.Path) -> tuple[int, ...]:
 def describe(checkpoint_dir: str, *, step: str = "latest", dtype: str = "") -> PolicySource:
   """Resolves `checkpoint_dir`; `step` ("latest" or a number) picks a run's checkpoint; `dtype` is the compute dtype
   of a model directory (a run's checkpoints keep their own)."""
-  src = checkpoints.resolve(checkpoint_dir)
+  src = sources.resolve(checkpoint_dir)
   run = src.run_config or {}
   overrides = {"dtype": dtype} if dtype else {}
   tokenizer = run.get("model", {}).get("tokenizer")
@@ -73,7 +73,7 @@ def describe(checkpoint_dir: str, *, step: str = "latest", dtype: str = "") -> P
     cfg = orbax_io.config_from_json(json.loads((src.path / "model_config.json").read_text()), **overrides)
     return PolicySource(kind="policy", path=src.path, step=None, model_cfg=cfg, version=0, tokenizer=tokenizer,
                         run_sampler=run.get("sampler", {}), eos_ids=(), name=_name(src.path, None))
-  found = checkpoints.scan(src.path)
+  found = sources.scan(src.path)
   if step == "latest":
     if not found.complete:
       raise ValueError(f"{src.path} holds no complete checkpoint (passed over: {found.incomplete or 'nothing'})")
@@ -82,7 +82,7 @@ def describe(checkpoint_dir: str, *, step: str = "latest", dtype: str = "") -> P
     chosen = int(step)
   else:
     raise ValueError(f"step={step!r}: not a complete checkpoint of {src.path} (complete: {found.complete})")
-  meta = checkpoints.read_meta(src.path, chosen)
+  meta = sources.read_meta(src.path, chosen)
   return PolicySource(kind="run", path=src.path, step=chosen, model_cfg=meta.model_cfg, version=meta.version,
                       tokenizer=tokenizer, run_sampler=run.get("sampler", {}), eos_ids=(), name=_name(src.path, chosen))
 
@@ -95,7 +95,7 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 def load_params(source: PolicySource, engine: Engine) -> nnx.State:
   """The parameters of `source`, on `engine`'s shardings."""
   if source.kind == "run":
-    return checkpoints.load_params(source.path, source.step, source.model_cfg, shardings=engine.param_shardings)
+    return sources.load_params(source.path, source.step, source.model_cfg, shardings=engine.param_shardings)
   if source.kind == "hf":
     model = hf_io.load_hf(str(source.path), dtype=source.model_cfg.dtype, mesh=engine.mesh, rules=SAMPLER_RULES)
   else:

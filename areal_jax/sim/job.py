@@ -4,7 +4,7 @@ Shared with a real run, unchanged: `RolloutBuffer` (η, target staleness), `Roll
 coroutine per prompt group, its rewards), `SamplerLoop`/`Driver`/`Scheduler` (slots, pages, preemption, the weight
 swap with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs (`engine.SimEngine`), the reward
 service (an answer is right with probability `success`, or a recorded group is replayed whole; scored after
-`reward_s`), and the learner, whose loop below follows `rl/trainer.py:_train` (a batch from the buffer, a train
+`reward_s`), and the learner, whose loop below follows `run/trainer.py:_train` (a batch from the buffer, a train
 step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
 seconds. Everything runs on one virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the
 same inputs give the same timeline.

@@ -17,10 +17,11 @@ from flax import nnx
 from areal_jax import agents
 from areal_jax.agents.episodes import Completion
 from areal_jax.config import load_config
+from areal_jax.errors import SamplerLost
 from areal_jax.learner.microbatch import Layout, assemble
-from areal_jax.rl import trainer
 from areal_jax.rl.metrics import read_metrics
-from areal_jax.rl.rollout import LocalRollout, SamplerLost
+from areal_jax.rl.rollout import LocalRollout
+from areal_jax.run import trainer
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sharding import make_mesh

@@ -13,10 +13,10 @@ from multiprocessing.connection import Client
 import numpy as np
 import pytest
 
-from areal_jax.config import ConfigError
 from areal_jax.distributed import control, local_job, messages, wire
 from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout, authkey
 from areal_jax.distributed.sampler_hub import SamplerHub
+from areal_jax.errors import ConfigError
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
 

@@ -12,12 +12,12 @@ import time
 import jax
 import numpy as np
 
+from areal_jax.checkpoint.store import Checkpointer
 from areal_jax.config import load_config
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.models.config import ModelConfig
 from areal_jax.rl.batches import load_batch
-from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
 from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts

@@ -13,7 +13,7 @@ import pytest
 from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import (SAMPLER, Answer, Dropped, Generate, Leaving, Pulled, Stats, Weights)
 from areal_jax.distributed.sampler_hub import SamplerHub
-from areal_jax.rl.rollout import SamplerLost
+from areal_jax.errors import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
 

@@ -18,13 +18,14 @@ from etils import epath
 from flax import nnx
 
 import gcs_emulator
+from areal_jax.checkpoint import sources
 from areal_jax.config import load_config
 from areal_jax.data import synthetic
-from areal_jax.evaluate import checkpoints, evaluate, pass_at_k
+from areal_jax.evaluate import evaluate, pass_at_k
 from areal_jax.models import orbax_io, save_hf
 from areal_jax.reward.math import verify_math
-from areal_jax.rl import trainer
 from areal_jax.rl.metrics import read_metrics
+from areal_jax.run import trainer
 from areal_jax.sampler import generate
 from areal_jax.tokenizer import load_tokenizer
 
@@ -122,7 +123,7 @@ def test_short_run_writes_everything_to_gcs(gcs_run):
   assert [m["step"] for m in read_metrics(RUN)] == [0, 1, 2]  # appended, not overwritten, on an object store
   rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
   assert len([r for r in rollouts if not r["filtered"]]) == 2 * gcs_run.rollout.batch_size
-  assert checkpoints.scan(run / "checkpoints").complete == [1, 2]
+  assert sources.scan(run / "checkpoints").complete == [1, 2]
   assert (run / "warmstart" / "model_config.json").exists()
   scalars = _tensorboard_scalars(f"{RUN}/tensorboard")
   assert set(scalars["learner/loss"]) == {1, 2} and set(scalars["eval/accuracy"]) == {0, 2}
@@ -143,11 +144,11 @@ def test_every_checkpoint_is_scored_then_skipped(gcs_run, bench):
   assert json.loads(epath.Path(f"{RUN}/eval/arith/step_2.json").read_text())["finished"] == results[1]["finished"]
 
   # The greedy answers are those of the sampler's own generate() on the checkpoint's parameters.
-  meta = checkpoints.read_meta(f"{RUN}/checkpoints", 2)
+  meta = sources.read_meta(f"{RUN}/checkpoints", 2)
   model_cfg = meta.model_cfg
   graphdef, abstract = orbax_io.abstract_params(model_cfg)
   shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
-  model = nnx.merge(graphdef, checkpoints.load_params(f"{RUN}/checkpoints", 2, model_cfg, shardings=shardings))
+  model = nnx.merge(graphdef, sources.load_params(f"{RUN}/checkpoints", 2, model_cfg, shardings=shardings))
   tok = load_tokenizer("char")
   lines = [json.loads(line) for line in open(bench)]
   prompts = [tok.encode(f"Q: {row['problem']}\nA: ") for row in lines]
@@ -226,12 +227,12 @@ def test_watch_evaluates_each_checkpoint_as_it_appears(gcs_run, bench, fs, caplo
 
 def test_hf_baseline_scores_like_the_checkpoint_it_was_exported_from(gcs_run, bench, tmp_path):
   del gcs_run
-  meta = checkpoints.read_meta(f"{RUN}/checkpoints", 2)
+  meta = sources.read_meta(f"{RUN}/checkpoints", 2)
   model_cfg = meta.model_cfg
   graphdef, abstract = orbax_io.abstract_params(model_cfg)
   shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
   hf_dir = str(tmp_path / "hf")
-  save_hf(nnx.merge(graphdef, checkpoints.load_params(f"{RUN}/checkpoints", 2, model_cfg, shardings=shardings)),
+  save_hf(nnx.merge(graphdef, sources.load_params(f"{RUN}/checkpoints", 2, model_cfg, shardings=shardings)),
           hf_dir)
   prompts = {"tokenizer": "char", "prompt_template": "plain", "instruct": False, "max_prompt_len": 32,
              "max_new_tokens": 24}  # the run's own settings, which a HF directory does not carry

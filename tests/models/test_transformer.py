@@ -63,7 +63,7 @@ def test_checkpoints_with_per_layer_parameters_still_load(tmp_path):
   from areal_jax.learner.learner import Learner
   from areal_jax.learner.step import make_learner_mesh
   from areal_jax.models import orbax_io
-  from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
+  from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 
   def learner(seed):
     return Learner(model_cfg=CFG, config=LearnerConfig(lr=1e-3, warmup_steps=0),

@@ -215,9 +215,10 @@ def test_kill_tree_kills_grandchildren(tmp_path):
 
 
 def test_a_run_with_code_problems_refuses_to_start_without_the_jail(monkeypatch):
-  from areal_jax.config import ConfigError, load_config  # pylint: disable=g-import-not-at-top
+  from areal_jax.config import load_config
+  from areal_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from areal_jax.data.records import PromptRecord  # pylint: disable=g-import-not-at-top
-  from areal_jax.rl import trainer  # pylint: disable=g-import-not-at-top
+  from areal_jax.run import trainer  # pylint: disable=g-import-not-at-top
 
   def missing():
     raise sandbox.SandboxUnavailable("code sandbox: `bwrap` is not on PATH")

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from areal_jax.evaluate import checkpoints
+from areal_jax.checkpoint import sources
+from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 from areal_jax.models import ModelConfig, orbax_io
-from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 
 CFG = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, lora_rank=4)
@@ -31,7 +31,7 @@ def test_roundtrips_through_a_checkpointer(tmp_path):
   ckpt.close()
   ckpt = Checkpointer(str(tmp_path), every_steps=1)
   _, _, restored = ckpt.restore(2, params=PARAMS, opt_state=OPT)
-  assert restored == meta == ckpt.read_meta(2) == checkpoints.read_meta(tmp_path, 2)
+  assert restored == meta == ckpt.read_meta(2) == sources.read_meta(tmp_path, 2)
   assert restored.model_cfg == CFG
   follower = ckpt.read_meta(3)
   ckpt.close()
@@ -47,7 +47,7 @@ def test_reads_a_meta_written_before_the_record(tmp_path):
   with ocp.CheckpointManager(tmp_path) as mngr:
     mngr.save(4, args=ocp.args.Composite(params=ocp.args.StandardSave(PARAMS), meta=ocp.args.JsonSave(OLD)))
     mngr.wait_until_finished()
-  meta = checkpoints.read_meta(tmp_path, 4)
+  meta = sources.read_meta(tmp_path, 4)
   assert meta.to_json() == OLD and meta.model_cfg == CFG and meta.controller["undone"] == ["p1", "p2"]
   ckpt = Checkpointer(str(tmp_path), every_steps=1)
   assert ckpt.read_meta(4) == meta
@@ -61,7 +61,7 @@ def test_a_meta_without_step_or_with_a_wrong_type_is_named(tmp_path):
     mngr.save(1, args=ocp.args.Composite(meta=ocp.args.JsonSave({"version": 1})))
     mngr.wait_until_finished()
   with pytest.raises(ValueError, match=r"1/meta: the checkpoint meta has no `step` \(keys: \['version'\]\)"):
-    checkpoints.read_meta(tmp_path, 1)
+    sources.read_meta(tmp_path, 1)
   ckpt = Checkpointer(str(tmp_path), every_steps=1)
   with pytest.raises(ValueError, match=r"step 1: the checkpoint meta has no `step`"):
     ckpt.read_meta(1)

@@ -8,9 +8,9 @@ import pytest
 
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.data.records import PromptRecord
+from areal_jax.errors import SamplerLost
 from areal_jax.reward.service import RewardResult
 from areal_jax.rl.controller import RolloutController
-from areal_jax.rl.rollout import SamplerLost
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.types import Trajectory

@@ -10,11 +10,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding as shd
+from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 from areal_jax.config import load_config
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.slices import MeshConfig, build_slices
 from areal_jax.models import ModelConfig, create, weights
-from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.rl.metrics import MetricsWriter, read_metrics
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.types import Trajectory

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from areal_jax.config import load_config
-from areal_jax.rl import trainer
 from areal_jax.rl.controller import Stalled
 from areal_jax.rl.metrics import read_metrics
+from areal_jax.run import trainer
 from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only

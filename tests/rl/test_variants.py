@@ -7,11 +7,12 @@ import os
 import pytest
 
 from areal_jax import config as config_lib
+from areal_jax.checkpoint import store as checkpoint
+from areal_jax.checkpoint.store import Checkpointer
 from areal_jax.config import load_config
 from areal_jax.models import ModelConfig
-from areal_jax.rl import checkpoint, trainer
-from areal_jax.rl.checkpoint import Checkpointer
 from areal_jax.rl.metrics import read_metrics
+from areal_jax.run import trainer
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 

@@ -26,8 +26,8 @@ import pytest
 import tokenizers
 from flax import nnx
 
+from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 from areal_jax.models import orbax_io, save_hf
-from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 from areal_jax.sampler import Request, SamplingParams, generate
 from areal_jax.serve import QueueFull, build
 from areal_jax.tokenizer import load_tokenizer

@@ -6,7 +6,7 @@ import pytest
 
 from areal_jax import config as config_lib
 from areal_jax.distributed.slices import split_devices
-from areal_jax.rl import trainer
+from areal_jax.run import trainer
 from areal_jax.sim import replay
 from areal_jax.sim.job import simulate
 from run_checks import FAST

@@ -53,7 +53,7 @@ def test_load_orbax_reads_a_run_checkpoint(tmp_path):
 
   from areal_jax import sharding as shd
   from areal_jax.models import ModelConfig, create
-  from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
+  from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 
   cfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8)

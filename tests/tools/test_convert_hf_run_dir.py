@@ -13,8 +13,8 @@ import torch
 import transformers
 from flax import nnx
 
+from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 from areal_jax.models import ModelConfig, create, orbax_io
-from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 

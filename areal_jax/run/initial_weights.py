@@ -32,7 +32,7 @@ def initial_params(settings: config_lib.Settings, learner: Learner, train, token
   if not learner.model_cfg.lora_rank:
     return initial_base(settings, learner.fns, learner.params, train, tokenizer, workdir)
   if not settings.model_source.init_from and not settings.warmstart.steps:
-    return learner.params  # the random init, as `evaluate.checkpoints.load_base` rebuilds it
+    return learner.params  # the random init, as `checkpoint.sources.load_base` rebuilds it
   adapters, base = lora.split(learner.params)
   # The base is loaded or warm-started in model.param_dtype, then stored as learner.lora.quantize_base says.
   base_cfg = learner.model_cfg.without_lora().replace(param_dtype=settings.model_source.param_dtype)

@@ -1,6 +1,6 @@
 """What to evaluate: a run's checkpoints (local or gs://), an Orbax policy directory, or a HF model directory.
 
-A run's checkpoint directory (an Orbax `CheckpointManager`, see `areal_jax.rl.checkpoint`) holds one directory per
+A run's checkpoint directory (an Orbax `CheckpointManager`, see `areal_jax.checkpoint.store`) holds one directory per
 saved step, named by the step, with the items `params`, `opt_state` and `meta`. Orbax finalizes a step in one of two
 ways: on a local disk it writes `<step>.orbax-checkpoint-tmp-<time>/` and renames it to `<step>/` when done; on GCS
 (no atomic rename) it writes `<step>/` in place and adds `commit_success.txt` last. Anything else -- a temporary
@@ -20,9 +20,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from areal_jax.checkpoint.store import CheckpointMeta
 from areal_jax.models import create, hf_io, lora, orbax_io, weights
 from areal_jax.models.config import ModelConfig
-from areal_jax.rl.checkpoint import CheckpointMeta
 
 ITEMS = ("params", "meta")  # the items evaluation reads from a step
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -139,7 +139,7 @@ def load_params(directory: str | epath.Path, step: int, model_cfg: ModelConfig, 
 
 
 def load_base(source: dict, model_cfg: ModelConfig, target: nnx.State) -> nnx.State:
-  """The base weights a LoRA run's checkpoints name (`rl.initial_weights.base_source`), onto `target`'s shardings and
+  """The base weights a LoRA run's checkpoints name (`run.initial_weights.base_source`), onto `target`'s shardings and
   dtypes: `model.init_from` (a HF or Orbax policy directory), the run's cached warm-start, or the random init of its
   seed; quantized as the learner stored it under QLoRA."""
   shardings = jax.tree.map(lambda t: t.sharding, target)

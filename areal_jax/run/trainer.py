@@ -39,24 +39,25 @@ from etils import epath
 
 from areal_jax import faults
 from areal_jax import config as config_lib
+from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer, check_resumable
 from areal_jax.data import build_dataset
 from areal_jax.distributed import learner_group, sampler_process
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer, Peer, connect
 from areal_jax.distributed.learner_group import LearnerGroup
 from areal_jax.distributed.roles import ProcessLayout, authkey
 from areal_jax.distributed.slices import MeshConfig, build_slices
-from areal_jax.sharding import make_mesh
 from areal_jax.learner.learner import Learner
 from areal_jax.models import lora, orbax_io
 from areal_jax.reward import sandbox
 from areal_jax.reward.config import RewardConfig
-from areal_jax.rl import initial_weights, step_metrics
+from areal_jax.rl import step_metrics
 from areal_jax.rl.batches import save_batch
-from areal_jax.rl.checkpoint import CheckpointMeta, Checkpointer, check_resumable
 from areal_jax.rl.controller import Stalled
 from areal_jax.rl.evaluation import heldout_jsonl
 from areal_jax.rl.metrics import cut_logs
-from areal_jax.rl.parts import LeaderParts, leader_parts
+from areal_jax.run import initial_weights
+from areal_jax.run.parts import LeaderParts, leader_parts
+from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import load_tokenizer
 
 

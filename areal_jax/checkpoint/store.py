@@ -18,7 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from areal_jax.config import ConfigError
+from areal_jax.errors import ConfigError
 from areal_jax.models import orbax_io
 from areal_jax.models.config import ModelConfig
 
