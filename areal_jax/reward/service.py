@@ -159,6 +159,10 @@ class RewardService:
   def worker_pids(self) -> list[int]:
     return [w.proc.pid for w in self._workers]
 
+  def in_flight(self) -> list[Hashable]:
+    """The ids of the items on a worker now, in worker order (read without the dispatcher's lock: a snapshot)."""
+    return [item.item_id for item in [w.item for w in self._workers] if item is not None]
+
   @property
   def healthy(self) -> bool:
     """Every worker alive and the dispatcher running."""

@@ -16,6 +16,7 @@ import pytest
 from areal_jax.config import load_config
 from areal_jax.rl.metrics import read_metrics
 from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -37,13 +38,11 @@ class Log:
 
   def wait_for(self, pattern: str, timeout: float, proc=None, count: int = 1) -> list:
     """The matches (`re.findall`) of `pattern` once it has appeared `count` times."""
-    deadline = time.time() + timeout
-    while True:
-      if len(found := re.findall(pattern, self.text())) >= count:
-        return found
+    def found():
       assert proc is None or proc.poll() is None, f"the job ended waiting for {pattern!r}:\n{self.text()[-4000:]}"
-      assert time.time() < deadline, f"no {pattern!r} within {timeout:.0f} s:\n{self.text()[-4000:]}"
-      time.sleep(0.1)
+      return len(matches := re.findall(pattern, self.text())) >= count and matches
+
+    return wait_until(found, timeout_s=timeout, what=lambda: f"{pattern!r}:\n{self.text()[-4000:]}", poll_s=0.1)
 
 
 def _steps(workdir) -> int:
@@ -51,10 +50,11 @@ def _steps(workdir) -> int:
 
 
 def _wait_steps(workdir, n, job, timeout=300):
-  deadline = time.time() + timeout
-  while _steps(workdir) < n:
-    assert job.poll() is None and time.time() < deadline, f"no step {n} within {timeout} s"
-    time.sleep(0.1)
+  def done():
+    assert job.poll() is None, f"the job ended before step {n}"
+    return _steps(workdir) >= n
+
+  wait_until(done, timeout_s=timeout, what=f"step {n}", poll_s=0.1)
 
 
 def test_samplers_leave_and_join_a_running_job(tmp_path):

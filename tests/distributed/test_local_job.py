@@ -21,6 +21,7 @@ from areal_jax.rl.batches import load_batch
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
 from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -91,11 +92,11 @@ def test_a_killed_learner_process_stops_the_job_and_a_restart_resumes(tmp_path):
                           text=True, start_new_session=True)
   lines = []
   try:
-    deadline = time.time() + 300
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
-      assert proc.poll() is None, "".join(lines)[-3000:]
-      assert time.time() < deadline, "no checkpoint at step 2 within 300 s"
-      time.sleep(0.2)
+    def saved():
+      assert proc.poll() is None, proc.stdout.read()[-3000:]
+      return os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
+
+    wait_until(saved, timeout_s=300, what="a checkpoint at step 2", poll_s=0.2)
     out = proc.stdout
     learner_pid = None
     while learner_pid is None:  # the launcher printed every process's pid first
@@ -130,11 +131,11 @@ def test_sigterm_stops_the_job_cleanly(tmp_path):
   reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
   reader.start()
   try:
-    deadline = time.time() + 300
-    while len(read_metrics(workdir)) < 2:  # step 1 trained: every thread and process is at work
+    def trained():  # step 1 trained: every thread and process is at work
       assert proc.poll() is None, "".join(lines)[-3000:]
-      assert time.time() < deadline, "no step 1 within 300 s"
-      time.sleep(0.5)
+      return len(read_metrics(workdir)) >= 2
+
+    wait_until(trained, timeout_s=300, what="step 1", poll_s=0.5)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
   finally:

@@ -16,6 +16,7 @@ from areal_jax.distributed.sampler_hub import SamplerHub
 from areal_jax.errors import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
+from waiting import wait_until
 
 
 class FakePublisher:
@@ -71,13 +72,6 @@ def _request(gid, n=2):
                  sampling=SamplingParams(max_new_tokens=4), min_version=0)
 
 
-def _wait(cond, timeout=10.0):
-  deadline = time.time() + timeout
-  while not cond():
-    assert time.time() < deadline, "timed out"
-    time.sleep(0.01)
-
-
 @pytest.fixture
 def hub_of_two():
   a, b = Sampler(1), Sampler(2)
@@ -100,7 +94,7 @@ def test_a_lost_sampler_fails_only_its_own_answers_and_the_next_group_goes_elsew
   theirs = second if mine is first else first
   a.answer(to_a.request, 0)  # one answer arrives before it dies
   a.peer.send(SAMPLER, Stats({"tokens": 5.0, "running": 2.0}))
-  _wait(lambda: mine[0].done() and hub.stats().get("running") == 2.0)
+  wait_until(lambda: mine[0].done() and hub.stats().get("running") == 2.0)
   a.peer.close()  # killed
   with pytest.raises(SamplerLost, match=r"sampler 0 \(process 1\) is gone"):
     mine[1].result(timeout=10)
@@ -118,10 +112,9 @@ def test_a_preempted_sampler_leaves_at_once_and_work_waits_for_one_that_joins(hu
   hub, pub, a, b = hub_of_two
   for s in (a, b):
     s.peer.send(SAMPLER, Leaving(int(signal.SIGTERM)))
-  _wait(lambda: hub.sampler_metrics()["samplers/live"] == 0)
+  wait_until(lambda: hub.sampler_metrics()["samplers/live"] == 0)
   waiting = hub.submit(_request(7))  # nobody to take it: held
-  time.sleep(0.2)
-  assert hub.sampler_metrics()["samplers/wait_s"] > 0
+  wait_until(lambda: hub.sampler_metrics()["samplers/wait_s"] > 0, what="the held group counted as waiting")
   c = Sampler(3)
   hub.join(c.hub_end)
   weights, work = c.next(), c.next()  # the current weights (the whole model) first, then the group that waited
@@ -154,7 +147,7 @@ def test_a_restarted_sampler_replaces_its_previous_connection(hub_of_two):
       group[0].result(timeout=10)
   assert hub.sampler_metrics()["samplers/live"] == 2.0
   again.peer.send(SAMPLER, Stats({"version": 0.0}))  # running, and nothing published since its join: no second offer
-  _wait(lambda: hub._live[1].catching_up is None)  # pylint: disable=protected-access
+  wait_until(lambda: hub._live[1].catching_up is None)  # pylint: disable=protected-access
   hub.publish({"w": 1}, 1)
   assert again.next().version == 1 and not again.peer.poll(0.2)
 
@@ -171,7 +164,7 @@ def test_a_silent_sampler_is_dropped_at_the_heartbeat_limit():
 
   threading.Thread(target=beat, daemon=True).start()
   try:
-    _wait(lambda: hub.sampler_metrics()["samplers/lost"] == 1, timeout=10)
+    wait_until(lambda: hub.sampler_metrics()["samplers/lost"] == 1, timeout_s=10)
     assert 2.0 <= time.time() - start <= 4.0
     assert hub.sampler_metrics()["samplers/live"] == 1
     assert hub.stats() == {"tokens": 1.0}
@@ -186,6 +179,6 @@ def test_a_silent_sampler_is_dropped_at_the_heartbeat_limit():
 def test_pulls_are_reported_to_the_publisher(hub_of_two):
   hub, pub, a, _ = hub_of_two
   a.peer.send(SAMPLER, Pulled(version=0, seconds=0.5))
-  _wait(lambda: pub.pulls == [(0, 1)])
-  _wait(lambda: "sync/sampler0/seconds" in hub.sync_metrics())
+  wait_until(lambda: pub.pulls == [(0, 1)])
+  wait_until(lambda: "sync/sampler0/seconds" in hub.sync_metrics())
   assert hub.sync_metrics()["sync/sampler0/seconds"] == 0.5

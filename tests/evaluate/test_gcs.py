@@ -28,6 +28,7 @@ from areal_jax.rl.metrics import read_metrics
 from areal_jax.run import trainer
 from areal_jax.sampler import generate
 from areal_jax.tokenizer import load_tokenizer
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -198,12 +199,11 @@ def test_watch_evaluates_each_checkpoint_as_it_appears(gcs_run, bench, fs, caplo
     except Exception as e:  # pylint: disable=broad-except
       errors.append(e)
 
-  def wait_for(what, condition, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
+  def wait_for(what, condition):
+    def watching():
       assert not errors, errors
-      assert time.monotonic() < deadline, f"timed out waiting for {what}"
-      time.sleep(0.1)
+      return condition()
+    wait_until(watching, timeout_s=120, what=what, poll_s=0.1)
 
   caplog.set_level(logging.WARNING)
   watcher = threading.Thread(target=watch)

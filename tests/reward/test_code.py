@@ -16,6 +16,7 @@ import pytest
 from areal_jax.reward import code as code_reward
 from areal_jax.reward import sandbox
 from areal_jax.reward.service import RewardService
+from waiting import wait_until
 
 FAST = sandbox.Limits(wall_s=1.5, cpu_s=1.0, memory_mb=512)
 STDIN_TESTS = {"inputs": ["3 4\n", "10 -2\n"], "outputs": ["7\n", "8\n"]}
@@ -197,20 +198,19 @@ def test_kill_tree_kills_grandchildren(tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
 
   child = subprocess.Popen(["sh", "-c", "sleep 100 & sleep 100 & wait"], start_new_session=True)
-  deadline = time.monotonic() + 10
-  while len(sandbox.descendants(child.pid)) < 2 and time.monotonic() < deadline:
-    time.sleep(0.01)
-  kids = sandbox.descendants(child.pid)
-  assert len(kids) >= 2
+  kids = wait_until(lambda: len(found := sandbox.descendants(child.pid)) >= 2 and found, timeout_s=10,
+                    what="both grandchildren started")
   sandbox.kill_tree(child.pid)
   child.wait()
-  time.sleep(0.1)
-  for k in kids:
+
+  def gone(pid) -> bool:  # at most a zombie awaiting init
     try:
-      with open(f"/proc/{k}/stat") as f:
-        assert f.read().split(") ")[1][0] == "Z"  # at most a zombie awaiting init
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] == "Z"
     except FileNotFoundError:
-      pass
+      return True
+
+  wait_until(lambda: all(gone(k) for k in kids), timeout_s=10, what=f"grandchildren {kids} killed")
   assert child.returncode == -signal.SIGKILL
 
 

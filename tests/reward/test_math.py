@@ -7,6 +7,7 @@ import pytest
 from areal_jax.reward import math as math_reward
 from areal_jax.reward.math import verify_math
 from helpers import SLOW_MATH
+from waiting import wait_until
 
 GSM8K = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 MATH_SOLUTION = r"The sum is $\frac{1}{2} + \frac{1}{4} = \boxed{\frac{3}{4}}$."
@@ -172,7 +173,7 @@ def test_soft_timeout_keeps_an_outer_alarm():
     signal.setitimer(signal.ITIMER_REAL, 0.5)
     assert verify_math(r"\boxed{3}", "3")
     assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.5
-    time.sleep(0.7)
+    wait_until(lambda: fired, timeout_s=10, what="the outer alarm")
     assert fired == [1]
   finally:
     signal.setitimer(signal.ITIMER_REAL, 0)

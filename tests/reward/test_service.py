@@ -13,6 +13,7 @@ from areal_jax.reward.config import RewardConfig
 from areal_jax.reward.service import RewardService, score_all
 from helpers import SLOW_MATH
 from hostile_code import jailed_processes
+from waiting import wait_until
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "math.py")
 
@@ -112,8 +113,7 @@ def test_hung_item_times_out_and_worker_is_replaced():
     pids = set(service.worker_pids())
     futures = [service.submit("slow-math", "math", SLOW_MATH, "5"),
                service.submit("hung-code", "code", hang, {"inputs": [""], "outputs": ["1"]})]
-    time.sleep(0.5)
-    assert jailed_processes()  # the hung program is running in its sandbox
+    wait_until(jailed_processes, timeout_s=30, what="the hung program running in its sandbox")
     t0 = time.monotonic()
     results = _results(futures, timeout=10)
     assert time.monotonic() - t0 < 3.0
@@ -132,7 +132,7 @@ def test_crashed_worker_scores_zero_and_pool_recovers():
   with RewardService(num_workers=1, timeout_s=30.0, soft_timeout_s=30) as service:
     service.wait_ready()
     futures = [service.submit("victim", "math", SLOW_MATH, "5"), service.submit("queued", "math", r"\boxed{4}", "4")]
-    time.sleep(0.5)
+    wait_until(lambda: service.in_flight() == ["victim"], what="the victim on the worker")
     os.kill(service.worker_pids()[0], 9)
     results = _results(futures, timeout=30)
     assert results["victim"].reward == 0.0 and results["victim"].reason == "worker crashed (exit code -9)"
@@ -147,7 +147,7 @@ def test_futures_callbacks_and_close_finishes_pending():
   assert score_all(service, [("math", r"\boxed{2}", "2"), ("math", "no", "3")]) == [1.0, 0.0]
   assert [r.item_id for r in seen] == ["fast"]  # on the dispatcher thread, before the later items
   futures = [service.submit("slow", "math", SLOW_MATH, "5"), service.submit("waiting", "math", r"\boxed{1}", "1")]
-  time.sleep(0.3)
+  wait_until(lambda: service.in_flight() == ["slow"], what="the slow item on the worker")
   assert service.pending == 2
   pid = service.worker_pids()[0]
   service.close()

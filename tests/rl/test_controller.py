@@ -14,6 +14,7 @@ from areal_jax.rl.controller import RolloutController
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.types import Trajectory
+from waiting import settle, wait_until
 
 G = 4
 
@@ -85,14 +86,16 @@ def test_filtering_admission_and_bookkeeping():
       state, newly_filtered = ctl.snapshot()
       filtered += [g.record.uid for g in newly_filtered]
       assert all(np.all(g.rewards == 0) for g in newly_filtered)
-    time.sleep(0.2)  # let admission reach the bound for version 3
+    bound = (eta + 3 + 1) * b
+    wait_until(lambda: out.accepted + out.running == bound, what=lambda: f"admission at the bound for version 3: "
+               f"{out.accepted} accepted + {out.running} running, not {bound}")
   finally:
     ctl.stop()
   ctl.check()
   state, newly_filtered = ctl.snapshot()
   filtered += [g.record.uid for g in newly_filtered]
   # Admission: kept groups (trained + queued) never exceed (eta + v + 1) * B.
-  assert out.accepted + out.running <= (eta + 3 + 1) * b
+  assert out.accepted + out.running == bound
   assert out.accepted == len(trained) + len(out)
   # Every drawn prompt is exactly one of: trained, filtered, or still undone (queued / in flight) - in draw order.
   undone = state["undone"]
@@ -112,9 +115,8 @@ def test_replay_comes_first_and_group_ids_continue():
                           group_size=G, sampling=SamplingParams(), filter_uniform=False, next_group_id=7,
                           replay=replay)
   ctl.start()
-  deadline = time.time() + 5
-  while len(loop.submitted) < 2 and time.time() < deadline:
-    time.sleep(0.01)
+  wait_until(lambda: len(loop.submitted) >= 2, timeout_s=5, what="two groups submitted")
+  settle(ctl.thread.loop)  # had admission gone past the bound, the extra group would be submitted by now
   ctl.stop()
   assert loop.submitted == [7, 8]  # eta = 0: exactly B groups, numbered on from the checkpoint
   state, _ = ctl.snapshot()
@@ -178,12 +180,10 @@ def test_a_groups_error_stops_admission_and_reaches_the_learner():
   ctl = RolloutController(dataset=ds, rollout=loop, rewards=FailingRewards(), buffer=buffer, version=0,
                           group_size=G, sampling=SamplingParams(), filter_uniform=False).start()
   try:
-    deadline = time.time() + 10
-    while ctl.error is None and time.time() < deadline:
-      time.sleep(0.01)
+    wait_until(lambda: ctl.error is not None, timeout_s=10, what="the group's error")
     submitted = len(loop.submitted)
     ctl.admit()
-    time.sleep(0.1)
+    settle(ctl.thread.loop)  # the admission task has woken and looked
     assert len(loop.submitted) == submitted  # nothing admitted after the failure
   finally:
     ctl.stop()

@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from areal_jax.rl.controller import Stalled
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.run import trainer
 from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -66,12 +66,12 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           start_new_session=True)
-  deadline = time.time() + 300
+  def saved():
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    return os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
+
   try:
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
-      assert proc.poll() is None, proc.stderr.read()[-3000:]
-      assert time.time() < deadline, "no checkpoint at step 2 within 300 s"
-      time.sleep(0.2)
+    wait_until(saved, timeout_s=300, what="a checkpoint at step 2", poll_s=0.2)
   finally:
     os.killpg(proc.pid, signal.SIGKILL)  # mid-run, like a preempted VM
     proc.wait()

@@ -120,12 +120,11 @@ def test_write_chunks_keeps_only_this_shard():
 
 
 def test_pallas_tpu_path_compiles_for_v5e():
-  topologies = pytest.importorskip("jax.experimental.topologies")
+  pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) compiles for TPU topologies")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process on this machine may hold libtpu's lock
-  try:
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-  except Exception as e:  # libtpu missing or unusable here
-    pytest.skip(f"no TPU topology available: {e}")
+  topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   from areal_jax.sampler.aot import lower_sampler
 
   mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -32,6 +31,7 @@ from areal_jax.sampler import Request, SamplingParams, generate
 from areal_jax.serve import QueueFull, build
 from areal_jax.tokenizer import load_tokenizer
 from helpers import TINY, TOOLS_CHATML, memorize, tiny_model
+from waiting import wait_until
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
@@ -233,10 +233,7 @@ def test_full_queue_gives_429_and_the_server_keeps_serving(server, client):
   long = dict(max_new_tokens=120, ignore_eos=True)
   running = [backend.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=SamplingParams(seed=i, **long)))
              for i in range(4)]  # one per slot
-  deadline = time.monotonic() + 60
-  while backend.stats()["running"] < 4:
-    assert time.monotonic() < deadline, backend.stats()
-    time.sleep(0.002)
+  wait_until(lambda: backend.stats()["running"] >= 4, timeout_s=60, what=backend.stats, poll_s=0.002)
   backend.max_queue = 1
   try:
     queued = backend.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=SamplingParams(**long)))
@@ -526,9 +523,7 @@ def test_api_key_is_required_of_every_route_but_health(server, tok):
   thread = threading.Thread(target=keyed.run, daemon=True)
   thread.start()
   try:
-    deadline = time.monotonic() + 30
-    while not keyed.started and time.monotonic() < deadline:
-      time.sleep(0.01)
+    wait_until(lambda: keyed.started, timeout_s=30, what="the server started")
     url = f"http://127.0.0.1:{port}"
     good = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test-key", max_retries=0, timeout=120)
     r = good.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, temperature=0)
