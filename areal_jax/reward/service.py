@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import itertools
 import logging
 import multiprocessing.connection
@@ -38,6 +39,19 @@ _MAX_FAILED_STARTS = 5  # workers in a row that die before saying "ready": the s
 _START_TIMEOUT_S = 120.0  # a worker not ready by then is killed (and counts as a failed start)
 
 
+class Failure(enum.Enum):
+  """Why an item scored 0 without a verdict of its verifier."""
+  TIMED_OUT = "timed out"  # its worker ran past `timeout_s` and was replaced
+  CRASHED = "worker crashed"  # its worker died on it and was replaced
+  CLOSED = "service closed"
+  BROKEN = "service broken"  # workers kept dying while starting
+
+  @property
+  def of_worker(self) -> bool:
+    """The item's worker failed on it: the item itself may be what broke it."""
+    return self in (Failure.TIMED_OUT, Failure.CRASHED)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardResult:
   item_id: Hashable
@@ -45,6 +59,7 @@ class RewardResult:
   reason: str  # "correct", "wrong answer", "timed out after 5.0 s", "worker crashed (exit code -9)", ...
   latency_s: float  # submit -> result, queueing included
   run_s: float  # time on a worker
+  failure: Failure | None = None  # None: the verifier scored it
 
 
 @dataclasses.dataclass
@@ -74,9 +89,9 @@ def score_all(service: RewardService, items, *, what: str = "evaluation") -> lis
   futures = [service.submit(i, kind, text, reference) for i, (kind, text, reference) in enumerate(items)]
   wait_s = 120.0 + service.timeout_s * -(-len(items) // service.num_workers)  # every item once on a worker, serially
   results = [f.result(timeout=wait_s) for f in futures]
-  failed = sorted({r.reason for r in results if r.reason.startswith(("timed out", "worker crashed"))})
+  failed = [r.reason for r in results if r.failure is not None and r.failure.of_worker]
   if failed:
-    n = sum(r.reason.startswith(("timed out", "worker crashed")) for r in results)
+    n, failed = len(failed), sorted(set(failed))
     _log.warning("%s: %d of %d answers could not be scored and count as wrong (%s)", what, n, len(items),
                  "; ".join(failed))
   return [r.reward for r in results]
@@ -191,9 +206,9 @@ class RewardService:
           pass
       self._stop(w)
       if w.item is not None:
-        self._finish(w.item, 0.0, "service closed", 0.0)
+        self._finish(w.item, 0.0, "service closed", 0.0, Failure.CLOSED)
     while self._queue:
-      self._finish(self._queue.popleft(), 0.0, "service closed", 0.0)
+      self._finish(self._queue.popleft(), 0.0, "service closed", 0.0, Failure.CLOSED)
     os.close(self._wake_r)
     os.close(self._wake_w)
 
@@ -237,9 +252,9 @@ class RewardService:
     except (BlockingIOError, OSError):
       pass  # a full pipe wakes the dispatcher just as well
 
-  def _finish(self, item: _Item, reward: float, reason: str, run_s: float) -> None:
+  def _finish(self, item: _Item, reward: float, reason: str, run_s: float, failure: Failure | None = None) -> None:
     result = RewardResult(item_id=item.item_id, reward=reward, reason=reason,
-                          latency_s=time.monotonic() - item.submitted, run_s=run_s)
+                          latency_s=time.monotonic() - item.submitted, run_s=run_s, failure=failure)
     with self._lock:
       self._stats["finished"] += 1
     item.future.set_result(result)  # a callback that raises is logged by concurrent.futures
@@ -266,7 +281,7 @@ class RewardService:
     with self._lock:
       self._stats["crashes"] += 1
     if w.item is not None:
-      self._finish(w.item, 0.0, f"worker crashed (exit code {code})", time.monotonic() - w.started)
+      self._finish(w.item, 0.0, f"worker crashed (exit code {code})", time.monotonic() - w.started, Failure.CRASHED)
       w.item = None
     if not w.ready:
       self._failed_starts += 1
@@ -315,7 +330,7 @@ class RewardService:
           with self._lock:
             self._stats["timeouts"] += 1
           self._replace(w)
-          self._finish(item, 0.0, f"timed out after {self.timeout_s} s", run_s)
+          self._finish(item, 0.0, f"timed out after {self.timeout_s} s", run_s, Failure.TIMED_OUT)
     if self._broken:
       with self._lock:
         items, self._queue = list(self._queue), collections.deque()
@@ -324,4 +339,4 @@ class RewardService:
           items.append(w.item)
           w.item = None
       for item in items:
-        self._finish(item, 0.0, f"reward service broken: {self._broken}", 0.0)
+        self._finish(item, 0.0, f"reward service broken: {self._broken}", 0.0, Failure.BROKEN)

@@ -264,7 +264,7 @@ class RolloutController:
     traj: Trajectory = await awaitable(answer)  # the sampler's error, if it failed
     r: RewardResult = await awaitable(
         self.rewards.submit((traj.group_id, index), record.kind, traj.response_text, record.reference))
-    if r.reason.startswith(("timed out", "worker crashed")):  # scored 0; the service replaced the worker
+    if r.failure is not None and r.failure.of_worker:  # scored 0; the service replaced the worker
       with self._lock:
         self.counters["reward_failures"] += 1
         n = self.counters["reward_failures"]

@@ -10,7 +10,7 @@ import pytest
 from areal_jax.config import load_config
 from areal_jax.reward import sandbox
 from areal_jax.reward.config import RewardConfig
-from areal_jax.reward.service import RewardService, score_all
+from areal_jax.reward.service import Failure, RewardService, score_all
 from helpers import SLOW_MATH
 from hostile_code import jailed_processes
 from waiting import wait_until
@@ -118,7 +118,7 @@ def test_hung_item_times_out_and_worker_is_replaced():
     results = _results(futures, timeout=10)
     assert time.monotonic() - t0 < 3.0
     for r in results.values():
-      assert r.reward == 0.0 and r.reason == "timed out after 1.0 s", r
+      assert r.reward == 0.0 and r.reason == "timed out after 1.0 s" and r.failure is Failure.TIMED_OUT, r
       assert 1.0 <= r.run_s < 2.0
     assert service.stats()["timeouts"] == 2 and service.stats()["restarts"] == 2
     assert not pids & set(service.worker_pids())
@@ -136,6 +136,7 @@ def test_crashed_worker_scores_zero_and_pool_recovers():
     os.kill(service.worker_pids()[0], 9)
     results = _results(futures, timeout=30)
     assert results["victim"].reward == 0.0 and results["victim"].reason == "worker crashed (exit code -9)"
+    assert results["victim"].failure is Failure.CRASHED and results["queued"].failure is None
     assert results["queued"].reward == 1.0  # waited in the queue, then went to the replacement
     assert service.stats()["crashes"] == 1 and service.healthy
 
@@ -153,6 +154,7 @@ def test_futures_callbacks_and_close_finishes_pending():
   service.close()
   assert {f.result(0).item_id: f.result(0).reason for f in futures} == {"slow": "service closed",
                                                                          "waiting": "service closed"}
+  assert all(f.result(0).failure is Failure.CLOSED and not Failure.CLOSED.of_worker for f in futures)
   assert not _alive(pid)
   with pytest.raises(RuntimeError, match="after close"):
     service.submit("late", "math", "1", "1")
