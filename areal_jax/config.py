@@ -53,15 +53,24 @@ class Settings:
   preset: str = ""  # the preset the config was built from
 
 
-def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
-  """`load_config("configs/math.py:tiny", **{"learner.lr": 1e-5})`: the programmatic twin of `--config=...`."""
-  path, _, preset = spec.partition(":")
+def _config_module(path: str):
   if not os.path.exists(path):
     raise FileNotFoundError(f"config file {path!r} does not exist")
   module_spec = importlib.util.spec_from_file_location("_areal_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  config = module.get_config(preset or None)
+  return module
+
+
+def presets(path: str) -> tuple[str, ...]:
+  """The presets a config file names (its `PRESETS`), for `load_config(f"{path}:{preset}")`."""
+  return tuple(getattr(_config_module(path), "PRESETS", ()))
+
+
+def load_config(spec: str, **overrides) -> ml_collections.ConfigDict:
+  """`load_config("configs/math.py:tiny", **{"learner.lr": 1e-5})`: the programmatic twin of `--config=...`."""
+  path, _, preset = spec.partition(":")
+  config = _config_module(path).get_config(preset or None)
   config.lock()
   for key, value in overrides.items():
     node = config

@@ -53,7 +53,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.eval.num_samples = 2
   c.checkpoint.every_steps = 10
   if preset == "fast":
-    c = math.fast(c)
+    c = math.apply(c, math.FAST)
     c.sampler.update(max_seq_len=224, max_new_tokens=80)  # a solved episode's length
     c.preset = "agent-fast"
   return c

@@ -38,37 +38,77 @@ Measured figures: docs/results.md. Any field can be overridden: `--config.learne
 
 import ml_collections
 
-PRESETS = ("tiny", "fast", "tiny-moe", "qwen2.5-1.5b", "r1-distill-qwen-7b", "qwen3-30b-a3b")
+# The presets as data: each is the fields it changes from the defaults in `get_config` (which are `tiny`'s), in one
+# place. `TABLE3` holds what the real-size presets share: the paper's Table 3 settings on real data and answers.
+FAST = {  # `tiny` made small and quick with every mechanism on; configs/agent.py:fast applies it too
+    "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,
+    "model.num_kv_heads": 1, "model.head_dim": 32,
+    "warmstart.steps": 30, "warmstart.batch_size": 32, "warmstart.target_match": 0.0,
+    "data.eval_size": 8, "data.synthetic_size": 2000, "data.max_prompt_len": 40,
+    "rollout.batch_size": 4, "rollout.group_size": 4, "rollout.max_concurrent_rollouts": 8,
+    # With uniform groups filtered, nearly every group of a model this weak (all wrong) would be dropped: kept.
+    "learner.ppo_n_minibatches": 2, "learner.max_tokens_per_mb": 256, "learner.min_bucket": 64,
+    "learner.filter_uniform_groups": False,
+    "sampler.num_slots": 32, "sampler.num_pages": 256, "sampler.max_new_tokens": 40, "sampler.max_seq_len": 96,
+    "checkpoint.every_steps": 2, "eval.every_steps": 2, "reward.num_workers": 1, "metrics.tensorboard": False,
+}
+TINY_MOE = {  # Qwen3-MoE layers whose 8 experts of width 384, 2 per token, hold as many active parameters as tiny's MLP
+    "model.family": "qwen3_moe", "model.qk_norm": True, "model.attention_bias": False, "model.num_experts": 8,
+    "model.num_experts_per_tok": 2, "model.moe_intermediate_size": 384,
+}
+TABLE3 = {
+    "total_steps": 1000, "model.scan_layers": True, "model.tie_word_embeddings": False, "model.dtype": "bfloat16",
+    "data.source": "jsonl", "data.prompt_template": "chat", "data.max_prompt_len": 1024,
+    "sampler.num_slots": 256, "sampler.page_size": 64, "sampler.num_pages": 0, "sampler.max_seq_len": 28672,
+    "sampler.max_new_tokens": 27648, "sampler.param_dtype": "bfloat16",
+    "learner.lr": 2e-5, "learner.warmup_steps": 2, "learner.max_tokens_per_mb": 32768,
+    "rollout.batch_size": 512, "rollout.group_size": 16, "rollout.max_head_offpolicyness": 8,
+    "rollout.max_concurrent_rollouts": 256, "rollout.stall_timeout_s": 3600.0,
+    "reward.num_workers": 16, "warmstart.steps": 0, "warmstart.target_match": 0.0,
+    "checkpoint.every_steps": 50, "eval.every_steps": 50, "eval.num_samples": 1, "eval.temperature": 0.6,
+}
+PRESETS = {
+    "tiny": {},
+    "fast": FAST,
+    "tiny-moe": TINY_MOE,
+    "qwen2.5-1.5b": TABLE3 | {
+        "model.vocab_size": 151936, "model.hidden_size": 1536, "model.intermediate_size": 8960,
+        "model.num_layers": 28, "model.num_heads": 12, "model.num_kv_heads": 2, "model.head_dim": 128,
+        "model.max_position_embeddings": 131072,
+        # Matmul outputs kept for the backward pass (fewer FLOPs, more memory); on 16 GiB chips (v5e) set remat=full.
+        "model.remat": "dots",
+    },
+    "r1-distill-qwen-7b": TABLE3 | {
+        "model.vocab_size": 152064, "model.hidden_size": 3584, "model.intermediate_size": 18944,
+        "model.num_layers": 28, "model.num_heads": 28, "model.num_kv_heads": 4, "model.head_dim": 128,
+        "model.max_position_embeddings": 131072, "model.remat": "full",
+    },
+    "qwen3-30b-a3b": TABLE3 | {
+        "model.family": "qwen3_moe", "model.vocab_size": 151936, "model.hidden_size": 2048,
+        "model.intermediate_size": 6144,  # no dense layers: unused
+        "model.num_layers": 48, "model.num_heads": 32, "model.num_kv_heads": 4, "model.head_dim": 128,
+        "model.rope_theta": 1000000.0, "model.max_position_embeddings": 40960, "model.attention_bias": False,
+        "model.qk_norm": True, "model.num_experts": 128, "model.num_experts_per_tok": 8,
+        "model.moe_intermediate_size": 768, "model.remat": "full",
+        "mesh.sampler_tensor": 4,  # its 61 GB of bfloat16 weights over 4 chips
+    },
+}
 
 
-def fast(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The `fast` preset's changes to a tiny config (`configs/agent.py:fast` applies them too). With uniform groups
-  filtered, nearly every group of a model this weak (all wrong) would be dropped and a step could take minutes: they
-  are kept."""
-  c.model.update(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)
-  c.warmstart.update(steps=30, batch_size=32, target_match=0.0)
-  c.data.update(eval_size=8, synthetic_size=2000, max_prompt_len=40)
-  c.rollout.update(batch_size=4, group_size=4, max_concurrent_rollouts=8)
-  c.learner.update(ppo_n_minibatches=2, max_tokens_per_mb=256, min_bucket=64, filter_uniform_groups=False)
-  c.sampler.update(num_slots=32, num_pages=256, max_new_tokens=40, max_seq_len=96)
-  c.checkpoint.every_steps = 2
-  c.eval.every_steps = 2
-  c.reward.num_workers = 1
-  c.metrics.tensorboard = False
-  c.preset = "fast"
+def apply(c: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
+  """Sets `fields` ("group.name": value) on `c`; a key the config does not have raises, naming it."""
+  for key, value in fields.items():
+    *groups, leaf = key.split(".")
+    node = c
+    for group in groups:
+      node = node[group]
+    if leaf not in node:
+      raise KeyError(f"configs/math.py: a preset sets {key!r}, a field the config does not have")
+    node[leaf] = value
   return c
 
 
-def tiny_moe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The `tiny-moe` preset's changes to a tiny config: Qwen3-MoE layers (q/k norms, no attention biases) whose 8
-  experts of width 384, 2 per token, hold as many active parameters as `tiny`'s 768-wide MLP."""
-  c.model.update(family="qwen3_moe", qk_norm=True, attention_bias=False, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=384)
-  c.preset = "tiny-moe"
-  return c
-
-
-def _model(preset: str) -> ml_collections.ConfigDict:
+def _model() -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
   m.family = "qwen2"  # qwen2 | qwen3 | qwen3_moe | llama
   m.init_from = ""  # HF model directory; "" = random init (+ supervised warm-start for `tiny`)
@@ -82,7 +122,7 @@ def _model(preset: str) -> ml_collections.ConfigDict:
   m.param_dtype = "float32"  # the learner's parameters (its master weights)
   m.remat = "none"  # none | full | dots
   # Decoder layers under lax.scan (one layer compiled, one layer's activations live); tiny runs its 4 layers unrolled.
-  m.scan_layers = preset != "tiny"
+  m.scan_layers = False
   # Packed training attention: auto = splash (Pallas TPU) on TPU, pallas_gpu (Pallas GPU flash) on GPU, else flash
   # (pure JAX; dense for rows of <= 2 blocks).
   m.attention = "auto"  # auto | flash | splash | pallas_gpu | dense
@@ -96,98 +136,43 @@ def _model(preset: str) -> ml_collections.ConfigDict:
   m.decoder_sparse_step = 1  # every n-th layer is sparse
   m.mlp_only_layers = ()  # layers kept dense
   m.experts_impl = "auto"  # expert matmuls: auto (TPU megablox, GPU ragged_dot, CPU tiled) | ragged_dot | tiled
-  if preset == "tiny":
-    m.vocab_size = 64  # token ids (the char tokenizer needs 64)
-    m.hidden_size = 256  # model width
-    m.intermediate_size = 768  # MLP width
-    m.num_layers = 4  # decoder layers
-    m.num_heads = 4  # query heads
-    m.num_kv_heads = 2  # key/value heads (grouped-query attention)
-    m.head_dim = 64  # width of one head
-    m.rope_theta = 10000.0  # RoPE base frequency
-    m.max_position_embeddings = 512  # longest position the model takes
-    m.tie_word_embeddings = True  # the output projection is the embedding table
-    m.attention_bias = True  # biases on the q, k, v projections (Qwen2)
-    m.qk_norm = False  # RMSNorm on queries and keys per head (Qwen3)
-  elif preset == "qwen2.5-1.5b":
-    m.vocab_size = 151936
-    m.hidden_size = 1536
-    m.intermediate_size = 8960
-    m.num_layers = 28
-    m.num_heads = 12
-    m.num_kv_heads = 2  # key/value heads (grouped-query attention)
-    m.head_dim = 128
-    m.rope_theta = 10000.0  # RoPE base frequency
-    m.max_position_embeddings = 131072
-    m.tie_word_embeddings = False
-    m.attention_bias = True  # biases on the q, k, v projections (Qwen2)
-    m.qk_norm = False  # RMSNorm on queries and keys per head (Qwen3)
-    m.dtype = "bfloat16"
-    # Matmul outputs kept for the backward pass (fewer FLOPs, more memory); on 16 GiB chips (v5e) set remat=full.
-    m.remat = "dots"
-  elif preset == "r1-distill-qwen-7b":
-    m.vocab_size = 152064
-    m.hidden_size = 3584
-    m.intermediate_size = 18944
-    m.num_layers = 28
-    m.num_heads = 28
-    m.num_kv_heads = 4
-    m.head_dim = 128
-    m.rope_theta = 10000.0  # RoPE base frequency
-    m.max_position_embeddings = 131072
-    m.tie_word_embeddings = False
-    m.attention_bias = True  # biases on the q, k, v projections (Qwen2)
-    m.qk_norm = False  # RMSNorm on queries and keys per head (Qwen3)
-    m.dtype = "bfloat16"
-    m.remat = "full"
-  elif preset == "qwen3-30b-a3b":
-    m.family = "qwen3_moe"
-    m.vocab_size = 151936
-    m.hidden_size = 2048
-    m.intermediate_size = 6144  # no dense layers: unused
-    m.num_layers = 48
-    m.num_heads = 32
-    m.num_kv_heads = 4
-    m.head_dim = 128
-    m.rope_theta = 1000000.0  # RoPE base frequency
-    m.max_position_embeddings = 40960
-    m.tie_word_embeddings = False
-    m.attention_bias = False
-    m.qk_norm = True
-    m.num_experts = 128
-    m.num_experts_per_tok = 8
-    m.moe_intermediate_size = 768
-    m.dtype = "bfloat16"
-    m.remat = "full"
+  m.vocab_size = 64  # token ids (the char tokenizer needs 64)
+  m.hidden_size = 256  # model width
+  m.intermediate_size = 768  # MLP width
+  m.num_layers = 4  # decoder layers
+  m.num_heads = 4  # query heads
+  m.num_kv_heads = 2  # key/value heads (grouped-query attention)
+  m.head_dim = 64  # width of one head
+  m.rope_theta = 10000.0  # RoPE base frequency
+  m.max_position_embeddings = 512  # longest position the model takes
+  m.tie_word_embeddings = True  # the output projection is the embedding table
+  m.attention_bias = True  # biases on the q, k, v projections (Qwen2)
+  m.qk_norm = False  # RMSNorm on queries and keys per head (Qwen3)
   return m
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  """The defaults below (`tiny`'s), then the preset's fields from `PRESETS`."""
   preset = preset or "tiny"
   if preset not in PRESETS:
-    raise ValueError(f"unknown preset {preset!r} in configs/math.py; choose one of {PRESETS}")
-  if preset == "fast":
-    return fast(get_config("tiny"))
-  if preset == "tiny-moe":
-    return tiny_moe(get_config("tiny"))
-  tiny = preset == "tiny"
+    raise ValueError(f"unknown preset {preset!r} in configs/math.py; choose one of {tuple(PRESETS)}")
   c = ml_collections.ConfigDict()
   c.preset = preset  # the preset this config was built from
   c.seed = 0  # model init, sampling and data order
-  c.total_steps = 90 if tiny else 1000  # learner steps (policy versions) to train
+  c.total_steps = 90  # learner steps (policy versions) to train
 
-  c.model = _model(preset)
+  c.model = _model()
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "synthetic" if tiny else "jsonl"  # synthetic | jsonl | tfds
+  c.data.source = "synthetic"  # synthetic | jsonl | tfds
   c.data.path = ""  # jsonl file (source=jsonl)
   c.data.eval_path = ""  # held-out jsonl (source=jsonl); "" = data.eval_size problems held out of the training data
   c.data.tfds_name = ""  # TFDS dataset name (source=tfds)
   c.data.tfds_data_dir = ""  # local directory holding the prepared (array_record) dataset
   c.data.split = "train"  # tfds split to train on
   c.data.eval_split = ""  # tfds split to evaluate on; "" = data.eval_size problems held out of data.split
-  c.data.prompt_template = "plain" if tiny else "chat"  # plain | chat
-  c.data.max_prompt_len = 48 if tiny else 1024  # prompt tokens at most; longer prompts are skipped
+  c.data.prompt_template = "plain"  # plain | chat
+  c.data.max_prompt_len = 48  # prompt tokens at most; longer prompts are skipped
   c.data.skip_bad_rows = False  # False: a bad row raises, naming file, line and field; True: skipped and counted
   c.data.shuffle_seed = 0  # order of the prompt stream
   c.data.synthetic_task = "arithmetic"  # arithmetic | products (two-digit products, for configs/agent.py)
@@ -197,12 +182,12 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.data.eval_size = 128  # problems held out for evaluation
 
   c.sampler = ml_collections.ConfigDict()
-  c.sampler.num_slots = 64 if tiny else 256  # sequences decoded at once (continuous batching)
-  c.sampler.page_size = 16 if tiny else 64  # tokens per KV-cache page
-  c.sampler.num_pages = 512 if tiny else 0  # 0 = fill `memory_fraction` of free device memory
+  c.sampler.num_slots = 64  # sequences decoded at once (continuous batching)
+  c.sampler.page_size = 16  # tokens per KV-cache page
+  c.sampler.num_pages = 512  # 0 = fill `memory_fraction` of free device memory
   c.sampler.memory_fraction = 0.8  # share of free device memory for the KV pool when num_pages = 0
-  c.sampler.max_seq_len = 128 if tiny else 28672  # prompt + answer (cache length per sequence)
-  c.sampler.max_new_tokens = 64 if tiny else 27648  # answer tokens at most
+  c.sampler.max_seq_len = 128  # prompt + answer (cache length per sequence)
+  c.sampler.max_new_tokens = 64  # answer tokens at most
   c.sampler.temperature = 1.0  # sampling temperature (the learner divides logits by it too)
   c.sampler.top_p = 1.0  # nucleus sampling; 1 = off
   c.sampler.top_k = -1  # -1 = off
@@ -214,19 +199,19 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # Keep released sequences' full pages for prompts that extend them (an agent's next turn); evicted when short.
   c.sampler.prefix_cache = False
   # The sampler's copy of the weights: bfloat16 halves their HBM and update bytes (gap: sampler/logprob_gap).
-  c.sampler.param_dtype = "float32" if tiny else "bfloat16"
+  c.sampler.param_dtype = "float32"
   c.sampler.vocab_limit = 0  # ids at or above are never drawn; 0 = the tokenizer's vocab_size (padded rows unused)
   c.sampler.recompute_on_swap = True  # new weights recompute running answers' caches; False keeps them (stale)
   c.sampler.warmup = False  # compile every prefill bucket and decode first: no compile stalls mid-run, a slower start
 
   c.learner = ml_collections.ConfigDict()
-  c.learner.lr = 1e-4 if tiny else 2e-5  # Adam learning rate
+  c.learner.lr = 1e-4  # Adam learning rate
   c.learner.weight_decay = 0.05  # decoupled weight decay (AdamW)
   c.learner.b1 = 0.9  # Adam beta1
   c.learner.b2 = 0.95  # Adam beta2
   c.learner.adam_eps = 1e-5  # Adam epsilon
   c.learner.grad_clip = 1.0  # global gradient-norm clip; 0 = off
-  c.learner.warmup_steps = 10 if tiny else 2  # learner steps of linear warmup (x ppo_n_minibatches optimizer updates)
+  c.learner.warmup_steps = 10  # learner steps of linear warmup (x ppo_n_minibatches optimizer updates)
   c.learner.eps_clip = 0.2  # PPO clip: ratios outside [1 - eps_clip, 1 + eps_clip] stop the gradient
   c.learner.eps_clip_higher = 0.0  # 0 = symmetric clip
   c.learner.c_clip = 0.0  # 0 = no dual clip
@@ -244,7 +229,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.prox_logp_method = "recompute"
   c.learner.ppo_n_minibatches = 4  # optimizer updates per learner step (each on whole prompt groups)
   # Tokens per row (device) of a micro-batch, >= the longest sequence; short rows are cheaper for short sequences.
-  c.learner.max_tokens_per_mb = 256 if tiny else 32768
+  c.learner.max_tokens_per_mb = 256
   c.learner.min_bucket = 128  # row lengths: this x 1, 1.5, 2, 3, ... up to max_tokens_per_mb (one compile each)
   # Vocabulary entries per chunk of logprobs and entropy (at most a [tokens, chunk] logits tile); 0 = all at once.
   c.learner.vocab_chunk = 8192
@@ -276,17 +261,17 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.lora.quantize_base = ""  # "" = model.param_dtype | bfloat16 | int8 | nf4 (QLoRA; adapters stay float32)
 
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.batch_size = 16 if tiny else 512  # B: prompt groups per learner step
-  c.rollout.group_size = 8 if tiny else 16  # G: answers per prompt
-  c.rollout.max_head_offpolicyness = 4 if tiny else 8  # eta; 0 = synchronous RL
-  c.rollout.max_concurrent_rollouts = 16 if tiny else 256  # groups in flight
+  c.rollout.batch_size = 16  # B: prompt groups per learner step
+  c.rollout.group_size = 8  # G: answers per prompt
+  c.rollout.max_head_offpolicyness = 4  # eta; 0 = synchronous RL
+  c.rollout.max_concurrent_rollouts = 16  # groups in flight
   # Pace the sampler this many versions ahead (fractional allowed) instead of up to eta; None = eta.
   c.rollout.target_staleness = ml_collections.config_dict.placeholder(float)
   # A run that accepts no group for this long stops with an error (every answer scores the same: nothing to learn).
-  c.rollout.stall_timeout_s = 300.0 if tiny else 3600.0
+  c.rollout.stall_timeout_s = 300.0
 
   c.reward = ml_collections.ConfigDict()
-  c.reward.num_workers = 2 if tiny else 16  # reward worker processes
+  c.reward.num_workers = 2  # reward worker processes
   c.reward.timeout_s = 5.0  # per item on a worker; it scores 0 past this
   c.reward.code_test_timeout_s = 2.0  # wall and CPU seconds per sandboxed code test
   c.reward.code_memory_mb = 1024  # address-space cap per sandboxed code test
@@ -309,7 +294,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.sampler_heartbeat_s = 30.0
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
   # sampler mesh: data x tensor (data = devices / tensor); 30B-A3B: its 61 GB of bfloat16 weights over 4 chips
-  c.mesh.sampler_tensor = 4 if preset == "qwen3-30b-a3b" else 1
+  c.mesh.sampler_tensor = 1
   # learner mesh: fsdp x tensor (fsdp = devices / tensor); tensor > 1 trades rows for memory.
   c.mesh.learner_tensor = 1
   # Expert parallelism (a mixture of experts): its experts sharded over this many devices of each role's mesh (data or
@@ -319,11 +304,11 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
   c.warmstart = ml_collections.ConfigDict()  # supervised warm-start on worked solutions (only without init_from)
   # At most; 0 = none; the cosine schedule spans all of them. Cached in <workdir>/warmstart.
-  c.warmstart.steps = 500 if tiny else 0
+  c.warmstart.steps = 500
   c.warmstart.lr = 2e-3  # peak of a cosine schedule over `steps`
   c.warmstart.batch_size = 16
   # Stop once the held-out solutions' mean probability of being drawn exactly is >= this (every 10 steps); 0 = off.
-  c.warmstart.target_match = 0.6 if tiny else 0.0
+  c.warmstart.target_match = 0.6
   c.warmstart.heldout = 128  # the last pairs, held out from the warm-start to measure target_match
   # Stop once the mean loss of 10 steps is <= this; 0 = off (a poorer stop than target_match).
   c.warmstart.target_loss = 0.0
@@ -331,15 +316,15 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.warmstart.accumulate = False
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every_steps = 30 if tiny else 50  # learner steps between checkpoints
+  c.checkpoint.every_steps = 30  # learner steps between checkpoints
   c.checkpoint.max_to_keep = 3  # checkpoints kept
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 30 if tiny else 50  # learner steps between held-out evaluations
-  c.eval.num_samples = 4 if tiny else 1  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
-  c.eval.temperature = 1.0 if tiny else 0.6  # tiny: the training temperature
+  c.eval.every_steps = 30  # learner steps between held-out evaluations
+  c.eval.num_samples = 4  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
+  c.eval.temperature = 1.0  # the training temperature
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.tensorboard = True  # TensorBoard event files beside metrics.jsonl
   c.metrics.save_batches = False  # every trained batch to <workdir>/batches/step_N.npz (to replay a step)
-  return c
+  return apply(c, PRESETS[preset])

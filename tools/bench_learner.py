@@ -27,7 +27,6 @@ step, a load-independent measure of work on a shared CPU machine. Defaults use o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import pathlib
 import statistics
@@ -155,6 +154,7 @@ def main():
   import jax
   import numpy as np
 
+  from areal_jax.config import load_config
   from areal_jax.learner.config import LearnerConfig
   from areal_jax.learner.flops import measure_matmul_peak
   from areal_jax.learner.learner import Learner
@@ -163,10 +163,7 @@ def main():
   from areal_jax.models.config import ModelConfig
 
   path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
-  spec = importlib.util.spec_from_file_location("math_config", path)
-  config_module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config_module)
-  config = config_module.get_config(args.preset)
+  config = load_config(f"{path}:{args.preset}")
   model_cfg = ModelConfig.from_config(config.model).replace(max_position_embeddings=args.max_len)
   if args.attention_block:
     model_cfg = model_cfg.replace(attention_block=args.attention_block)

@@ -18,7 +18,6 @@ The same random base weights and random (non-zero) adapters, in the sampler's dt
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import time
 
@@ -44,15 +43,13 @@ def main():
   import numpy as np
   from flax import nnx
 
+  from areal_jax.config import load_config
   from areal_jax.distributed import weight_transfer
   from areal_jax.models import ModelConfig, create, lora
   from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
 
   path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
-  spec = importlib.util.spec_from_file_location("math_config", path)
-  config_module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config_module)
-  base_cfg = ModelConfig.from_config(config_module.get_config(args.preset).model)
+  base_cfg = ModelConfig.from_config(load_config(f"{path}:{args.preset}").model)
   if args.layers:
     base_cfg = base_cfg.replace(num_layers=args.layers)
   group = ml_collections.ConfigDict({"rank": args.rank, "alpha": args.alpha, "targets": args.targets, "dropout": 0.0,

@@ -30,7 +30,6 @@ Defaults take about 2 minutes on a 2-core CPU:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import tempfile
 import time
@@ -72,13 +71,11 @@ def workload(args, vocab: int):
 
 
 def model_config(shape: str):
+  from areal_jax.config import load_config
   from areal_jax.models import ModelConfig
 
   path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
-  spec = importlib.util.spec_from_file_location("math_config", path)
-  config_module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config_module)
-  c = config_module.get_config("tiny").model
+  c = load_config(f"{path}:tiny").model
   if shape == "100m":
     c.update(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4,
              head_dim=64)

@@ -65,10 +65,9 @@ def _tool(name: str):
 
 
 def _math_config(preset: str):
-  spec = importlib.util.spec_from_file_location("math_config", ROOT / "configs" / "math.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(preset)
+  from areal_jax.config import load_config  # pylint: disable=g-import-not-at-top  # after the flags (imports JAX)
+
+  return load_config(f"{ROOT / 'configs' / 'math.py'}:{preset}")
 
 
 @dataclasses.dataclass

@@ -2,7 +2,6 @@
 
 import dataclasses
 import gc
-import importlib.util
 import pathlib
 
 import jax
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.config import load_config, presets
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import assemble, bucket_lengths, plan_packed
@@ -193,12 +193,10 @@ def test_aot_lowering_from_abstract_shapes():
 
 
 def test_config_presets_give_valid_learner_configs():
-  path = pathlib.Path(__file__).parent.parent.parent / "configs" / "math.py"
-  spec = importlib.util.spec_from_file_location("math_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  for preset in module.PRESETS:
-    cfg = LearnerConfig.from_config(module.get_config(preset).learner)
+  path = str(pathlib.Path(__file__).parent.parent.parent / "configs" / "math.py")
+  assert len(presets(path)) == 6
+  for preset in presets(path):
+    cfg = LearnerConfig.from_config(load_config(f"{path}:{preset}").learner)
     assert cfg.max_tokens_per_mb in bucket_lengths(cfg.max_tokens_per_mb, cfg.min_bucket)
   with pytest.raises(ValueError, match="unknown learner config keys \\['typo'\\]"):
     LearnerConfig.from_config({"typo": 1})
