@@ -60,7 +60,7 @@ def run_sampler(settings, layout: ProcessLayout) -> None:
   puller, timeout_s = None, CONNECT_TIMEOUT_S
   while True:
     leader = connect(layout, authkey(), timeout_s=timeout_s, devices=mesh.devices.size)
-    sampler = _Sampler(leader, engine, abstract_params, layout=layout, mesh=settings.mesh, eos_ids=[tokenizer.eos_id],
+    sampler = SamplerWorker(leader, engine, abstract_params, layout=layout, mesh=settings.mesh, eos_ids=[tokenizer.eos_id],
                        detokenize=tokenizer.decode, puller=puller)
     try:
       sampler.run()
@@ -76,7 +76,10 @@ class _Dropped(Exception):
   pass
 
 
-class _Sampler:
+class SamplerWorker:
+  """One connection's worth of a sampler process: its loop, its pulls, its heartbeat. Only the main thread reads the
+  connection; the other threads only send, and a send that fails (the leader closed it) ends their work quietly: the
+  main thread reads why (`Dropped`, or the connection's end) in order."""
 
   def __init__(self, leader: Peer, engine: Engine, abstract_params, *, layout: ProcessLayout, mesh: MeshConfig, eos_ids,
                detokenize, puller: WeightPuller | None = None):
@@ -91,7 +94,6 @@ class _Sampler:
     self.error: BaseException | None = None
     self.stop = threading.Event()
     self.answers = 0  # sent to the leader
-    self.dropped: str | None = None  # why the leader dropped it (its `Dropped`)
 
   def run(self) -> None:
     try:
@@ -102,8 +104,6 @@ class _Sampler:
     except _Dropped:
       raise
     except BaseException as e:
-      if why := self._dropped():  # another thread failed on the closed connection before `Dropped` was read
-        raise _Dropped(why) from e
       self._report(e)
       raise
     finally:
@@ -112,18 +112,6 @@ class _Sampler:
         self.loop.stop(timeout=10)
         self.loop = None
       self.leader.close()
-
-  def _dropped(self) -> str | None:
-    """Why the leader dropped this sampler, if its last message said so (read from what is left on the
-    connection: other threads may have failed on the closed connection first)."""
-    if self.dropped is None:
-      try:
-        while self.dropped is None and self.leader.poll(0):
-          msg = self.leader.recv()[1]
-          self.dropped = msg.why if isinstance(msg, Dropped) else None
-      except ConnectionError:
-        pass
-    return self.dropped
 
   def idle_puller(self) -> bool:
     """Whether its puller is free for the next connection. A pull the stop cut off may never finish (the leader
@@ -136,12 +124,13 @@ class _Sampler:
   def _report(self, e: BaseException) -> None:
     self._send(Failed("".join(traceback.format_exception(e))))
 
-  def _send(self, msg) -> None:
-    """Best effort: the leader may be gone."""
+  def _send(self, msg) -> bool:
+    """Best effort: the leader may be gone (or have dropped it: the main thread reads why). Whether it went."""
     try:
       self.leader.send(SAMPLER, msg)
+      return True
     except OSError:
-      pass
+      return False
 
   def _serve(self) -> None:
     threads = self.threads = {f.__name__: threading.Thread(target=self._guard(f), name=f.__name__, daemon=True)
@@ -175,7 +164,6 @@ class _Sampler:
         case Weights():
           self.notices.put(msg)
         case Dropped(why=why):
-          self.dropped = why
           raise _Dropped(why)
         case Stop():
           logging.info("%s: stopping after %d answers", self.layout.name, self.answers)
@@ -215,7 +203,7 @@ class _Sampler:
       params = nnx.merge_state(self.base, params)
     elif lora.has_adapters(params):
       self.base = lora.split(params)[1]
-    self.leader.send(SAMPLER, Pulled(version=notice.version, seconds=seconds))
+    self._send(Pulled(version=notice.version, seconds=seconds))
     return params
 
   def _pull_loop(self) -> None:
@@ -234,13 +222,10 @@ class _Sampler:
     the main thread raises)."""
     if future.cancelled() or future.exception() is not None:
       return
-    try:
-      self.leader.send(SAMPLER, Answer(index=answer, trajectory=future.result()))
+    if self._send(Answer(index=answer, trajectory=future.result())):
       self.answers += 1
-    except OSError as e:
-      if not self.stop.is_set():
-        self.error = e
 
   def _report_stats(self) -> None:
     while not self.stop.wait(1.0):
-      self.leader.send(SAMPLER, Stats(self.loop.stats() if self.loop is not None else {}))
+      if not self._send(Stats(self.loop.stats() if self.loop is not None else {})):
+        return  # the connection ended: the main thread reads why
