@@ -161,6 +161,8 @@ class SamplerHub:
     if self._loop.is_alive():
       self._post(None)  # the loop's last call: it ends the futures still owed
       self._loop.join(max(0.0, deadline - time.monotonic()))
+    else:
+      self._end()
 
   def join(self, peer: Peer) -> None:
     """A sampler process connected while the job runs (`ControlServer.on_sampler`): it gets the current weights,
