@@ -11,14 +11,18 @@ are 0; it trains with its own AdamW (`learner.critic_lr`, default the policy's).
 Per step:
 
 1. old values V(s_t) at every loss position of every micro-batch, one forward pass with the step's starting critic
-   (beside the proximal pass: computed once per batch);
+   (beside the proximal pass: computed once per batch; `critic_targets`, with step 2);
 2. GAE on the device (`gae`, associative scans over the packed rows): the answer's reward (as the critic-free path
    shapes and normalises it) at its last loss token, δ_t = r_t + γ V(s_t+1) - V(s_t) and A_t = Σ_k (γλ)^k δ_t+k over
    the answer's loss tokens (tokens the policy did not draw, e.g. a tool's output inside a merged multi-turn
    sequence, are skipped, not steps), returns R_t = A_t + V(s_t). With γ = λ = 1 and a zero critic A_t is the
    critic-free advantage exactly;
 3. the policy's decoupled-PPO updates use these A_t; then per minibatch one critic update on
-   ½ max((V - R)², (V_old + clip(V - V_old, ±value_clip) - R)²), averaged over the minibatch's loss tokens.
+   ½ max((V - R)², (V_old + clip(V - V_old, ±value_clip) - R)²), averaged over the minibatch's loss tokens
+   (`critic_update`, which returns the new state and the `critic/*` statistics of `critic_stats`).
+
+`build_critic` makes the programs (`CriticFns`); the `Learner` holds the critic's parameters and optimizer state and
+passes them, with the policy's base and the step's batches, to these functions, which return new ones.
 
 Staleness needs nothing more: old values and returns are computed by the critic at the step's start, like the
 proximal logprobs.
@@ -28,18 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
-from areal_jax.learner.step import opt_state_shardings, with_rules
+from areal_jax.learner.step import BATCH_INT_KEYS, opt_state_shardings, with_rules
 from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
@@ -216,3 +221,56 @@ def build_critic(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, *, batc
       apply=jax.jit(ruled(apply), in_shardings=(param_sh, opt_sh, param_sh), out_shardings=(param_sh, opt_sh,
                                                                                              replicated),
                     donate_argnums=(0, 1)))
+
+
+def critic_targets(critic: CriticFns, params, base, batches: list[list[dict]], *, gamma: float, lam: float,
+                   gather: Callable) -> tuple[list[list[dict]], list[list[dict]], list]:
+  """The critic's values at the step's start (`params`, the policy's `base`), then GAE, on the devices, per
+  micro-batch of the policy's `batches` (minibatch by minibatch). Returns the policy's batches with GAE's
+  `advantages`, the critic's batches (old values, returns) likewise nested, and (values, returns) per micro-batch
+  replicated by `gather` (for `critic_stats`' explained variance, read with the step's other statistics)."""
+  policy, out, targets = [], [], []
+  for minibatch in batches:
+    policy.append([])
+    out.append([])
+    for b in minibatch:
+      v = critic.values(params, base, {k: b[k] for k in BATCH_INT_KEYS})
+      advantages, returns = gae(v, b["advantages"], b["loss_mask"], b["segment_ids"], gamma=gamma, lam=lam)
+      policy[-1].append(b | {"advantages": advantages})
+      out[-1].append({k: b[k] for k in BATCH_INT_KEYS + ("loss_mask",)} | {"old_values": v, "returns": returns})
+      targets.append((gather(v), gather(returns)))
+  return policy, out, targets
+
+
+def critic_update(critic: CriticFns, params, opt_state, base, batches: list[list[dict]], targets: list,
+                  loss_tokens: Sequence[int], loss_masks: Sequence[np.ndarray], *,
+                  replicated: NamedSharding) -> tuple[Any, Any, dict[str, float]]:
+  """One critic update per minibatch of `critic_targets`' `batches` (its loss averaged over the minibatch's
+  `loss_tokens`). Returns (new params, new optimizer state, `critic_stats`), the stats read from the devices;
+  `loss_masks` are the micro-batches' loss tokens on the host (boolean [rows, length]), in order."""
+  sums, norms = [], []
+  for minibatch, n in zip(batches, loss_tokens):
+    inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1)), replicated)
+    grads, stats = critic.zero_accumulators()
+    for b in minibatch:
+      grads, stats = critic.accumulate(params, base, grads, stats, b, inv_tokens)
+    params, opt_state, norm = critic.apply(params, opt_state, grads)
+    sums.append(stats)
+    norms.append(norm)
+  sums, norms, targets = jax.device_get((sums, norms, targets))
+  return params, opt_state, critic_stats(sums, norms, targets, loss_masks)
+
+
+def critic_stats(sums: Sequence[dict], norms: Sequence, targets: Sequence, loss_masks: Sequence[np.ndarray]
+                 ) -> dict[str, float]:
+  """`critic/*` from the updates' statistic sums and gradient norms and the micro-batches' (values, returns), all on
+  the host: the value loss, clip fraction, mean value and return per loss token, gradient norm, explained variance."""
+  total = {k: float(sum(s[k] for s in sums)) for k in CRITIC_STATS}
+  n = max(total["tokens"], 1.0)
+  v = np.concatenate([vals[m] for (vals, _), m in zip(targets, loss_masks)] or [np.zeros(0)])
+  r = np.concatenate([ret[m] for (_, ret), m in zip(targets, loss_masks)] or [np.zeros(0)])
+  explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
+  return {"critic/value_loss": total["value_loss"] / n, "critic/clip_fraction": total["value_clipped"] / n,
+          "critic/values_mean": total["values"] / n, "critic/returns_mean": total["returns"] / n,
+          "critic/grad_norm": float(np.mean(norms)) if norms else 0.0,
+          "critic/explained_variance": float(explained)}

@@ -14,10 +14,15 @@ One `train_step` (= one policy version):
    use_decoupled_loss=False) do not report it. With `routing_replay` a mixture of experts' proximal and training
    passes route each token to the experts the sampler recorded for it (`Trajectory.routes`);
 4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
-   then one AdamW update.
+   then one AdamW update;
+5. the step's statistics on the host (learner/step_stats.py).
 
-With `learner.critic` (learner/critic.py) the step also computes the critic's values beside the proximal pass,
-replaces the advantages by GAE's, and after the policy's updates runs one critic update per minibatch.
+Steps 1-2 are `prepare` (a `StepPlan`), 3-5 `update`. Each device pass returns new batch dicts (the proximal and
+reference logprobs, GAE's advantages added) for the next; none changes the batches it is given.
+
+With `learner.critic` the step also computes the critic's values beside the proximal pass, replaces the advantages
+by GAE's (`critic.critic_targets`), and after the policy's updates runs one critic update per minibatch
+(`critic.critic_update`); the `Learner` holds the critic's state and checkpoints it with its own.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax import faults
-from areal_jax.learner import flops as flops_lib
 from areal_jax.learner import critic as critic_lib
+from areal_jax.learner import flops as flops_lib
+from areal_jax.learner import step_stats
 from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
@@ -43,7 +49,6 @@ from areal_jax.learner.optimizer import learning_rate
 from areal_jax.learner.ppo import loglinear_alpha
 from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, ROUTES_KEY, STALENESS_BUCKETS, STALENESS_KEY,
                                     StepFns, build_step)
-from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.sharding import LEARNER_RULES, Rules
 from areal_jax.types import Trajectory
@@ -62,46 +67,6 @@ class StepPlan:
   seq_lengths: tuple[int, ...]  # prompt + response tokens of every sequence trained on
   num_filtered: int  # answers dropped with their uniform-reward groups
   host_stats: dict[str, float]
-
-
-def gap_stats(gaps: Sequence[np.ndarray]) -> dict[str, float]:
-  """`sampler/logprob_gap` (mean |behaviour - learner logprob|), `_max` and `_tokens` from `logprob_gap`'s
-  [sum, count, max] per micro-batch; with no comparable token only the count (0) is reported."""
-  total, count = float(sum(g[0] for g in gaps)), float(sum(g[1] for g in gaps))
-  out = {"sampler/logprob_gap_tokens": count}
-  if count:
-    out |= {"sampler/logprob_gap": total / count, "sampler/logprob_gap_max": max(float(g[2]) for g in gaps)}
-  return out
-
-
-def staleness_stats(sums: dict[str, np.ndarray], microbatches: Sequence[MicroBatch], staleness: Sequence[np.ndarray],
-                    proximal: Sequence[np.ndarray] | None) -> dict[str, float]:
-  """What staleness does to a step, by the loss tokens' staleness s (`staleness/<s>/...`; the last bucket holds
-  STALENESS_BUCKETS - 1 or more): `tokens`, `clip_fraction` (the PPO clip's active share over the step's updates),
-  `dropped_fraction` (the behaviour weight masked or clamped by the off-policy correction); with the proximal pass
-  also `log_ratio_mean` / `_max` (log π_prox - log π_behav: its mean is minus a KL estimate of π_behav against
-  π_prox) and the behaviour weight's `weight_p50` / `_p90` / `_p99` / `_max`. `sums` are `accumulate`'s
-  `*_by_staleness` sums over the step; `staleness` and `proximal` are per micro-batch, [rows, length]."""
-  out = {}
-  ratios = {}
-  if proximal is not None:
-    for mb, s, lp in zip(microbatches, staleness, proximal):
-      ok = (mb.loss_mask > 0) & np.isfinite(lp) & np.isfinite(mb.behavior_logprobs)
-      for b in np.unique(s[ok]):
-        ratios.setdefault(int(b), []).append((lp - mb.behavior_logprobs)[ok & (s == b)])
-  tokens = sums["tokens_by_staleness"]
-  for b in np.flatnonzero(tokens):
-    key = f"staleness/{b}"
-    out[f"{key}/tokens"] = float(tokens[b])
-    out[f"{key}/clip_fraction"] = float(sums["clipped_by_staleness"][b] / tokens[b])
-    out[f"{key}/dropped_fraction"] = float(sums["capped_by_staleness"][b] / tokens[b])
-    if int(b) in ratios:
-      r = np.concatenate(ratios[int(b)]).astype(np.float64)
-      w = np.exp(r)
-      out |= {f"{key}/log_ratio_mean": float(r.mean()), f"{key}/log_ratio_max": float(r.max()),
-              f"{key}/weight_p50": float(np.quantile(w, 0.5)), f"{key}/weight_p90": float(np.quantile(w, 0.9)),
-              f"{key}/weight_p99": float(np.quantile(w, 0.99)), f"{key}/weight_max": float(w.max())}
-  return out
 
 
 class Learner:
@@ -223,61 +188,74 @@ class Learner:
     cfg, fns = self.config, self.fns
     start = time.perf_counter()
 
-    microbatches = [mb for minibatch in plan.minibatches for mb in minibatch]
-    staleness = [np.where(mb.loss_mask > 0, np.clip(self.version - mb.versions, 0, STALENESS_BUCKETS - 1),
-                          0).astype(np.int32) for mb in microbatches]
-    index = {id(mb): i for i, mb in enumerate(microbatches)}
+    staleness = [[np.where(mb.loss_mask > 0, np.clip(self.version - mb.versions, 0, STALENESS_BUCKETS - 1),
+                           0).astype(np.int32) for mb in minibatch] for minibatch in plan.minibatches]
 
-    def arrays(mb):
+    def arrays(mb, stale):
       out = {k: getattr(mb, k) for k in BATCH_INT_KEYS + BATCH_FLOAT_KEYS}
       if mb.routes is not None:
         out[ROUTES_KEY] = mb.routes
-      out[STALENESS_KEY] = staleness[index[id(mb)]]
+      out[STALENESS_KEY] = stale
       if cfg.loglinear_proximal:  # the proximal policy is this step's starting one, version `self.version`
         out["prox_alpha"] = np.where(mb.loss_mask > 0, loglinear_alpha(mb.versions, self.version), 0).astype(np.float32)
       return out
 
-    batches = [[jax.device_put(arrays(mb), fns.batch_sharding) for mb in minibatch] for minibatch in plan.minibatches]
+    batches = [[jax.device_put(arrays(mb, s), fns.batch_sharding) for mb, s in zip(minibatch, stale)]
+               for minibatch, stale in zip(plan.minibatches, staleness)]
     if cfg.kl_coef and self.ref_params is None:
       self.ref_params = fns.copy_params(self.params)
-    gaps, proximal = self._forward_passes(microbatches, [b for minibatch in batches for b in minibatch])
-    critic_batches, targets = self._critic_targets(batches) if self.critic is not None else (None, None)
+    batches, gaps, proximal = self._forward_passes(plan.minibatches, batches)
+    critic_batches = targets = None
+    if self.critic is not None:
+      batches, critic_batches, targets = critic_lib.critic_targets(
+          self.critic, self.critic_params, self.critic.base_of(self.params), batches, gamma=cfg.gae_gamma,
+          lam=cfg.gae_lambda, gather=fns.gather)
     faults.reach("learner_step")
     sums, grad_norms = self._apply_minibatches(batches, plan.denominators)
-    critic_stats = self._critic_update(critic_batches, targets, plan) if self.critic is not None else {}
+    microbatches = [mb for minibatch in plan.minibatches for mb in minibatch]
+    critic_stats = {}
+    if self.critic is not None:
+      self.critic_params, self.critic_opt, critic_stats = critic_lib.critic_update(
+          self.critic, self.critic_params, self.critic_opt, self.critic.base_of(self.params), critic_batches, targets,
+          plan.loss_tokens, [mb.loss_mask > 0 for mb in microbatches], replicated=fns.replicated)
     sums, grad_norms, gaps, proximal = jax.device_get((sums, grad_norms, gaps, proximal))
     elapsed = time.perf_counter() - start
     lr = float(self._lr(max(self._updates + len(sums) - 1, 0)))
     self._updates += len(sums)
     self.version += 1
-    stats = self._stats(plan, sums, grad_norms, elapsed, lr)
+    stats = step_stats.learner_stats(plan, sums, grad_norms, elapsed=elapsed, lr=lr, version=self.version, config=cfg,
+                                     model_cfg=self.model_cfg, stat_keys=fns.stat_keys, peak_flops=self.peak_flops)
     if sums:
-      by_staleness = {k: np.sum([s[k] for s in sums], axis=0)
-                      for k in self.fns.stat_keys if k.endswith("_by_staleness")}
-      stats |= staleness_stats(by_staleness, microbatches, staleness, proximal if cfg.recompute_proximal else None)
+      by_staleness = {k: np.sum([s[k] for s in sums], axis=0) for k in fns.stat_keys if k.endswith("_by_staleness")}
+      stats |= step_stats.staleness_stats(by_staleness, microbatches, [s for stale in staleness for s in stale],
+                                          proximal if cfg.recompute_proximal else None)
     if cfg.recompute_proximal:
-      stats |= gap_stats(gaps)
+      stats |= step_stats.gap_stats(gaps)
     return stats | critic_stats
 
-  def _forward_passes(self, microbatches: list, batches: list[dict]) -> tuple[list, list]:
-    """Forward-only passes with the parameters at the start of the step, all dispatched before any update: the
-    proximal logprobs (into each batch, and gathered for `staleness/*`) with the sampler's gap on this version's own
-    tokens, and the KL reference's logprobs. Returns (gaps, proximal), still on the devices."""
+  def _forward_passes(self, microbatches: Sequence[Sequence[MicroBatch]],
+                      batches: list[list[dict]]) -> tuple[list[list[dict]], list, list]:
+    """Forward-only passes with the parameters at the start of the step, all dispatched before any update, per
+    micro-batch (minibatch by minibatch): the proximal logprobs (gathered too, for `staleness/*`) with the sampler's
+    gap on this version's own tokens, and the KL reference's logprobs. Returns (the batches with
+    `proximal_logprobs` / `ref_logprobs` added, likewise nested, gaps, proximal), still on the devices."""
     cfg, fns = self.config, self.fns
-    gaps, proximal = [], []
-    for mb, b in zip(microbatches, batches):
-      inputs = {k: b[k] for k in BATCH_INT_KEYS}
-      if cfg.recompute_proximal:
-        b["proximal_logprobs"] = fns.logprobs(self.params, {k: b[k] for k in fns.forward_keys})
-        proximal.append(fns.gather(b["proximal_logprobs"]))  # read on the host for `staleness/*`
-        # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
-        same = (mb.loss_mask > 0) & (mb.versions == self.version)
-        if same.any():
-          gaps.append(fns.logprob_gap(b["proximal_logprobs"], b["behavior_logprobs"],
-                                      jax.device_put(same, fns.batch_sharding)))
-      if cfg.kl_coef:
-        b["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
-    return gaps, proximal
+    out, gaps, proximal = [], [], []
+    for minibatch, minibatch_batches in zip(microbatches, batches):
+      out.append([])
+      for mb, b in zip(minibatch, minibatch_batches):
+        inputs, passes = {k: b[k] for k in BATCH_INT_KEYS}, {}
+        if cfg.recompute_proximal:
+          lp = passes["proximal_logprobs"] = fns.logprobs(self.params, {k: b[k] for k in fns.forward_keys})
+          proximal.append(fns.gather(lp))  # read on the host for `staleness/*`
+          # Tokens drawn by the sampler under this very version (their context re-prefilled under it too).
+          same = (mb.loss_mask > 0) & (mb.versions == self.version)
+          if same.any():
+            gaps.append(fns.logprob_gap(lp, b["behavior_logprobs"], jax.device_put(same, fns.batch_sharding)))
+        if cfg.kl_coef:
+          passes["ref_logprobs"] = fns.logprobs(self.ref_params, inputs)
+        out[-1].append(b | passes)
+    return out, gaps, proximal
 
   def _apply_minibatches(self, batches: list[list[dict]], denominators) -> tuple[list, list]:
     """One optimizer update per minibatch, its micro-batches' gradients accumulated; (stats, grad norms) per update,
@@ -296,98 +274,12 @@ class Learner:
       grad_norms.append(grad_norm)
     return sums, grad_norms
 
-  def _critic_targets(self, batches: list[list[dict]]) -> tuple[list, list]:
-    """The critic's values at the step's start, then GAE, on the devices: each micro-batch's `advantages` replaced
-    (in `batches`). Returns the critic's batches (old values, returns) minibatch by minibatch, and (values, returns)
-    replicated per micro-batch (for explained variance, read with the step's other statistics)."""
-    cfg, fns, base = self.config, self.fns, self.critic.base_of(self.params)
-    out, targets = [], []
-    for minibatch in batches:
-      out.append([])
-      for b in minibatch:
-        v = self.critic.values(self.critic_params, base, {k: b[k] for k in BATCH_INT_KEYS})
-        b["advantages"], returns = critic_lib.gae(v, b["advantages"], b["loss_mask"], b["segment_ids"],
-                                                  gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
-        out[-1].append({k: b[k] for k in BATCH_INT_KEYS + ("loss_mask",)} | {"old_values": v, "returns": returns})
-        targets.append((fns.gather(v), fns.gather(returns)))
-    return out, targets
-
-  def _critic_update(self, critic_batches: list[list[dict]], targets: list, plan: StepPlan) -> dict[str, float]:
-    """One critic update per minibatch (its loss averaged over the minibatch's loss tokens); `critic/*` stats."""
-    c, sums, norms, base = self.critic, [], [], self.critic.base_of(self.params)
-    for minibatch, n in zip(critic_batches, plan.loss_tokens):
-      inv_tokens = jax.device_put(np.float32(1.0 / max(n, 1)), self.fns.replicated)
-      grads, stats = c.zero_accumulators()
-      for b in minibatch:
-        grads, stats = c.accumulate(self.critic_params, base, grads, stats, b, inv_tokens)
-      self.critic_params, self.critic_opt, norm = c.apply(self.critic_params, self.critic_opt, grads)
-      sums.append(stats)
-      norms.append(norm)
-    sums, norms, targets = jax.device_get((sums, norms, targets))
-    total = {k: float(sum(s[k] for s in sums)) for k in critic_lib.CRITIC_STATS}
-    n = max(total["tokens"], 1.0)
-    masks = [mb.loss_mask > 0 for minibatch in plan.minibatches for mb in minibatch]
-    v = np.concatenate([vals[m] for (vals, _), m in zip(targets, masks)] or [np.zeros(0)])
-    r = np.concatenate([ret[m] for (_, ret), m in zip(targets, masks)] or [np.zeros(0)])
-    explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
-    return {"critic/value_loss": total["value_loss"] / n, "critic/clip_fraction": total["value_clipped"] / n,
-            "critic/values_mean": total["values"] / n, "critic/returns_mean": total["returns"] / n,
-            "critic/grad_norm": float(np.mean(norms)) if norms else 0.0,
-            "critic/explained_variance": float(explained)}
-
   def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """One learner step (one new policy version) on a batch of scored trajectories; returns `learner/*` stats.
 
     A batch whose groups are all filtered out still counts as a step (the version advances; parameters do not move).
     """
     return self.update(self.prepare(trajectories))
-
-  def _stats(self, plan: StepPlan, sums: list[dict], grad_norms: list, elapsed: float, lr: float) -> dict[str, float]:
-    cfg = self.config
-    total = {k: float(sum(s[k] for s in sums)) for k in self.fns.stat_keys
-             if not k.endswith("_by_staleness") and k != "expert_counts"}
-    n = max(total["tokens"], 1.0)
-    out = {f"learner/{k}": v for k, v in plan.host_stats.items()}
-    tokens = sum(plan.seq_lengths)
-    slots = sum(mb.tokens.size for minibatch in plan.minibatches for mb in minibatch)
-    passes = 3 + int(cfg.recompute_proximal) + int(bool(cfg.kl_coef))  # fwd+bwd, proximal, reference
-    model_flops = passes * sum(n_tok * self.model_cfg.flops_per_token(n_tok) for n_tok in plan.seq_lengths)
-    out |= {
-        "learner/version": float(self.version),
-        "learner/loss": total["loss"] / n,
-        "learner/clip_fraction": total["clipped"] / n,
-        "learner/dual_clip_fraction": total["dual_clipped"] / n,
-        "learner/importance_weight_mean": total["importance_weight"] / n,
-        "learner/importance_weight_max": max((float(s["importance_weight_max"]) for s in sums), default=0.0),
-        "learner/capped_fraction": total["capped"] / n,
-        "learner/approx_kl": total["approx_kl"] / n,
-        "learner/entropy": total["entropy"] / n,
-        "learner/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-        "learner/lr": lr,
-        "learner/num_sequences": float(len(plan.seq_lengths)),
-        "learner/num_filtered": float(plan.num_filtered),
-        "learner/loss_tokens": total["tokens"],
-        "learner/micro_batches": float(sum(map(len, plan.minibatches))),
-        "learner/padding_fraction": 1.0 - tokens / slots if slots else 0.0,
-        "learner/tokens_per_s": tokens / elapsed,
-        "learner/step_time_s": elapsed,
-        "learner/mfu": model_flops / elapsed / self.peak_flops() if tokens else 0.0,
-        "learner/nonfinite_tokens": total["nonfinite"],
-    }
-    if cfg.kl_coef:
-      out["learner/ref_kl"] = total["ref_kl"] / n
-    if "aux_loss" in total:
-      out["learner/aux_loss"] = total["aux_loss"] / n
-      counts = np.sum([s["expert_counts"] for s in sums], axis=0) if sums else np.zeros(1)
-      out["learner/expert_load_max"] = float(moe.expert_load_max({"counts": counts}))
-    if "replayed" in total:
-      out["learner/rerouted_fraction"] = total["rerouted"] / max(total["replayed"], 1.0)
-    bad = [f"{key.split('/')[1]} is {out[key]}" for key in ("learner/loss", "learner/grad_norm")
-           if not np.isfinite(out[key])]
-    if bad:
-      raise FloatingPointError(f"learner step {self.version}: {', '.join(bad)}; stopping before these parameters are "
-                               "published or checkpointed (the last checkpoint is intact)")
-    return out
 
   def peak_flops(self) -> float:
     if self._peak_flops is None:

@@ -16,8 +16,9 @@ from flax import nnx
 
 from areal_jax.distributed import weight_transfer
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.learner import Learner, gap_stats
+from areal_jax.learner.learner import Learner
 from areal_jax.learner.step import make_learner_mesh
+from areal_jax.learner.step_stats import gap_stats
 from areal_jax.models import weights
 from areal_jax.models.logprobs import next_token_logprobs
 from areal_jax.sampler import Engine, Request, SamplerConfig, SamplerLoop, SamplingParams, Scheduler
