@@ -16,8 +16,9 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
+
+from waiting import wait_until
 
 # Read by tensorstore (Orbax's arrays) and by gcsfs (etils paths: files and listings).
 ENV_VARS = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "STORAGE_EMULATOR_HOST",
@@ -39,17 +40,16 @@ def running(*, bucket: str, timeout_s: float = 30.0):
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
   saved = {k: os.environ.get(k) for k in ENV_VARS}
   try:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def serving() -> bool:
       try:
         with urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}", timeout=1):
-          break
+          return True
       except OSError:
         if proc.poll() is not None:
           raise RuntimeError(f"GCS emulator exited with code {proc.returncode} before serving {url}") from None
-        if time.monotonic() > deadline:
-          raise RuntimeError(f"GCS emulator not serving {url} after {timeout_s} s") from None
-        time.sleep(0.1)
+        return False
+
+    wait_until(serving, timeout_s=timeout_s, what=f"the GCS emulator serving {url}", poll_s=0.1)
     os.environ.update({"TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
                        "STORAGE_EMULATOR_HOST": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"})
     yield url
