@@ -36,6 +36,8 @@ r"""Asynchronous RL on math problems (AReaL, arXiv 2505.24298). Presets: `--conf
 Measured figures: docs/results.md. Any field can be overridden: `--config.learner.lr=1e-5`. Unknown keys raise.
 """
 
+import os
+
 import ml_collections
 
 # The presets as data: each is the fields it changes from the defaults in `get_config` (which are `tiny`'s), in one
@@ -314,6 +316,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.warmstart.target_loss = 0.0
   # True: one update per batch (its packed pieces' gradients added); False: one per piece. configs/agent.py: True.
   c.warmstart.accumulate = False
+  # A directory (local or gs://) where runs share their warm-starts, each under a key of everything that decides it
+  # (model, data, tokenizer, warm-start settings, seed, learner mesh): a run finds its own there instead of training
+  # it. "" = none (each run keeps its own in <workdir>/warmstart). Default: $AREAL_JAX_WARMSTART_CACHE (tests set it).
+  c.warmstart.cache_dir = os.environ.get("AREAL_JAX_WARMSTART_CACHE", "")
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 30  # learner steps between checkpoints

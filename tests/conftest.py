@@ -12,6 +12,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="areal_jax_test_xla_cache_")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# Likewise one warm-start cache (`warmstart.cache_dir`'s default): runs with the same model, data and warm-start
+# settings train their warm-start once per session, not once per test. A test about the warm-start itself sets
+# `warmstart.cache_dir=""`.
+if "AREAL_JAX_WARMSTART_CACHE" not in os.environ:
+  os.environ["AREAL_JAX_WARMSTART_CACHE"] = tempfile.mkdtemp(prefix="areal_jax_test_warmstart_")
+  atexit.register(shutil.rmtree, os.environ["AREAL_JAX_WARMSTART_CACHE"], ignore_errors=True)
 
 # LLVM's optimisation of the CPU code off (`--xla_backend_optimization_level=0`, no change to float semantics: fast
 # math stays off): the tests' programs are tiny, so compiling is most of their cost (two compile-heavy test files took

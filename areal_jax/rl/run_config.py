@@ -70,6 +70,7 @@ class WarmstartConfig(_Group):
   heldout: int = 128
   target_loss: float = 0.0  # 0 = off
   accumulate: bool = False
+  cache_dir: str = ""  # runs share warm-starts here, keyed by what decides them; "" = only <workdir>/warmstart
 
   def __post_init__(self):
     _positive(self, "lr", "batch_size")

@@ -1,10 +1,15 @@
 """A run's initial weights: the base model from `model.init_from` (HF or Orbax), or the random init warm-started on
 worked solutions (or an agent's demonstrations), cached in `<workdir>/warmstart`; under LoRA, the learner's fresh
-adapters on that base."""
+adapters on that base. With `warmstart.cache_dir` runs share warm-starts: one trained by a run with the same model,
+data, tokenizer, warm-start settings, seed and learner mesh is copied into the workdir instead of trained again."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import os
+import uuid
 
 import jax
 from etils import epath
@@ -67,6 +72,10 @@ def initial_base(settings: config_lib.Settings, fns, params, train, tokenizer, w
   if not settings.warmstart.steps:
     return params
   cache = workdir / "warmstart"
+  shared = _shared_cache(settings, fns)
+  if not (cache / "model_config.json").exists() and shared is not None and (shared / "model_config.json").exists():
+    logging.info("warm-start: the one in %s (warmstart.cache_dir) is this run's", shared)
+    _copy_tree(shared, cache)
   if (cache / "model_config.json").exists():
     logging.info("warm-start: loading cached %s", cache)
     return place(nnx.state(orbax_io.load_orbax(str(cache)), nnx.Param), shardings)
@@ -93,4 +102,42 @@ def initial_base(settings: config_lib.Settings, fns, params, train, tokenizer, w
                                       target_match=w.target_match)
   orbax_io.save_orbax(nnx.merge(fns.graphdef, params), str(cache))
   logging.info("warm-start: done after %d steps, loss %.4f, cached in %s", taken, loss, cache)
+  if shared is not None:
+    _share(cache, shared)
   return params
+
+
+def _shared_cache(settings: config_lib.Settings, fns) -> epath.Path | None:
+  """This run's entry in `warmstart.cache_dir`: a key of everything that decides the warm-started weights."""
+  if not settings.warmstart.cache_dir:
+    return None
+  warmstart = dataclasses.replace(settings.warmstart, cache_dir="")
+  params = [(jax.tree_util.keystr(k), x.shape, str(x.dtype))
+            for k, x in jax.tree_util.tree_flatten_with_path(fns.abstract_params)[0]]
+  decides = (settings.model, settings.model_source, settings.data, warmstart, settings.agent, settings.seed,
+             settings.sampler.max_new_tokens, settings.learner.max_tokens_per_mb, dict(fns.mesh.shape), params)
+  key = hashlib.sha256(repr(decides).encode()).hexdigest()[:20]
+  return epath.Path(settings.warmstart.cache_dir) / key
+
+
+def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
+  """A directory's files, byte for byte (across file systems: local, gs://)."""
+  dst.mkdir(parents=True, exist_ok=True)
+  for path in src.iterdir():
+    if path.is_dir():
+      _copy_tree(path, dst / path.name)
+    else:
+      (dst / path.name).write_bytes(path.read_bytes())
+
+
+def _share(cache: epath.Path, shared: epath.Path) -> None:
+  """Copies this run's warm-start into the shared cache: staged beside it, then renamed, so a run never reads one
+  half-written; when another run shared the same one meanwhile, its copy stays."""
+  staging = shared.parent / f"{shared.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  _copy_tree(cache, staging)
+  try:
+    staging.rename(shared)
+  except OSError:
+    staging.rmtree()
+  else:
+    logging.info("warm-start: shared in %s (warmstart.cache_dir)", shared)

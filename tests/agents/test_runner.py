@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from areal_jax import agents
+from areal_jax import config as config_lib
 from areal_jax.agents.episodes import Completion
 from areal_jax.config import load_config
 from areal_jax.errors import SamplerLost
@@ -208,7 +209,7 @@ def test_the_bundled_agent_config_warm_starts_on_demonstrations_trains_and_evalu
   """configs/agent.py end to end (small shapes): the warm-start on the calculator's demonstrations, training on its
   episodes, evaluation by episodes at each evaluated version."""
   config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py:fast"), total_steps=2,
-                       **{"sampler.prefix_cache": True})
+                       **{"sampler.prefix_cache": True, "warmstart.cache_dir": ""})  # its own warm-start, trained
   with caplog.at_level(logging.INFO):
     rows = trainer.run(config, str(tmp_path))
   assert "demonstrated episodes" in caplog.text and "HTTP Request" not in caplog.text
@@ -247,13 +248,25 @@ def test_256_concurrent_episodes_in_three_apis_all_finish(rollout):
 @pytest.mark.slow
 def test_the_calculator_written_for_the_messages_api_trains(tmp_path):
   """configs/agent.py (small shapes) with the calculator written against Anthropic's Messages API: its episodes call
-  the tool (more than one completion each on average) and train, their turns kept as drawn."""
-  # A longer warm-start on demonstrations that all call the tool: the fast preset's 30 steps write no valid call yet.
+  the tool (more than one completion each on average) and train, their turns kept as drawn. The run starts from a
+  policy scripted on the demonstrations of its first prompts (`model.init_from`, an Orbax policy directory): the fast
+  preset's 30 warm-start steps write no valid call yet, and 300 took most of this test's time."""
+  from areal_jax.agents.calculator import ClaudeCalculator  # pylint: disable=g-import-not-at-top
+  from areal_jax.data import DataConfig, build_dataset  # pylint: disable=g-import-not-at-top
+  from areal_jax.models import orbax_io  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl.controller import problem  # pylint: disable=g-import-not-at-top
+
   config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py:fast"), total_steps=2,
-                       **{"agent.path": "areal_jax.agents.calculator:ClaudeCalculator", "warmstart.steps": 300,
-                          "warmstart.lr": 3e-3, "agent.options.demo_tool_share": 1.0})
-  trainer.run(config, str(tmp_path))
-  metrics = read_metrics(str(tmp_path))[1:]
+                       **{"agent.path": "areal_jax.agents.calculator:ClaudeCalculator"})
+  data = DataConfig.from_config(config.data)
+  train, held_out = build_dataset(data, TOK, split="train"), build_dataset(data, TOK, split="eval")
+  records = [next(train) for _ in range(16)] + list(held_out.records)
+  demos = [ClaudeCalculator(demo_tool_share=1.0).demonstration(problem(r)) for r in records]
+  policy = memorize(tiny_model(config_lib.model_config(config)), agents.demonstration_pairs(demos, TOK), steps=2000)
+  orbax_io.save_orbax(policy, str(tmp_path / "policy"))
+  config.model.init_from = str(tmp_path / "policy")
+  trainer.run(config, str(tmp_path / "run"))
+  metrics = read_metrics(str(tmp_path / "run"))[1:]
   assert [m["step"] for m in metrics] == [1, 2]
   for m in metrics:
     assert m["agent/turns_mean"] > 1 and m["agent/episode_failures"] == 0 and m["agent/retokenized_turns"] == 0, m
