@@ -41,7 +41,9 @@ SHORT_RUN = {
     "total_steps": 2, "checkpoint.every_steps": 1, "eval.every_steps": 2, "metrics.tensorboard": True,
     "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2, "model.num_heads": 2,
     "model.num_kv_heads": 1, "model.head_dim": 32,
-    "warmstart.steps": 8, "warmstart.batch_size": 32, "warmstart.target_match": 0.0, "data.eval_size": 4,
+    "warmstart.steps": 8, "warmstart.batch_size": 32, "warmstart.target_match": 0.0,
+    "warmstart.cache_dir": "",  # the run trains its own warm-start and writes it to gs:// with the rest
+    "data.eval_size": 4,
     "data.synthetic_size": 500,
     "rollout.batch_size": 4, "rollout.group_size": 4, "rollout.max_concurrent_rollouts": 8,
     "learner.ppo_n_minibatches": 2, "learner.max_tokens_per_mb": 256, "learner.min_bucket": 64,
