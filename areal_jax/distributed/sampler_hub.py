@@ -178,8 +178,9 @@ class SamplerHub:
 
   def _call(self, fn: Callable, *args):
     """Runs `fn(*args)` on the hub's loop and returns what it returns (or raises what it raised). Before `start` and
-    after `stop` no loop runs, and nothing else touches its state: then the caller runs it."""
-    if not self._loop.is_alive():
+    after `stop` no loop runs, and nothing else touches its state: then the caller runs it; so does the loop itself
+    (a future's callback, run where the future completes, that asks the hub for its metrics)."""
+    if not self._loop.is_alive() or threading.current_thread() is self._loop:
       return fn(*args)
     result = Future()
     self._post(fn, *args, result=result)
