@@ -197,6 +197,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.attention_block = 0  # tokens per block of the pure-JAX paged attention; 0 = 32 on CPU, 256 elsewhere
   # Decode steps per device call, one while loop (new answers and weights wait for the call to end).
   c.sampler.decode_steps = 8
+  # Dispatch each decode call before reading the last one's tokens: the host's bookkeeping hides behind the device.
+  c.sampler.overlap = True
   c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
   # Keep released sequences' full pages for prompts that extend them (an agent's next turn); evicted when short.
   c.sampler.prefix_cache = False

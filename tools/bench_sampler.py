@@ -25,6 +25,14 @@ Defaults take about 2 minutes on a 2-core CPU:
 
     python tools/bench_sampler.py [--slots 32] [--requests 256] [--mean-len 48]
     python tools/bench_sampler.py --peer=hf --workload=equal --slots=64 --requests=64 --new-tokens=128
+
+`--host_slots=256,2048,8192` instead times the scheduler's host work per decode call with no device at all: the
+simulator's engine (`sim.engine.SimEngine`, 256 slots per data shard) under the real `Scheduler`, every slot drawing
+`--decode-steps` tokens a call (the last value). A second pass gives every decode call a fixed device time equal to
+the host time just measured (results ready that long after dispatch, one call after another, as a device queue
+runs them), and `hidden` is the share of that run's host time (wall - waiting for results) that overlapped a device
+call: (device - waiting) / host (serial host work waits for every whole call: 0%). One line per count,
+`host per decode call at S slots: X ms, hidden Y%`.
 """
 
 from __future__ import annotations
@@ -50,6 +58,11 @@ def parse_args():
                       "is the engine the ratios use")
   p.add_argument("--repeats", type=int, default=2, help="timed runs per variant, alternating; the best counts")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--host_slots", default="",
+                 help="comma-separated slot counts: time the scheduler's host work per decode call (no device)")
+  p.add_argument("--host_calls", type=int, default=64,
+                 help="--host_slots: decode calls timed per count (enough that every answer's buffered tokens move "
+                      "into its lists at least once: every 32 calls)")
   return p.parse_args()
 
 
@@ -157,8 +170,93 @@ def make_static_generate(graphdef, slots: int, cache_len: int):
   return run
 
 
+class _Ready:
+  """A fake device result: `value` once `at` (time.perf_counter) has passed; reading it earlier waits."""
+
+  def __init__(self, value, at: float):
+    self.value, self.at = value, at
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    wait = self.at - time.perf_counter()
+    if wait > 0:
+      time.sleep(wait)
+    return self.value if dtype is None else self.value.astype(dtype)
+
+
+def host_engine(slots: int, decode_steps: int, calls: int):
+  """A device-free engine of `slots` slots (256 per data shard) whose decode calls draw every slot's whole budget;
+  `device_s`, settable, is each call's device time (results are `_Ready` that long after the previous call's)."""
+  import numpy as np
+
+  from areal_jax.sampler import SamplerConfig
+  from areal_jax.sampler.state import DecodeSteps
+  from areal_jax.sim import engine as sim_engine
+  from areal_jax.sim.costs import CostModel
+  from areal_jax.sim.devices import DEVICES
+
+  class Engine(sim_engine.SimEngine):
+
+    device_s, _free_at = 0.0, 0.0
+
+    def decode(self, params, state, budget, stop_eos, eos, grow, refill_at):
+      del params, stop_eos, eos, grow, refill_at
+      count = budget.astype(np.int32)
+      tokens = np.where(np.arange(self.cfg.decode_steps)[None, :] < count[:, None], sim_engine.FILLER, -1)
+      self._free_at = max(time.perf_counter(), self._free_at) + self.device_s
+      ready = lambda x: _Ready(x, self._free_at)
+      return state, DecodeSteps(tokens=ready(tokens.astype(np.int32)),
+                                log_prob=ready(np.zeros(tokens.shape, np.float32)), count=ready(count))
+
+  model_cfg = model_config("tiny")
+  length = decode_steps * (calls + 8)  # no answer ends while timed
+  cfg = SamplerConfig(num_slots=slots, page_size=16, max_seq_len=length + 64, max_new_tokens=length,
+                      decode_steps=decode_steps, max_prefill_tokens=1 << 16)
+  shards = max(1, slots // 256)
+  costs = CostModel(model=model_cfg, device=DEVICES["h100"], sampler_chips=shards, learner_chips=1,
+                    sampler_shards=shards)
+  return Engine(model_cfg=model_cfg, cfg=cfg, num_shards=shards, pages_per_shard=slots // shards * cfg.pages_per_seq + 1,
+                costs=costs, lengths=lambda keys: np.full(keys.shape[:-1], 10 * length), eos_id=0)
+
+
+def host_per_call(slots: int, decode_steps: int, calls: int, device_s: float) -> tuple[float, float]:
+  """(wall seconds, seconds waiting for the device) per decode call of the real `Scheduler` over `host_engine`, once
+  every slot runs (admission and the calls that start the answers are not timed)."""
+  import numpy as np
+
+  from areal_jax.sampler import Request, SamplingParams, Scheduler
+
+  engine = host_engine(slots, decode_steps, calls)
+  sched = Scheduler(engine=engine, params={}, eos_ids=[0])
+  sampling = SamplingParams(max_new_tokens=engine.cfg.max_new_tokens, ignore_eos=True)
+  for g in range(slots // 8):
+    sched.submit(Request(group_id=g, prompt_ids=np.arange(2, 34), num_answers=8, sampling=sampling))
+  for _ in range(3):  # admits every answer, reads the first tokens
+    sched.step()
+  assert len(sched.running) == slots, (len(sched.running), slots)
+  engine.device_s = device_s
+  waited = sched.seconds["device_wait"]
+  start = time.perf_counter()
+  for _ in range(calls):
+    sched.step()
+  return (time.perf_counter() - start) / calls, (sched.seconds["device_wait"] - waited) / calls
+
+
+def host_main(args) -> None:
+  """Host time per call with no device; then, under a device call of that length, the share of the host time that
+  ran while the device did: (device - waiting) / host, the host time taken from that same run (wall - waiting)."""
+  k = int(args.decode_steps.split(",")[-1])
+  for slots in [int(s) for s in args.host_slots.split(",")]:
+    host, _ = host_per_call(slots, k, args.host_calls, 0.0)
+    wall, waited = host_per_call(slots, k, args.host_calls, host)
+    hidden = min(1.0, max(0.0, (host - waited) / (wall - waited)))
+    print(f"host per decode call at {slots} slots: {host * 1e3:.1f} ms, hidden {hidden:.0%}", flush=True)
+
+
 def main():
   args = parse_args()
+  if args.host_slots:
+    return host_main(args)
   import jax
   import numpy as np
   from flax import nnx

@@ -51,6 +51,9 @@ class SamplerConfig:
   # Compile every program the scheduler can call (each prefill bucket and row count, decode) before generating: no
   # compile stalls mid-run, a longer start (`Engine.warmup`).
   warmup: bool = False
+  # Dispatch each decode call before reading the previous one's tokens, so that the host's bookkeeping runs while
+  # the device decodes (`scheduler.py`); False reads each call before the next (one call sooner, nothing hidden).
+  overlap: bool = True
   # Record a mixture of experts' routing of every position (`Trajectory.routes`), for the learner's routing replay;
   # not a config key: set by `learner.routing_replay`.
   record_routes: bool = False

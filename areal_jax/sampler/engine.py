@@ -314,30 +314,30 @@ class Engine(engine_api.Engine):
   # --- batched calls of the scheduler ----------------------------------------------------------------------------
 
   def generate_steps(self, params, decode_state: DecodeState, budget: np.ndarray, *,
-                     stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = (),
-                     refill_at: int = 0) -> tuple[DecodeState, DecodeSteps]:
+                     stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = (), refill_at: int = 0,
+                     ahead: np.ndarray | None = None) -> tuple[DecodeState, DecodeSteps]:
     """Up to `budget[s]` (at most `sampler.decode_steps`) tokens for every active slot s in one device call; a slot
     with `stop_eos[s]` stops early once it draws one of `eos_ids` (its pending token is never cached then). With
     `refill_at` > 0 the call ends as soon as that many slots have stopped, so that waiting answers can take them.
 
-    Pages for the whole budget are allocated first (`PoolExhausted` if a shard lacks them). The device decides how
-    many tokens each slot drew: the caller reads `DecodeSteps.count` and passes it to `slots.advance` before the
-    next call.
+    Pages for the whole budget are allocated first (`PoolExhausted` if a shard lacks them), after `ahead[s]` tokens
+    that calls dispatched before and not yet read may still cache. The device decides how many tokens each slot
+    drew: the caller reads `DecodeSteps.count` and passes it to `slots.advance`.
     """
     cfg = self.cfg
     with self.slots.lock:
       budget = np.where(self.slots.active, np.minimum(np.asarray(budget, np.int64), cfg.decode_steps), 0)
-      over = np.flatnonzero(self.slots.cached + budget > cfg.max_seq_len)
+      held = self.slots.cached + (0 if ahead is None else np.where(self.slots.active, ahead, 0))
+      over = np.flatnonzero(held + budget > cfg.max_seq_len)
       if len(over):
-        raise ValueError(f"slot {over[0]} holds {self.slots.cached[over[0]]} tokens; {budget[over[0]]} more exceed "
+        raise ValueError(f"slot {over[0]} holds {held[over[0]]} tokens; {budget[over[0]]} more exceed "
                          f"the cache length sampler.max_seq_len={cfg.max_seq_len}")
       if len(eos_ids) > MAX_EOS_IDS:
         raise ValueError(f"{len(eos_ids)} EOS ids; at most {MAX_EOS_IDS}")
       s = cfg.num_slots
       grow = np.full((3, s * self.pages_ahead), s, np.int32)
-      new = self.slots.grow(budget)
-      if new:
-        grow[:, :len(new)] = np.array(new, np.int32).T
+      new = self.slots.grow(held - self.slots.cached + budget)
+      grow[:, :len(new)] = new.T
     stop = np.zeros(cfg.num_slots, bool) if stop_eos is None else np.asarray(stop_eos, bool)
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = list(eos_ids)

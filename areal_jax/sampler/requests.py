@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -63,9 +64,9 @@ class Sequence:
   key: np.ndarray  # uint32 [2]
   order: tuple[int, int]  # (arrival number, answer): lower = older = higher priority
   t_submit: float
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
+  _tokens: list[int] = dataclasses.field(default_factory=list, repr=False)
+  _logprobs: list[float] = dataclasses.field(default_factory=list, repr=False)
+  _versions: list[int] = dataclasses.field(default_factory=list, repr=False)
   # With `sampler.record_routes`: the experts each position was routed to, from position 0 on, in chunks of int16
   # [positions, sparse layers, k] (-1: not recorded, a prefix-cache hit's positions).
   routes: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -74,6 +75,27 @@ class Sequence:
   preemptions: int = 0
   t_first_token: float = 0.0
   t_finish: float = 0.0
+  # Set by the scheduler while the answer holds a slot: moves tokens the scheduler recorded in bulk (its per-slot
+  # buffers) into the lists below, so that `tokens`, `logprobs` and `versions` are always up to date when read.
+  sync: Callable[[Sequence], None] | None = dataclasses.field(default=None, repr=False)
+
+  @property
+  def tokens(self) -> list[int]:
+    if self.sync is not None:
+      self.sync(self)
+    return self._tokens
+
+  @property
+  def logprobs(self) -> list[float]:
+    if self.sync is not None:
+      self.sync(self)
+    return self._logprobs
+
+  @property
+  def versions(self) -> list[int]:
+    if self.sync is not None:
+      self.sync(self)
+    return self._versions
 
   @property
   def prompt(self) -> np.ndarray:
@@ -85,11 +107,11 @@ class Sequence:
 
   def append(self, token: int, logprob: float, version: int, *, eos_ids: frozenset[int], max_seq_len: int) -> bool:
     """Records a generated token; returns True (and sets finish_reason) if the answer is finished."""
-    if not self.tokens:
+    if not self.tokens:  # synced: the lists below hold every token so far
       self.t_first_token = time.monotonic()
-    self.tokens.append(token)
-    self.logprobs.append(logprob)
-    self.versions.append(version)
+    self._tokens.append(token)
+    self._logprobs.append(logprob)
+    self._versions.append(version)
     sp = self.request.sampling
     if token in eos_ids and not sp.ignore_eos:
       self.finish_reason = "eos"

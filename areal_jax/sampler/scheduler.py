@@ -11,10 +11,21 @@ One `step()`:
    requeued, resumed later by re-prefill);
 4. one decode call of up to `sampler.decode_steps` steps for every running answer (one `lax.while_loop` on the
    device); one read of the device brings its tokens and the first tokens of the answers admitted in 2. Tokens are
-   recorded with the current version; answers finish at EOS, a stop sequence, `max_new_tokens` or the cache length,
-   and free their slots and pages (full pages go to the prefix cache, if on; new weights empty it). New weights and
-   new answers wait for the call to end. With `sampler.record_routes` the same read brings a mixture of experts'
-   routing of the prompts' positions and of each step's input token, kept per answer (`Sequence.routes`).
+   recorded with the version they were drawn under; answers finish at EOS, a stop sequence, `max_new_tokens` or the
+   cache length, and free their slots and pages (full pages go to the prefix cache, if on; new weights empty it).
+   With `sampler.record_routes` the same read brings a mixture of experts' routing of the prompts' positions and of
+   each step's input token, kept per answer (`Sequence.routes`).
+
+With `sampler.overlap` (the default) the read of step k's call comes after step k+1's call is dispatched (JAX
+dispatches asynchronously), so the host's bookkeeping runs while the device decodes: the device stops a slot at EOS
+or at its budget by itself, budgets and pages count the call still in flight as if it drew its whole budget (never
+more than an answer may draw), and slots an answer left in call k take new answers from step k+2. A call's tokens
+for a slot whose answer ended on the host meanwhile (a stop sequence, a preemption) are dropped; a preempted answer
+draws them again (same keys, same tokens). A weight swap first reads every call in flight. Answers, logprobs,
+versions and routes are the same as without overlap (`tests/sampler/test_overlap.py`).
+
+Recording is vectorised over the call's [slots, steps] block: where an answer stops (EOS, its length) is found with
+numpy, and each answer's new tokens are appended once per call, not once per token.
 
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
@@ -23,6 +34,7 @@ sequence per shard) can never deadlock.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 import threading
@@ -35,7 +47,21 @@ from areal_jax.sampler.engine import Draws, Engine
 from areal_jax.sampler.requests import Request, Sequence
 from areal_jax.sampler.sampling import request_key
 from areal_jax.sampler.slots import Placement
+from areal_jax.sampler.state import DecodeSteps
 from areal_jax.models.weights import check_compatible
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A decode call dispatched and not yet read: its device results, the first tokens of the answers admitted just
+  before it (see `Scheduler._fresh`), which answer held each slot (`owners`, `Scheduler._occupant` serials), the
+  tokens each slot could draw and the version they were drawn under."""
+
+  steps: DecodeSteps
+  fresh: list
+  owners: np.ndarray
+  budget: np.ndarray
+  version: int
 
 
 class Scheduler:
@@ -57,10 +83,29 @@ class Scheduler:
     self.seconds: collections.Counter[str] = collections.Counter()
     self._arrivals = itertools.count()
     self._pending: tuple[object, int] | None = None
+    self.overlap = engine.cfg.overlap
+    self._inflight: collections.deque[_Call] = collections.deque()
+    # Per slot, set when an answer takes it: a serial naming the answer (0: free), the tokens it may draw in all
+    # (max_new_tokens and the cache), whether EOS ends it, whether it has stop sequences (checked token by token).
+    s = engine.cfg.num_slots
+    self._serials = itertools.count(1)
+    self._occupant = np.zeros(s, np.int64)
+    self._limit = np.zeros(s, np.int64)
+    self._stop_eos = np.zeros(s, bool)
+    self._has_stop = np.zeros(s, bool)
+    self._eos_array = np.array(sorted(self.eos_ids), np.int64)
+    # Tokens recorded for each slot's answer and not yet in its lists (`_buffer`, `_sync`): up to 32 calls' worth
+    # (12 bytes a token: 25 MB at 8192 slots of 8 steps).
+    width = min(32 * engine.cfg.decode_steps, engine.cfg.max_seq_len)
+    self._buf_tokens, self._buf_versions = np.zeros((s, width), np.int32), np.zeros((s, width), np.int32)
+    self._buf_logp = np.zeros((s, width), np.float32)
+    self._buf_n = np.zeros(s, np.int64)
+    self._turn = 0
     # Admitted this step, per prefill: ((answer, its index into the draw, its row), first tokens, logprobs, experts
     # of the rows' positions or None, tokens before each row in the prefix cache).
     self._fresh: list = []
     self._lock = threading.Lock()
+    self._waited = 0.0  # seconds this step waited for the device
 
   # --- inputs ---------------------------------------------------------------------------------------------------
 
@@ -89,7 +134,7 @@ class Scheduler:
 
   @property
   def idle(self) -> bool:
-    return not (self.running or self.waiting or self.resume)
+    return not (self.running or self.waiting or self.resume or self._inflight)
 
   @property
   def has_update(self) -> bool:
@@ -105,81 +150,172 @@ class Scheduler:
 
   def step(self) -> list[Sequence]:
     """One scheduling round and one decode call (up to `sampler.decode_steps` tokens per answer); returns the
-    answers that finished in it.
+    answers that finished in the call it read (this step's own, or with `overlap` the previous step's).
 
-    The host reads the device once per step: the decode call's tokens together with the first tokens of answers
-    admitted in this step (drawn at prefill), so prefill, insert and decode are dispatched back to back. Answers stop
-    on the device at EOS or their token budget; a stop sequence is found here, and tokens drawn after it are dropped.
+    The host reads the device once per call: its tokens together with the first tokens of answers admitted just
+    before it (drawn at prefill), so prefill, insert and decode are dispatched back to back. Answers stop on the
+    device at EOS or their token budget; a stop sequence is found here, and tokens drawn after it are dropped.
     """
     t0 = time.perf_counter()
+    finished = []
+    if self.has_update:  # the recompute needs every token drawn so far
+      finished += self._read_all()
     self._swap_weights()
     t1 = time.perf_counter()
     self._admit()
-    if not self.running:
-      return []
-    budget, stop_eos = self._budgets()
-    self._make_room(budget)
-    # With answers waiting, end the call once an eighth of the slots (at least one) can take them.
-    refill_at = max(1, len(budget) // 8) if (self.waiting or self.resume) else 0
-    self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
-                                                   eos_ids=sorted(self.eos_ids), refill_at=refill_at)
-    fresh, self._fresh = self._fresh, []
-    t2 = time.perf_counter()
+    budget, stop_eos, ahead = self._budgets()
+    self._make_room(budget, ahead)
+    dispatched = bool(budget.any() or self._fresh)
+    if dispatched:
+      # With answers waiting, end the call once an eighth of the slots (at least one) can take them.
+      refill_at = max(1, len(budget) // 8) if (self.waiting or self.resume) else 0
+      owners = self._occupant.copy()
+      self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
+                                                     eos_ids=sorted(self.eos_ids), refill_at=refill_at, ahead=ahead)
+      self._inflight.append(_Call(steps=steps, fresh=self._fresh, owners=owners, budget=budget,
+                                  version=self.version))
+      self._fresh = []
+    t2, self._waited = time.perf_counter(), 0.0
+    while len(self._inflight) > (1 if self.overlap and dispatched else 0):
+      finished += self._read(self._inflight.popleft())
+    self.seconds["weight_swap"] += t1 - t0
+    self.seconds["host_dispatch"] += t2 - t1
+    self.seconds["device_wait"] += self._waited
+    self.seconds["host_record"] += time.perf_counter() - t2 - self._waited
+    return finished
+
+  def _read_all(self) -> list[Sequence]:
+    finished = []
+    while self._inflight:
+      finished += self._read(self._inflight.popleft())
+    return finished
+
+  def _read(self, call: _Call) -> list[Sequence]:
+    """Records a decode call's tokens (and the first tokens of the answers admitted before it); returns the answers
+    that finished."""
+    steps, t = call.steps, time.perf_counter()
     tokens, logp, count, experts, firsts = jax.device_get(
-        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:] for f in fresh]))
-    t3 = time.perf_counter()
+        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:] for f in call.fresh]))
+    self._waited += time.perf_counter() - t
+    mine = (call.owners == self._occupant) & (call.owners > 0)  # slots still held by the answer that drew
+    count = np.where(mine, count, 0)
     self.engine.slots.advance(count)
     self.counters["decode_calls"] += 1
     self.counters["decode_steps"] += int(count.max(initial=0))
     finished = []
-    for (seqs, *_), (first_tokens, first_logp, prompt_experts, starts) in zip(fresh, firsts):
+    for (seqs, *_), (first_tokens, first_logp, prompt_experts, starts) in zip(call.fresh, firsts):
       for seq, r, row in seqs:
-        if seq.slot < 0:
+        if seq.slot < 0 or self._occupant[seq.slot] != call.owners[seq.slot]:
           continue
         if prompt_experts is not None:
           seq.routes = [_row_routes(prompt_experts, row, int(starts[row]), len(seq.prompt))]
-        if self._append(seq, first_tokens[r], first_logp[r]):
+        if self._append(seq, first_tokens[r], first_logp[r], call.version):
           finished.append(seq)
-    for slot, seq in list(self.running.items()):
-      for j in range(count[slot]):
+    slots = np.flatnonzero((count > 0) & (call.owners == self._occupant))  # not ended by its first token
+    if not len(slots):
+      return finished
+    # Where each answer stops, without a stop sequence: the device ends a slot at EOS (when it stops there) and at
+    # its budget, so only the call's last token can end it.
+    last = tokens[slots, count[slots] - 1]
+    eos = self._stop_eos[slots] & np.isin(last, self._eos_array)
+    length = self.engine.slots.generated[slots] >= self._limit[slots]  # advanced: tokens drawn, the pending included
+    bulk = ~self._has_stop[slots]
+    for i in np.flatnonzero(~bulk).tolist():  # token by token: a stop sequence may end the answer anywhere
+      slot = int(slots[i])
+      seq = self.running[slot]
+      for j in range(int(count[slot])):
         if experts is not None:
           seq.routes.append(experts[slot, j:j + 1])
-        if self._append(seq, tokens[slot, j], logp[slot, j]):
+        if self._append(seq, tokens[slot, j], logp[slot, j], call.version):
           finished.append(seq)
           break
-    self.seconds["weight_swap"] += t1 - t0
-    self.seconds["host_dispatch"] += t2 - t1
-    self.seconds["device_wait"] += t3 - t2
-    self.seconds["host_record"] += time.perf_counter() - t3
+    ends = slots[bulk & (eos | length)]
+    slots = slots[bulk]
+    self._buffer(slots, count[slots], tokens, logp, call.version)
+    if experts is not None:
+      for slot in slots.tolist():
+        self.running[slot].routes.append(experts[slot, :count[slot]])
+    now = time.monotonic()
+    for slot in ends.tolist():
+      seq = self.running[slot]
+      seq.finish_reason, seq.t_finish = ("eos" if self._stop_eos[slot] and int(tokens[slot, count[slot] - 1])
+                                         in self.eos_ids else "length"), now
+      self._release(seq)
+      finished.append(seq)
+    self.counters["tokens"] += int(count[slots].sum())
     return finished
 
-  def _budgets(self) -> tuple[np.ndarray, np.ndarray]:
-    """Per slot: the tokens its answer may still draw (capped by max_new_tokens and the cache; the pending token
-    counts as drawn) and whether EOS ends it."""
-    s = self.engine.cfg.num_slots
-    budget, stop_eos = np.zeros(s, np.int64), np.zeros(s, bool)
-    room = self.engine.cfg.max_seq_len
-    for slot, seq in self.running.items():
-      sp, drawn = seq.request.sampling, max(1, len(seq.tokens))
-      budget[slot] = max(0, min(sp.max_new_tokens - drawn, room - len(seq.prompt) - drawn))
-      stop_eos[slot] = not sp.ignore_eos
-    return np.minimum(budget, self.engine.cfg.decode_steps), stop_eos
+  def _buffer(self, slots: np.ndarray, n: np.ndarray, tokens: np.ndarray, logp: np.ndarray, version: int) -> None:
+    """Records n[i] tokens of a call's block for each of `slots` in their buffers, in a few numpy operations (a
+    buffer about to overflow is moved into its answer's lists first; `_sync` moves the rest when they are read, or
+    in turn)."""
+    width = self._buf_tokens.shape[1]
+    for slot in slots[self._buf_n[slots] + n > width].tolist():
+      self._sync(self.running[slot])
+    rows = np.repeat(slots, n)
+    j = np.arange(len(rows)) - np.repeat(np.cumsum(n) - n, n)  # each token's step within the call
+    cols = np.repeat(self._buf_n[slots], n) + j
+    self._buf_tokens[rows, cols] = tokens[rows, j]
+    self._buf_logp[rows, cols] = logp[rows, j]
+    self._buf_versions[rows, cols] = version
+    self._buf_n[slots] += n
+    # A 32nd of the slots, in turn, moves its buffer into the lists at each call: the moves cost the same every call
+    # (slots that started together do not all fill up in the same one).
+    due = np.flatnonzero((self._buf_n > 0) & (np.arange(len(self._buf_n)) % 32 == self._turn))
+    for slot in due.tolist():
+      self._sync(self.running[slot])
+    self._turn = (self._turn + 1) % 32
 
-  def _append(self, seq: Sequence, token, logprob) -> bool:
+  def _sync(self, seq: Sequence) -> None:
+    """Moves the tokens buffered for `seq`'s slot into its lists (`Sequence.sync`)."""
+    slot = seq.slot
+    k = int(self._buf_n[slot]) if slot >= 0 else 0
+    if k:
+      self._buf_n[slot] = 0
+      seq._tokens += self._buf_tokens[slot, :k].tolist()  # pylint: disable=protected-access
+      seq._logprobs += self._buf_logp[slot, :k].tolist()  # pylint: disable=protected-access
+      seq._versions += self._buf_versions[slot, :k].tolist()  # pylint: disable=protected-access
+
+  def _budgets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per slot: the tokens its answer may draw in the next call (what it may still draw, capped by
+    `sampler.decode_steps`; a call in flight counts as drawing its whole budget), whether EOS ends it, and the tokens
+    calls in flight may still cache for it (`ahead`)."""
+    table = self.engine.slots
+    ahead = np.zeros(self.engine.cfg.num_slots, np.int64)
+    for call in self._inflight:
+      ahead += np.where(call.owners == self._occupant, call.budget, 0)
+    room = self._limit - table.generated - ahead
+    budget = np.where(table.active & (self._occupant > 0), np.clip(room, 0, self.engine.cfg.decode_steps), 0)
+    return budget, self._stop_eos.copy(), ahead
+
+  def _append(self, seq: Sequence, token, logprob, version: int) -> bool:
     """Records a token; releases the slot of a finished answer."""
-    done = seq.append(int(token), float(logprob), self.version, eos_ids=self.eos_ids,
+    done = seq.append(int(token), float(logprob), version, eos_ids=self.eos_ids,
                       max_seq_len=self.engine.cfg.max_seq_len)
     self.counters["tokens"] += 1
     if done:
       self._release(seq)
     return done
 
+  def _occupy(self, seq: Sequence, slot: int) -> None:
+    sp = seq.request.sampling
+    seq.slot = slot
+    self.running[slot] = seq
+    self._occupant[slot] = next(self._serials)
+    self._buf_n[slot] = 0
+    seq.sync = self._sync
+    self._limit[slot] = min(sp.max_new_tokens, self.engine.cfg.max_seq_len - len(seq.prompt))
+    self._stop_eos[slot], self._has_stop[slot] = not sp.ignore_eos, bool(sp.stop)
+
   def _release(self, seq: Sequence) -> None:
+    self._sync(seq)
+    seq.sync = None
     if self.engine.cfg.prefix_cache:  # its full pages stay for a prompt that extends it (an agent's next turn)
       self.engine.slots.release(seq.slot, tokens=np.concatenate([seq.prompt, np.asarray(seq.tokens, np.int32)]))
     else:
       self.engine.free_resource(seq.slot)
     del self.running[seq.slot]
+    self._occupant[seq.slot] = 0
     seq.slot = -1
 
   def _swap_weights(self) -> None:
@@ -247,8 +383,7 @@ class Scheduler:
         # Preempted answers resume with their last token pending; new ones with the token drawn at prefill.
         resumed = bool(seqs[0].tokens)
         for seq, slot in zip(seqs, slots):
-          seq.slot = slot
-          self.running[slot] = seq
+          self._occupy(seq, slot)
         if not resumed:
           drawn += [(seq, int(prefix.draw_index[row, i]), row) for i, seq in enumerate(seqs)]
         placements.append(Placement(row=row, slots=tuple(slots), answers=tuple(range(len(seqs))),
@@ -282,16 +417,17 @@ class Scheduler:
       batches += [group[i:i + rows] for i in range(0, len(group), rows)]
     return batches
 
-  def _make_room(self, budget: np.ndarray) -> None:
+  def _make_room(self, budget: np.ndarray, ahead: np.ndarray) -> None:
     """Preempts the youngest answers of each shard until the pages this step's decode call writes into (`budget`
-    tokens per slot) fit; a preempted answer's budget becomes 0."""
+    tokens per slot, after the `ahead` of calls in flight) fit; a preempted answer's budget becomes 0 (tokens it drew
+    in a call in flight are dropped: it draws them again when it resumes)."""
     table = self.engine.slots
-    demand = table.demand(budget)
+    demand = table.demand(budget + ahead)
     for shard in [s for s in range(self.engine.num_shards) if demand[s] > table.free_pages(s)]:
       youngest = sorted((seq for slot, seq in self.running.items() if table.shard_of(slot) == shard),
                         key=lambda s: s.order, reverse=True)
       for victim in youngest:
-        if table.demand(budget)[shard] <= table.free_pages(shard):
+        if table.demand(budget + ahead)[shard] <= table.free_pages(shard):
           break
         budget[victim.slot] = 0
         self._release(victim)  # admitted in this step, its first token unread: it restarts as new (same draw)

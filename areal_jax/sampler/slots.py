@@ -61,6 +61,7 @@ class SlotTable:
     self.pool = PagePool(num_shards=num_shards, pages_per_shard=pages_per_shard)
     self.prefixes = PrefixCache(self.pool, page_size)
     self.pages: list[list[int]] = [[] for _ in range(num_slots)]
+    self.held = np.zeros(num_slots, np.int64)  # len(self.pages[s])
     self.cached = np.zeros(num_slots, np.int64)  # tokens whose keys/values are in the slot's pages
     self.generated = np.zeros(num_slots, np.int64)  # tokens the slot's answer has drawn (the pending one included)
     self.active = np.zeros(num_slots, bool)
@@ -74,7 +75,7 @@ class SlotTable:
       self.pool = PagePool(num_shards=self.num_shards, pages_per_shard=self.pool.pages_per_shard)
       self.prefixes = PrefixCache(self.pool, self.page_size)
       self.pages = [[] for _ in range(self.num_slots)]
-      self.cached[:] = self.generated[:] = self._late_releases[:] = 0
+      self.cached[:] = self.generated[:] = self._late_releases[:] = self.held[:] = 0
       self.active[:] = False
 
   # --- queries -----------------------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class SlotTable:
   def free_slots(self, shard: int) -> list[int]:
     lo = shard * self.slots_per_shard
     with self.lock:
-      return [s for s in range(lo, lo + self.slots_per_shard) if not self.active[s]]
+      return (np.flatnonzero(~self.active[lo:lo + self.slots_per_shard]) + lo).tolist()
 
   def free_pages(self, shard: int) -> int:
     """Pages of the shard free to allocate: the pool's free ones and cached ones that nothing else holds."""
@@ -125,8 +126,7 @@ class SlotTable:
 
   def _new_pages(self, budget: np.ndarray) -> np.ndarray:
     """Per slot: the pages it does not hold yet that `budget[s]` more cached tokens write into (0 when idle)."""
-    held = np.array([len(p) for p in self.pages], np.int64)
-    need = -(-(self.cached + budget) // self.page_size) - held
+    need = -(-(self.cached + budget) // self.page_size) - self.held
     return np.where(self.active, np.maximum(0, need), 0)
 
   def _per_shard(self, per_slot: np.ndarray) -> np.ndarray:
@@ -183,23 +183,34 @@ class SlotTable:
             slot = pl.slots[i]
             own.append(tuple(self.pool.alloc(shard, 1) if tail else ()))
             self.pages[slot] = list(pl.cached) + shared + list(own[-1])
+            self.held[slot] = len(self.pages[slot])
             self.cached[slot] = len(pl.cached) * self.page_size + lengths[pl.row]
             self.generated[slot], self.active[slot] = pl.generated[i], True
           out[-1].append(Occupancy(shard=shard, slots=tuple(pl.slots[i] for i in mine), shared=tuple(shared),
                                    own=tuple(own)))
       return out
 
-  def grow(self, budget: np.ndarray) -> list[tuple[int, int, int]]:
+  def grow(self, budget: np.ndarray) -> np.ndarray:
     """Allocates the pages `budget[s]` more cached tokens write into, for every active slot (all or none:
-    `PoolExhausted`); returns (slot, column in its page table, page) for each new page."""
+    `PoolExhausted`); returns [new pages, 3] rows of (slot, column in its page table, page)."""
     with self.lock:
       need = self._new_pages(np.asarray(budget, np.int64))
       self._reserve(self._per_shard(need))
-      out = []
-      for slot in np.flatnonzero(need):
-        for page in self.pool.alloc(self.shard_of(slot), int(need[slot])):
-          out.append((int(slot), len(self.pages[slot]), page))
-          self.pages[slot].append(page)
+      slots = np.flatnonzero(need)
+      out = np.zeros((int(need.sum()), 3), np.int64)
+      if not len(slots):
+        return out
+      out[:, 0] = np.repeat(slots, need[slots])
+      starts = np.cumsum(need[slots]) - need[slots]
+      out[:, 1] = np.repeat(self.held[slots] - starts, need[slots]) + np.arange(len(out))
+      shard_of = slots // self.slots_per_shard
+      for shard in np.unique(shard_of).tolist():  # slots in order, so each shard's pages are one run of `out`
+        rows = np.repeat(shard_of == shard, need[slots])
+        out[rows, 2] = self.pool.alloc(shard, int(rows.sum()))
+      pages = out[:, 2].tolist()
+      for slot, start, n in zip(slots.tolist(), starts.tolist(), need[slots].tolist()):
+        self.pages[slot] += pages[start:start + n]
+      self.held[slots] += need[slots]
       return out
 
   def advance(self, count: np.ndarray) -> None:
@@ -225,7 +236,7 @@ class SlotTable:
   def _free(self, slot: int) -> None:
     self.pool.release(self.shard_of(slot), self.pages[slot])
     self.pages[slot] = []
-    self.cached[slot] = self.generated[slot] = 0
+    self.cached[slot] = self.generated[slot] = self.held[slot] = 0
     self.active[slot] = False
 
   def check(self) -> None:

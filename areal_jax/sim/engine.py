@@ -65,6 +65,10 @@ class SimEngine(Engine):
     self.min_bucket = self.cfg.min_prefill_len
     self.programs = self
     self.target = np.zeros(cfg.num_slots, np.int64)  # each slot's answer length, in simulated tokens
+    # What the device state holds per slot (`DecodeState.index`, `.lengths`): tokens drawn and cached, which the
+    # host's slot table learns only when it reads a call (a call later, with `sampler.overlap`).
+    self.drawn = np.zeros(cfg.num_slots, np.int64)
+    self.cached = np.zeros(cfg.num_slots, np.int64)
     self.spent_s = 0.0  # predicted device seconds not yet slept by the caller
 
   def take_spent(self) -> float:
@@ -102,15 +106,17 @@ class SimEngine(Engine):
 
   def _insert(self, prefix, decode_state, chunks, inits):
     if inits:
-      self.target[[i.slot for i in inits]] = self.length_of(np.stack([i.key for i in inits]))
+      slots = [i.slot for i in inits]
+      self.target[slots] = self.length_of(np.stack([i.key for i in inits]))
+      self.drawn[slots], self.cached[slots] = [i.index for i in inits], [i.length for i in inits]
     return decode_state
 
   def decode(self, params, state, budget, stop_eos, eos, grow, refill_at):
     """Every live slot draws up to its budget, stopping at its answer's length; the call ends early once
     `refill_at` slots have stopped, as the device loop does."""
     del params, eos, grow
-    s, table = self.cfg.num_slots, self.slots
-    remaining = np.maximum(self.target - table.generated, 0)
+    s = self.cfg.num_slots
+    remaining = np.maximum(self.target - self.drawn, 0)
     live = (budget > 0) & ~(stop_eos & (remaining == 0))  # as on the device: a pending EOS is not live
     stops = np.where(live, np.where(stop_eos, np.minimum(budget, remaining), budget), 0)
     steps = int(stops.max(initial=0))
@@ -123,9 +129,11 @@ class SimEngine(Engine):
     for slot in np.flatnonzero(count):
       n = count[slot]
       tokens[slot, :n] = FILLER
-      if stop_eos[slot] and table.generated[slot] + n >= self.target[slot]:
+      if stop_eos[slot] and self.drawn[slot] + n >= self.target[slot]:
         tokens[slot, n - 1] = self.eos_id
     self.spent_s += self._decode_cost(count, steps)
+    self.drawn += count
+    self.cached += count
     return state, DecodeSteps(tokens=tokens, log_prob=np.zeros(tokens.shape, np.float32), count=count)
 
   def _decode_cost(self, count: np.ndarray, steps: int) -> float:
@@ -133,7 +141,7 @@ class SimEngine(Engine):
     if steps == 0:
       return 0.0
     shard = np.arange(self.cfg.num_slots) // self.slots.slots_per_shard
-    context = self.slots.cached * self.scale
+    context = self.cached * self.scale
     seconds = 0.0
     for j in range(steps):
       live = count > j

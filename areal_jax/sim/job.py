@@ -248,7 +248,8 @@ class _Busy:
 
 
 async def _sample(rollout: _Rollout, engine: SimEngine, busy: _Busy) -> None:
-  """The sampler's thread (`Driver._loop`), stepping on the virtual clock: a step's results arrive after its cost."""
+  """The sampler's thread (`Driver._loop`), stepping on the virtual clock: a step's call ends after its cost; the
+  results a step reads are its own call's, or with `sampler.overlap` the previous call's."""
   sampler, wake = rollout.loop, rollout.wake
   driver, sched = sampler.driver, sampler.driver.scheduler
   while True:
@@ -260,9 +261,12 @@ async def _sample(rollout: _Rollout, engine: SimEngine, busy: _Busy) -> None:
     finished = sched.step()
     spent = engine.take_spent()
     busy.add(spent)
-    await asyncio.sleep(spent)
-    driver.record(finished)
+    if not sched.overlap:  # the step's own call: its results come after it
+      await asyncio.sleep(spent)
+    driver.record(finished)  # with overlap, the previous call's, done when this one started
     sampler.drain()
+    if sched.overlap:
+      await asyncio.sleep(spent)
 
 
 async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:

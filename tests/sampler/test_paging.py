@@ -95,9 +95,11 @@ def test_thousands_of_requests_leave_no_page_behind(data, groups, decode_steps):
     steps += 1
     if steps % 97 == 0:
       engine.slots.pool.check()
-      for slot, seq in sched.running.items():  # a slot holds the pages its cached tokens fill, and one call's more
+      # A slot holds the pages its cached tokens fill, and one call's more (two with a call in flight).
+      ahead = decode_steps * (1 + len(sched._inflight))  # pylint: disable=protected-access
+      for slot, seq in sched.running.items():
         held, length = len(engine.slots.pages[slot]), engine.slots.cached[slot]
-        assert -(-length // cfg.page_size) <= held <= -(-(length + decode_steps) // cfg.page_size)
+        assert -(-length // cfg.page_size) <= held <= -(-(length + ahead) // cfg.page_size)
   assert sum(expected.values()) > groups
   assert {g: len(v) for g, v in done.items()} == expected
   assert sched.counters["preemptions"] > 0
