@@ -172,6 +172,11 @@ def _check_mesh(settings: Settings, num_devices: int | None) -> None:
     if n_learner % (m.learner_tensor * m.learner_expert):
       _fail("mesh.learner_tensor", m.learner_tensor, f"times mesh.learner_expert={m.learner_expert} must divide the "
             f"{n_learner} learner devices")
-    data = n_sampler // (m.sampler_tensor * m.sampler_expert)
+    r = m.sampler_replicas
+    if n_sampler % (r * m.sampler_tensor * m.sampler_expert):
+      _fail("mesh.sampler_replicas", r, f"times mesh.sampler_tensor={m.sampler_tensor} times mesh.sampler_expert="
+            f"{m.sampler_expert} must divide the {n_sampler} sampler devices")
+    data = n_sampler // (r * m.sampler_tensor * m.sampler_expert)
     if s.num_slots % data:
-      _fail("sampler.num_slots", s.num_slots, f"not divisible by the sampler's data axis ({data} devices)")
+      _fail("sampler.num_slots", s.num_slots, f"not divisible by the sampler's data axis ({data} devices"
+            + (f" per replica of {r})" if r > 1 else ")"))

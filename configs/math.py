@@ -299,6 +299,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
   # sampler mesh: data x tensor (data = devices / tensor); 30B-A3B: its 61 GB of bfloat16 weights over 4 chips
   c.mesh.sampler_tensor = 1
+  # Independent sampler engines on equal parts of the sampler slice (own scheduler, KV pool, weight swap); the
+  # sampler.num_slots and num_pages are each replica's.
+  c.mesh.sampler_replicas = 1
   # learner mesh: fsdp x tensor (fsdp = devices / tensor); tensor > 1 trades rows for memory.
   c.mesh.learner_tensor = 1
   # Expert parallelism (a mixture of experts): its experts sharded over this many devices of each role's mesh (data or

@@ -97,6 +97,8 @@ def test_unknown_preset():
     ({"mesh.learner_tensor": 3}, "mesh.learner_tensor"),
     ({"sampler.num_slots": 66}, "sampler.num_slots"),
     ({"mesh.sampler_devices": 8}, "mesh.sampler_devices"),
+    ({"mesh.sampler_replicas": 3}, "mesh.sampler_replicas"),  # 4 sampler devices
+    ({"mesh.sampler_replicas": 2, "sampler.num_slots": 3}, "sampler.num_slots"),
     ({"model.vocab_size": 32}, "model.vocab_size"),
     ({"sampler.param_dtype": "float16"}, "sampler.param_dtype"),
     ({"sampler.param_dtype": "bf16"}, "sampler.param_dtype"),

@@ -78,7 +78,7 @@ def main():
   warm.warmup(warm.load_params(nnx.state(model, nnx.Param)), warm.init_decode_state())
   del warm
   rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, params=nnx.state(model, nnx.Param),
-                         mesh=mesh, version=0, eos_ids=[tok.eos_id], detokenize=tok.decode)
+                         meshes=[mesh], version=0, eos_ids=[tok.eos_id], detokenize=tok.decode)
   runner = agents.EpisodeRunner(
       agent=make_agent(args.turns, args.max_tokens), config=agents.AgentConfig(max_turns=args.turns),
       rollout=rollout, tokenizer=tok, sampling=SamplingParams(temperature=1.0, seed=0),

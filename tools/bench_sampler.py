@@ -33,6 +33,14 @@ the host time just measured (results ready that long after dispatch, one call af
 runs them), and `hidden` is the share of that run's host time (wall - waiting for results) that overlapped a device
 call: (device - waiting) / host (serial host work waits for every whole call: 0%). One line per count,
 `host per decode call at S slots: X ms, hidden Y%`.
+
+`--replicas=1,2,4` instead runs the long-tail workload on 8 emulated CPU devices split into that many independent
+engines (`mesh.sampler_replicas`, `rl.rollout.LocalRollout`; `--slots` in all, split between them), publishing new
+weights every `--swap_every` decode calls per replica (each replica recomputes its running answers at its own next
+step). One line per count, `replicas=N: tokens/s X, stall per swap Y s`: useful tokens over the wall time, and the
+seconds replicas spent swapping per version over the replicas (the whole sampler's stop it equals: one replica's
+swap stops only its share). Each count runs the workload once untimed first (compiles, with `sampler.warmup`), then
+`--repeats` times; the fastest counts.
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ def parse_args():
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--host_slots", default="",
                  help="comma-separated slot counts: time the scheduler's host work per decode call (no device)")
+  p.add_argument("--replicas", default="",
+                 help="comma-separated replica counts: throughput and swap stall on 8 emulated CPU devices")
+  p.add_argument("--swap_every", type=int, default=4, help="--replicas: decode calls per replica between versions")
   p.add_argument("--host_calls", type=int, default=64,
                  help="--host_slots: decode calls timed per count (enough that every answer's buffered tokens move "
                       "into its lists at least once: every 32 calls)")
@@ -253,10 +264,87 @@ def host_main(args) -> None:
     print(f"host per decode call at {slots} slots: {host * 1e3:.1f} ms, hidden {hidden:.0%}", flush=True)
 
 
+def replicas_run(model, params, prompts, lengths, replicas: int, slots: int, swap_every: int, seed: int):
+  """(useful tokens, wall seconds, seconds swapping summed over replicas, versions published) of one pass of the
+  workload through `replicas` engines on the 8 devices."""
+  import threading
+
+  import jax
+  from flax import nnx
+
+  from areal_jax.distributed.slices import MeshConfig, replica_meshes
+  from areal_jax.rl.rollout import LocalRollout
+  from areal_jax.sampler import Request, SamplerConfig, SamplingParams
+  from areal_jax.sharding import make_mesh
+
+  meshes = replica_meshes(make_mesh(jax.devices()[:8], {"data": -1, "tensor": 1}),
+                          MeshConfig(sampler_replicas=replicas))
+  longest = int(lengths.max())
+  max_seq_len = max(map(len, prompts)) + longest
+  per = slots // replicas
+  cfg = SamplerConfig(num_slots=per, page_size=16, max_seq_len=max_seq_len, max_new_tokens=longest,
+                      num_pages=(per * -(-max_seq_len // 16) + 8 // replicas), max_prefill_tokens=4096, warmup=True)
+  rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, meshes=meshes, params=params,
+                         version=0, eos_ids=[], detokenize=None)
+  done, versions = threading.Event(), [0]
+
+  def publisher():  # a new version every `swap_every` decode calls per replica
+    next_at = swap_every * replicas
+    while not done.wait(0.002):
+      if rollout.stats()["decode_calls"] >= next_at:
+        versions[0] += 1
+        rollout.publish(params, versions[0])
+        next_at += swap_every * replicas
+
+  try:
+    start = time.perf_counter()
+    thread = threading.Thread(target=publisher, daemon=True)
+    thread.start()
+    futures = [f for g, (p, n) in enumerate(zip(prompts, lengths)) for f in rollout.submit(Request(
+        group_id=g, prompt_ids=p, sampling=SamplingParams(max_new_tokens=int(n), ignore_eos=True, seed=seed)))]
+    tokens = sum(len(f.result(timeout=3600).response_ids) for f in futures)
+    wall = time.perf_counter() - start
+    done.set()
+    thread.join()
+    swapping = sum(r.loop.scheduler.seconds["weight_swap"] for r in rollout.replicas)
+  finally:
+    done.set()
+    rollout.stop()
+  return tokens, wall, swapping, versions[0]
+
+
+def replicas_main(args) -> None:
+  import jax
+  from flax import nnx
+
+  from areal_jax.models import create
+
+  if jax.device_count() < 8:
+    raise SystemExit(f"--replicas needs 8 devices; {jax.device_count()} here (XLA_FLAGS set before jax loads?)")
+  model_cfg = model_config(args.shape)
+  model = nnx.jit(lambda: create(model_cfg, seed=args.seed))()
+  params = nnx.state(model, nnx.Param)
+  prompts, lengths = workload(args, model_cfg.vocab_size)
+  print(f"workload {args.workload}: {args.requests} answers, mean {lengths.mean():.1f} / max {int(lengths.max())} "
+        f"tokens, {args.slots} slots in all, new weights every {args.swap_every} decode calls per replica",
+        flush=True)
+  for n in [int(r) for r in args.replicas.split(",")]:
+    replicas_run(model, params, prompts, lengths, n, args.slots, args.swap_every, args.seed)  # compiles
+    runs = [replicas_run(model, params, prompts, lengths, n, args.slots, args.swap_every, args.seed)
+            for _ in range(args.repeats)]
+    tokens, wall, swapping, versions = min(runs, key=lambda r: r[1])
+    print(f"replicas={n}: tokens/s {tokens / wall:.0f}, stall per swap {swapping / n / max(1, versions):.3f} s",
+          flush=True)
+
+
 def main():
   args = parse_args()
   if args.host_slots:
     return host_main(args)
+  if args.replicas:
+    import os
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    return replicas_main(args)
   import jax
   import numpy as np
   from flax import nnx

@@ -47,6 +47,8 @@ from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Faile
 from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.errors import SamplerLost
 from areal_jax.sampler.loop import end_futures
+from areal_jax.sampler import dispatch
+from areal_jax.sampler.dispatch import Load
 from areal_jax.sampler.requests import Request
 
 MAX_LIVE_VERSIONS = 2
@@ -232,8 +234,8 @@ class SamplerHub:
     if not self._live:
       self._waiting.append(request)
       return None
-    # The live sampler with the fewest answers outstanding takes the group.
-    pid, s = min(self._live.items(), key=lambda kv: (sum(kv[1].groups.values()), kv[0]))
+    pid = dispatch.least_loaded({pid: Load(answers=sum(s.groups.values())) for pid, s in self._live.items()})
+    s = self._live[pid]
     s.groups[request.group_id] = request.num_answers
     return self._send_work(pid, s, request)
 

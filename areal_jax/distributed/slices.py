@@ -40,6 +40,9 @@ class MeshConfig:
   sampler_heartbeat_s: float = 30.0  # a sampler process silent this long is dropped (its groups generated again)
   sampler_devices: int | float = 0.5  # int = count, float in (0, 1) = fraction
   sampler_tensor: int = 1
+  # Independent sampler engines the slice is split into, each on its own devices with its own scheduler, KV pool
+  # and weight swap (`rl.rollout.LocalRollout`); `sampler.num_slots` and `num_pages` count per replica.
+  sampler_replicas: int = 1
   learner_tensor: int = 1
   sampler_expert: int = 1  # expert parallelism (a mixture of experts' experts over this many devices)
   learner_expert: int = 1
@@ -47,6 +50,8 @@ class MeshConfig:
   def __post_init__(self):
     if not self.cpu_devices > 0:
       raise ValueError(f"mesh.cpu_devices={self.cpu_devices!r}: must be positive")
+    if self.sampler_replicas < 1:
+      raise ValueError(f"mesh.sampler_replicas={self.sampler_replicas!r}: must be >= 1")
     if self.sampler_processes < 0:
       raise ValueError(f"mesh.sampler_processes={self.sampler_processes!r}: must be >= 0")
     if not self.sampler_heartbeat_s >= 2:
@@ -73,9 +78,24 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Slices:
-  sampler: Mesh  # axes (data, expert, tensor)
+  sampler: Mesh  # axes (data, expert, tensor): the whole sampler slice
   learner: Mesh  # axes (fsdp, expert, tensor)
   shared: bool  # one device time-shared by both roles
+  replicas: tuple[Mesh, ...] = ()  # `mesh.sampler_replicas` meshes over disjoint parts of the sampler slice
+
+
+def replica_meshes(sampler: Mesh, mesh_config: MeshConfig) -> tuple[Mesh, ...]:
+  """The sampler slice split into `mesh.sampler_replicas` meshes of consecutive devices, each (data, expert,
+  tensor); a ValueError names the field when they do not divide it."""
+  n, devices = mesh_config.sampler_replicas, list(sampler.devices.flat)
+  per = len(devices) // n
+  group = mesh_config.sampler_tensor * mesh_config.sampler_expert
+  if len(devices) % n or per % group:
+    raise ValueError(f"mesh.sampler_replicas={n}: must split the {len(devices)} sampler devices into equal replicas "
+                     f"of a multiple of mesh.sampler_tensor x mesh.sampler_expert = {group} devices")
+  if n == 1:
+    return (sampler,)
+  return tuple(make_mesh(devices[i * per:(i + 1) * per], mesh_config.sampler_axes()) for i in range(n))
 
 
 def _by_slice(devices: Sequence[jax.Device], n_sampler: int) -> tuple[list, list] | None:
@@ -97,11 +117,14 @@ def build_slices(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None =
   if len(devices) == 1:
     logging.info("one device: sampler and learner time-share %s", devices[0])
     d = devices
-    return Slices(make_mesh(d, {"data": 1, "tensor": 1}), make_mesh(d, {"fsdp": 1, "tensor": 1}), shared=True)
+    if mesh_config.sampler_replicas != 1:
+      raise ValueError(f"mesh.sampler_replicas={mesh_config.sampler_replicas}: one device holds one sampler")
+    sampler = make_mesh(d, {"data": 1, "tensor": 1})
+    return Slices(sampler, make_mesh(d, {"fsdp": 1, "tensor": 1}), shared=True, replicas=(sampler,))
   n_sampler, _ = mesh_config.split(len(devices))
   split = _by_slice(devices, n_sampler) or (devices[:n_sampler], devices[n_sampler:])
   sampler = make_mesh(split[0], mesh_config.sampler_axes())
   learner = make_mesh(split[1], mesh_config.learner_axes())
   logging.info("sampler slice: %d devices %s; learner slice: %d devices %s", len(split[0]), dict(sampler.shape),
                len(split[1]), dict(learner.shape))
-  return Slices(sampler, learner, shared=False)
+  return Slices(sampler, learner, shared=False, replicas=replica_meshes(sampler, mesh_config))

@@ -54,6 +54,8 @@ def _stage(x: jax.Array, dst: NamedSharding) -> jax.Array:
   src = x.sharding
   if src.device_set == dst.device_set:
     return x
+  if not isinstance(src, NamedSharding):  # one device's array (a model built outside a mesh): copy it across
+    return jax.device_put(x, NamedSharding(dst.mesh, P()))
   dst_devices = list(dst.mesh.devices.flat)
   if isinstance(src, NamedSharding) and src.mesh.devices.size == len(dst_devices):
     staged = Mesh(np.asarray(dst_devices, dtype=object).reshape(src.mesh.devices.shape), src.mesh.axis_names)

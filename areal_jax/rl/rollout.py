@@ -6,7 +6,8 @@
 
 An answer whose sampler process was lost fails with `SamplerLost`: the controller generates its group again.
 
-`LocalRollout` runs a `SamplerLoop` on this process's sampler slice and moves weights device-to-device;
+`LocalRollout` runs a `SamplerLoop` per engine replica of this process's sampler slice (`mesh.sampler_replicas`) and
+moves weights device-to-device;
 `SamplerHub` (sampler_hub.py) drives sampler processes and moves weights over `jax.experimental.transfer`.
 Under LoRA both move the whole model once, at the start, and then only the adapters: the samplers keep their copy
 of the frozen base and join each version's adapters to it.
@@ -14,18 +15,29 @@ of the frozen base and join each version's adapters to it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
+import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from areal_jax import faults
 from flax import nnx
+from jax.sharding import Mesh
 
+from areal_jax import faults
 from areal_jax.distributed import weight_transfer
+from areal_jax.errors import SamplerLost
 from areal_jax.models import lora
+from areal_jax.sampler import dispatch
 from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.dispatch import Load
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import Request
+
+_log = logging.getLogger(__name__)
 
 
 class Rollout(Protocol):
@@ -34,7 +46,23 @@ class Rollout(Protocol):
     ...
 
   def publish(self, params, version: int) -> None:
-    ...
+    """Moves the learner's weights onto every live replica (under LoRA only the adapters); each swaps them in at its
+    own next step."""
+    moved, nbytes = [], 0
+    for r in self._live():
+      e = r.engine
+      if r.base is None:
+        m = self._move(params, e.param_shardings, e.param_dtype)
+        nbytes += lora.nbytes(m)
+      else:
+        adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype)
+        nbytes += lora.nbytes(adapters)
+        m = nnx.merge_state(r.base, adapters)
+      moved.append((r, m))
+    self._bytes = nbytes
+    faults.reach("weight_update")
+    for r, m in moved:
+      r.loop.update_params(m, version)
 
   def stats(self) -> dict[str, float]:
     """Counters summed over the samplers: tokens, busy_s, running, waiting, ..."""
@@ -56,47 +84,146 @@ class Rollout(Protocol):
     ...
 
 
+@dataclasses.dataclass(eq=False)
+class _Replica:
+  """One engine of the sampler slice and the loop that drives it; `answers` outstanding (under the rollout's lock),
+  `failed` once its loop stopped on an error."""
+
+  index: int
+  engine: Engine
+  loop: SamplerLoop
+  base: object = None  # under LoRA, its copy of the frozen base
+  answers: int = 0
+  failed: BaseException | None = None
+
+  def free_pages(self) -> int:
+    return sum(self.engine.slots.free_pages(s) for s in range(self.engine.num_shards))
+
+
 class LocalRollout:
-  """A `SamplerLoop` on this process's sampler slice, running from construction."""
+  """`SamplerLoop`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
+  construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest answers outstanding, then most
+  free pages); each replica swaps weights at its own step boundary, so one replica's recompute never stops another's
+  decoding. With several replicas, one whose loop fails is dropped: its groups' answers fail with `SamplerLost` (the
+  controller generates them again on the others) and `check()` raises only once none is left."""
 
-  def __init__(self, *, abstract_model, config: SamplerConfig, mesh, params, version: int, eos_ids, detokenize):
-    self.engine = Engine(model=abstract_model, config=config, mesh=mesh)
-    params = self._move(params, self.engine.param_shardings)
-    self._base = lora.split(params)[1] if lora.has_adapters(params) else None  # held under LoRA
+  def __init__(self, *, abstract_model, config: SamplerConfig, meshes: Sequence[Mesh], params, version: int, eos_ids,
+               detokenize):
+    if not meshes:
+      raise ValueError("LocalRollout: no sampler mesh")
+    self._lock = threading.Lock()
     self._bytes = 0
-    self.loop = SamplerLoop(engine=self.engine, params=params, version=version, eos_ids=eos_ids,
-                            detokenize=detokenize).start()
+    self.replicas: list[_Replica] = []
+    for i, mesh in enumerate(meshes):
+      engine = Engine(model=abstract_model, config=config, mesh=mesh)
+      moved = self._move(params, engine.param_shardings, engine.param_dtype)
+      self._bytes += lora.nbytes(moved)
+      base = lora.split(moved)[1] if lora.has_adapters(moved) else None  # held under LoRA
+      loop = SamplerLoop(engine=engine, params=moved, version=version, eos_ids=eos_ids,
+                         detokenize=detokenize).start()
+      self.replicas.append(_Replica(index=i, engine=engine, loop=loop, base=base))
 
-  def _move(self, params, shardings):
-    """Onto the sampler's shardings, device-to-device, cast to `sampler.param_dtype` on the learner's devices first
+  @staticmethod
+  def _move(params, shardings, dtype):
+    """Onto a replica's shardings, device-to-device, cast to `sampler.param_dtype` on the learner's devices first
     (so the narrower copy is what crosses over)."""
-    moved = weight_transfer.transfer(params, shardings, dtype=self.engine.param_dtype)
-    self._bytes = lora.nbytes(moved)
-    return moved
+    return weight_transfer.transfer(params, shardings, dtype=dtype)
+
+  def _live(self) -> list[_Replica]:
+    return [r for r in self.replicas if r.failed is None]
 
   def submit(self, request: Request) -> list[Future]:
-    return self.loop.submit(request)
+    with self._lock:
+      live = {r.index: r for r in self._live()}
+      if not live:
+        self.check()
+      r = live[dispatch.least_loaded({i: Load(r.answers, r.free_pages()) for i, r in live.items()})]
+      r.answers += request.num_answers
+    try:
+      inner = r.loop.submit(request)
+    except BaseException:
+      with self._lock:
+        r.answers -= request.num_answers
+      raise
+    outer = [Future() for _ in inner]
+    for a, b in zip(inner, outer):
+      a.add_done_callback(functools.partial(self._relay, r, b))
+    return outer
+
+  def _relay(self, r: _Replica, outer: Future, inner: Future) -> None:
+    """An answer of replica `r` done: its result, or its replica's failure (`SamplerLost` while others live)."""
+    with self._lock:
+      r.answers -= 1
+      error = None if inner.cancelled() else inner.exception()
+      if error is not None and r.failed is None and (r.loop.error or r.loop.driver.error) is not None:
+        r.failed = error
+        _log.warning("sampler replica %d of %d failed (%s: %s); its groups are generated on the others", r.index,
+                     len(self.replicas), type(error).__name__, error)
+      lost = r.failed is not None and len(self.replicas) > 1 and bool(self._live())
+    if outer.done():
+      return
+    if inner.cancelled():
+      outer.cancel()
+    elif error is None:
+      outer.set_result(inner.result())
+    elif lost:
+      outer.set_exception(SamplerLost(f"sampler replica {r.index} failed: {error}"))
+    else:
+      outer.set_exception(error)
 
   def publish(self, params, version: int) -> None:
-    if self._base is None:
-      moved = self._move(params, self.engine.param_shardings)
-    else:
-      adapters = self._move(lora.split(params)[0], lora.split(self.engine.param_shardings)[0])
-      moved = nnx.merge_state(self._base, adapters)
+    moved_bytes = 0
+    for r in self._live():
+      e = r.engine
+      if r.base is None:
+        moved = self._move(params, e.param_shardings, e.param_dtype)
+        moved_bytes += lora.nbytes(moved)
+      else:
+        adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype)
+        moved_bytes += lora.nbytes(adapters)
+        moved = nnx.merge_state(r.base, adapters)
+      if r is self.replicas[0] or not self._live()[0] is r:
+        pass
+      r.loop.update_params(moved, version)
+    self._bytes = moved_bytes
     faults.reach("weight_update")
-    self.loop.update_params(moved, version)
 
   def stats(self) -> dict[str, float]:
-    return self.loop.stats()
+    """The replicas' counters summed (versions: the oldest; the most answers one call advanced: the largest)."""
+    per = [r.loop.stats() for r in self.replicas]
+    out = {k: sum(p.get(k, 0) for p in per) for k in per[0]}
+    out["version"] = min(p["version"] for p in per)
+    for k in ("max_batch_answers", "max_batch_requests"):
+      out[k] = max(p[k] for p in per)
+    return out
 
   def sync_metrics(self) -> dict[str, float]:
     return {"sync/bytes": float(self._bytes)}
 
   def sampler_metrics(self) -> dict[str, float]:
-    return {}
+    """Per replica: `sampler/replica{i}/busy` (seconds stepping), `/tokens`, `/swaps` and `/failed`."""
+    out = {}
+    for r in self.replicas:
+      st = r.loop.stats()
+      key = f"sampler/replica{r.index}"
+      out.update({f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"], f"{key}/swaps": st["weight_updates"],
+                  f"{key}/failed": float(r.failed is not None)})
+    return out
 
   def check(self) -> None:
-    self.loop.check()
+    live = self._live()
+    if len(self.replicas) == 1 or not live:
+      for r in self.replicas:
+        r.loop.check()
+      if not live:
+        raise RuntimeError(f"all {len(self.replicas)} sampler replicas failed") from self.replicas[0].failed
+    for r in live:
+      r.loop.check()
 
   def stop(self) -> None:
-    self.loop.stop()
+    for r in self.replicas:
+      try:
+        r.loop.stop()
+      except RuntimeError:
+        if r.failed is None or len(self.replicas) == 1:
+          raise

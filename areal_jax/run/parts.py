@@ -19,6 +19,7 @@ from areal_jax.distributed.roles import ProcessLayout
 from areal_jax.distributed.sampler_hub import SamplerHub
 from areal_jax.distributed.slices import MeshConfig
 from areal_jax.distributed.weight_transfer import WeightPublisher
+from areal_jax.errors import ConfigError
 from areal_jax.learner.learner import Learner
 from areal_jax.models import weights
 from areal_jax.reward.service import RewardService, score_all
@@ -54,14 +55,14 @@ class LeaderParts:
 
 
 def leader_parts(workdir: str, st, layout: ProcessLayout, control: ControlServer | None, learners: LearnerGroup,
-                 local, learner_mesh, sampler_mesh) -> LeaderParts:
+                 local, learner_mesh, sampler_meshes) -> LeaderParts:
   """Everything the leader's loop drives, the samplers holding `local` (the learner's starting weights). `st` is the
   trainer's start state: data, tokenizer, settings, learner, the checkpoint's controller state."""
   settings = st.settings
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
   sampler_cfg = settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
   rollout = _start_rollout(settings.mesh, layout, control, sampler_cfg, st.learner, local,
-                           sampler_mesh, learner_local, st.tokenizer)
+                           sampler_meshes, learner_local, st.tokenizer)
   rewards = RewardService.from_config(settings.reward)
   buffer = RolloutBuffer.from_config(settings.rollout, version=st.learner.version)
   controller = _controller(st, rollout, rewards, buffer)
@@ -107,14 +108,17 @@ def _evaluator(st, controller: RolloutController, sampler_cfg: SamplerConfig, le
 
 
 def _start_rollout(mesh: MeshConfig, layout: ProcessLayout, control: ControlServer | None,
-                   sampler_cfg: SamplerConfig, learner: Learner, local, sampler_mesh, learner_local,
+                   sampler_cfg: SamplerConfig, learner: Learner, local, sampler_meshes, learner_local,
                    tokenizer) -> Rollout:
   """The samplers, holding the learner's current weights: a `SamplerHub` over the sampler processes of a
   multi-process job (their model copies `mesh.sampler_expert` x `mesh.sampler_tensor` devices), else a `LocalRollout` on this process's sampler slice."""
   if not layout.multi_process:
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
-    return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, mesh=sampler_mesh, params=local,
+    return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, meshes=sampler_meshes, params=local,
                         version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+  if mesh.sampler_replicas > 1:
+    raise ConfigError(f"config.mesh.sampler_replicas={mesh.sampler_replicas}: replicas split the sampler slice of "
+                      "one process; in a multi-process job each sampler process holds one engine (set 1)")
   publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
                               tensor=mesh.sampler_tensor, expert=mesh.sampler_expert, devices=learner_local,
                               host=layout.host)

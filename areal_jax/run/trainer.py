@@ -72,11 +72,14 @@ class _QuietLibraries(logging.Filter):
 
 
 def _learner_mesh(mesh: MeshConfig, layout: ProcessLayout):
-  """(learner mesh, in-process sampler mesh or None): the device split of one process, or every learner
+  """(learner mesh, in-process sampler replicas' meshes or None): the device split of one process, or every learner
   process's devices in one fsdp x tensor mesh."""
   if not layout.multi_process:
-    slices = build_slices(mesh)
-    return slices.learner, slices.sampler
+    try:
+      slices = build_slices(mesh)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"config.{e}") from e
+    return slices.learner, slices.replicas
   try:
     return make_mesh(jax.devices(), mesh.learner_axes()), None
   except ValueError as e:
@@ -116,10 +119,10 @@ def lead(config, workdir: str, layout: ProcessLayout) -> list[dict]:
   # It listens at once, so the other processes can connect while it compiles.
   control = ControlServer(layout, authkey()) if layout.multi_process else None
   try:
-    learner_mesh, sampler_mesh = _learner_mesh(settings.mesh, layout)
+    learner_mesh, sampler_meshes = _learner_mesh(settings.mesh, layout)
     st = _prepare(config, settings, workdir, layout, learner_mesh, start_time, control, None)
     cut_logs(workdir, st.step if st.latest is not None else None)  # no checkpoint: the killed attempts' rows go too
-    return _lead(workdir, layout, control, st, learner_mesh, sampler_mesh)
+    return _lead(workdir, layout, control, st, learner_mesh, sampler_meshes)
   finally:
     if control is not None:
       control.close()
@@ -226,11 +229,11 @@ def _prepare(config, settings: config_lib.Settings, workdir: epath.Path, layout:
 
 
 def _lead(workdir: epath.Path, layout: ProcessLayout, control: ControlServer | None, st: _Start, learner_mesh,
-          sampler_mesh) -> list[dict]:
+          sampler_meshes) -> list[dict]:
   """The leader: its parts built around the learner group, the loop (`_train`), then the end-of-run summary."""
   learners = LearnerGroup(st.learner, st.followers)
   local = learners.publish()  # the starting weights
-  parts = leader_parts(str(workdir), st, layout, control, learners, local, learner_mesh, sampler_mesh)
+  parts = leader_parts(str(workdir), st, layout, control, learners, local, learner_mesh, sampler_meshes)
   try:
     rows = _train(workdir, st, parts, local)
   finally:

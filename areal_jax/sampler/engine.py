@@ -443,7 +443,9 @@ class Engine(engine_api.Engine):
     while True:
       rows = 1
       while rows <= min(self.cfg.num_slots, max(1, self.cfg.prefill_budget // t)):
-        prefix, _ = self.prefill_batch(params, [np.ones(t - 1, np.int32)] * rows,
+        # t - 1 tokens fill bucket t (at most max_seq_len - 1: the top bucket may round the cache up to pages).
+        n = min(t, self.cfg.max_seq_len) - 1
+        prefix, _ = self.prefill_batch(params, [np.ones(n, np.int32)] * rows,
                                        [Draws(keys=np.zeros((1, 2), np.uint32), temperature=1.0)] * rows,
                                        decode_state=decode_state)
         decode_state = self._insert(prefix, decode_state, [], [])

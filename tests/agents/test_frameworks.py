@@ -66,7 +66,7 @@ def rollout(hf_dir, tok):
   cfg = SamplerConfig(num_slots=4, page_size=16, num_pages=4 * MAX_SEQ_LEN // 16 + 1, max_seq_len=MAX_SEQ_LEN,
                       max_new_tokens=64, vocab_limit=tok.vocab_size)
   r = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, params=nnx.state(model, nnx.Param),
-                   mesh=make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1}), version=0, eos_ids=[tok.eos_id],
+                   meshes=[make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})], version=0, eos_ids=[tok.eos_id],
                    detokenize=tok.decode)
   yield r
   r.stop()

@@ -80,8 +80,8 @@ def model():
 def rollout(model):
   cfg = SamplerConfig(num_slots=8, page_size=8, num_pages=64, max_seq_len=128, max_new_tokens=16,
                       vocab_limit=TOK.vocab_size)
-  r = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, mesh=make_mesh(
-      jax.devices()[:1], {"data": 1, "tensor": 1}), params=nnx.state(model, nnx.Param), version=0,
+  r = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, meshes=[make_mesh(
+      jax.devices()[:1], {"data": 1, "tensor": 1})], params=nnx.state(model, nnx.Param), version=0,
                    eos_ids=[TOK.eos_id], detokenize=TOK.decode)
   yield r
   r.stop()
@@ -294,8 +294,8 @@ def test_the_calculator_agent_calls_its_tool_and_its_turns_merge(agent):
   model = memorize(tiny_model(dataclasses.replace(TINY, hidden_size=64, intermediate_size=128), seed=2), pairs)
   cfg = SamplerConfig(num_slots=8, page_size=16, num_pages=128, max_seq_len=224, max_new_tokens=80,
                       vocab_limit=TOK.vocab_size)
-  rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, mesh=make_mesh(
-      jax.devices()[:1], {"data": 1, "tensor": 1}), params=nnx.state(model, nnx.Param), version=0,
+  rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, meshes=[make_mesh(
+      jax.devices()[:1], {"data": 1, "tensor": 1})], params=nnx.state(model, nnx.Param), version=0,
                          eos_ids=[TOK.eos_id], detokenize=TOK.decode)
   run = agents.EpisodeRunner(agent=getattr(calculator, agent)().run,
                              config=agents.AgentConfig(max_turns=4, timeout_s=120),

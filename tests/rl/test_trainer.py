@@ -105,3 +105,15 @@ def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
                                             r"same .*warmstart.steps"):
     raise outcome.get("error") or AssertionError("the run finished without stopping")
   assert [m["step"] for m in read_metrics(str(tmp_path))] == [0]  # the step-0 evaluation, whole
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_run_with_sampler_replicas_trains(tmp_path, replicas):
+  """The 4 sampler devices as 2 or 4 independent engines: every replica generates and swaps in each version."""
+  config = load_config(FAST, total_steps=4, **{"mesh.sampler_replicas": replicas})
+  rows = trainer.run(config, str(tmp_path))
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+  last = read_metrics(str(tmp_path))[-1]
+  for i in range(replicas):
+    assert last[f"sampler/replica{i}/tokens"] > 0 and last[f"sampler/replica{i}/swaps"] >= 1, last
+    assert last[f"sampler/replica{i}/failed"] == 0 and last[f"sampler/replica{i}/busy"] > 0

@@ -1,0 +1,149 @@
+"""`mesh.sampler_replicas`: independent engines on parts of the sampler slice behind one `LocalRollout`. A group
+goes whole to one replica and its answers do not depend on which; one replica's weight swap does not stop another's
+decoding; a replica that fails has its groups generated again on the others."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.distributed.slices import MeshConfig, build_slices
+from areal_jax.errors import SamplerLost
+from areal_jax.rl.rollout import LocalRollout
+from areal_jax.sampler import Request, SamplerConfig, SamplingParams
+from helpers import TINY, tiny_model
+from waiting import wait_until
+
+CFG = SamplerConfig(num_slots=4, page_size=4, num_pages=4 * 16 + 4, max_seq_len=64, max_new_tokens=48,
+                    decode_steps=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_model(TINY, seed=2)
+
+
+def _rollout(model, replicas: int, devices: int = 4, cfg: SamplerConfig = CFG) -> LocalRollout:
+  mesh = MeshConfig(sampler_devices=devices, sampler_replicas=replicas)
+  meshes = build_slices(mesh).replicas
+  assert len(meshes) == replicas and {len(m.devices.flat) for m in meshes} == {devices // replicas}
+  return LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, meshes=meshes,
+                      params=nnx.state(model, nnx.Param), version=0, eos_ids=[1], detokenize=None)
+
+
+def _requests(n: int, max_new_tokens: int = 24, first: int = 0) -> list[Request]:
+  rng = np.random.default_rng(first)
+  sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=3)
+  return [Request(group_id=first + g, prompt_ids=rng.integers(2, 64, size=int(rng.integers(3, 12))), num_answers=2,
+                  sampling=sp) for g in range(n)]
+
+
+def _generate(rollout: LocalRollout, requests) -> dict:
+  futures = {(r.group_id, i): f for r in requests for i, f in enumerate(rollout.submit(r))}
+  return {k: f.result(timeout=120) for k, f in futures.items()}
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_groups_spread_over_replicas_and_answers_do_not_depend_on_which(model, replicas):
+  requests = _requests(8)
+  one = _rollout(model, 1, devices=4 // replicas)  # one replica's shape, alone
+  try:
+    alone = _generate(one, requests)
+  finally:
+    one.stop()
+  rollout = _rollout(model, replicas)
+  try:
+    spread = _generate(rollout, requests)
+    per = [r.loop.stats() for r in rollout.replicas]
+    metrics = rollout.sampler_metrics()
+    total = rollout.stats()
+  finally:
+    rollout.stop()
+  assert sum(p["requests"] for p in per) == len(requests) and all(p["requests"] > 0 for p in per)  # whole groups
+  assert total["tokens"] == sum(p["tokens"] for p in per) == sum(len(t.response_ids) for t in spread.values())
+  assert all(metrics[f"sampler/replica{i}/tokens"] == per[i]["tokens"] for i in range(replicas))
+  for key, a in alone.items():  # the same PRNG keys and weights on an engine of the same shape
+    b = spread[key]
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
+  rollout = _rollout(model, 2)
+  stuck, release = threading.Event(), threading.Event()
+  sched0 = rollout.replicas[0].loop.scheduler
+  swap = sched0._swap_weights  # pylint: disable=protected-access
+
+  def slow_swap():
+    if sched0.has_update:
+      stuck.set()
+      release.wait(60)
+    swap()
+
+  sched0._swap_weights = slow_swap  # pylint: disable=protected-access
+  try:
+    futures = rollout.submit(_requests(1, max_new_tokens=48)[0])  # to replica 0 (a tie goes to the first)
+    wait_until(lambda: rollout.replicas[0].loop.stats()["tokens"] > 0, what="replica 0 decoding")
+    rollout.publish(nnx.state(model, nnx.Param), 1)
+    assert stuck.wait(60)
+    held = rollout.replicas[0].loop.stats()["tokens"]
+    # Replica 0 is inside its swap, holding its answers; new groups go to replica 1, which swaps and finishes them.
+    later = [f for r in _requests(2, max_new_tokens=16, first=100) for f in rollout.submit(r)]
+    out = [f.result(timeout=120) for f in later]
+    assert all(set(t.versions.tolist()) == {1} for t in out)
+    assert rollout.replicas[0].loop.stats()["tokens"] == held and not release.is_set()
+    release.set()
+    out = [f.result(timeout=120) for f in futures]
+    assert any(1 in t.versions for t in out)
+    assert rollout.stats()["weight_updates"] == 2
+  finally:
+    release.set()
+    rollout.stop()
+
+
+def test_a_failed_replica_s_groups_are_generated_again_on_the_others(model):
+  rollout = _rollout(model, 2)
+  broken = rollout.replicas[0].loop.scheduler
+
+  def fail():
+    raise RuntimeError("replica 0 broke")
+
+  broken.step = fail
+  try:
+    requests = _requests(4)
+    futures = {r.group_id: rollout.submit(r) for r in requests}
+    lost, done = [], {}
+    for r in requests:
+      try:
+        done[r.group_id] = [f.result(timeout=120) for f in futures[r.group_id]]
+      except SamplerLost:
+        lost.append(r)
+    assert lost and done  # the first group went to replica 0, the second to replica 1
+    rollout.check()  # one replica is left: the run goes on
+    again = _generate(rollout, lost)  # as the controller does: the lost groups again
+    assert len(again) == 2 * len(lost)
+    assert rollout.sampler_metrics()["sampler/replica0/failed"] == 1.0
+  finally:
+    rollout.stop()
+
+
+def test_a_lone_replica_s_failure_fails_the_run(model):
+  rollout = _rollout(model, 1)
+  broken = rollout.replicas[0].loop.scheduler
+  broken.step = lambda: (_ for _ in ()).throw(RuntimeError("the only replica broke"))
+  [f, _] = rollout.submit(_requests(1)[0])
+  with pytest.raises(RuntimeError, match="the only replica broke"):
+    f.result(timeout=120)
+  with pytest.raises(RuntimeError):
+    rollout.check()
+  with pytest.raises(RuntimeError):
+    rollout.stop()
+
+
+def test_replicas_must_divide_the_sampler_slice():
+  with pytest.raises(ValueError, match="mesh.sampler_replicas=3"):
+    build_slices(MeshConfig(sampler_devices=4, sampler_replicas=3))
+  with pytest.raises(ValueError, match="mesh.sampler_replicas=2"):
+    build_slices(MeshConfig(sampler_devices=4, sampler_replicas=2), devices=jax.devices()[:1])
