@@ -42,6 +42,7 @@ from jax.extend import core as jax_core
 import numpy as np
 
 from areal_jax.config import Settings
+from areal_jax.distributed.slices import replica_meshes
 from areal_jax.learner.critic import build_critic
 from areal_jax.learner.step import BATCH_INT_KEYS, build_step
 from areal_jax.models.config import ModelConfig
@@ -73,6 +74,7 @@ class ProgramReport:
   flop_ratio: float = 0.0  # executed FLOPs over `flops` (0: not measured); see `learner_flops`
   compile_s: float = 0.0
   kernels: tuple[str, ...] = ()  # Pallas (Mosaic) kernels in the compiled program, by name
+  collectives: tuple[str, ...] = ()  # the compiled program's cross-device collectives, e.g. "all-gather x2"
   note: str = ""
   error: str = ""
 
@@ -135,6 +137,15 @@ def pallas_kernels(compiled) -> tuple[str, ...]:
 # Matmuls per (query block, key block) pair in each of JAX's splash kernels: forward q.k and p.v; dq recomputes q.k,
 # then do.v and ds.k; dkv recomputes q.k, then do.v, p.do and ds.q.
 _SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+_COLLECTIVE = re.compile(r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def collectives(compiled) -> tuple[str, ...]:
+  """The collectives of a compiled program's optimised HLO, by kind with their counts (an async pair counted once)."""
+  counts = collections.Counter(_COLLECTIVE.findall(compiled.as_text()))
+  return tuple(f"{kind} x{n}" for kind, n in sorted(counts.items()))
 
 
 def matmul_flops(jaxpr, *, devices: int) -> tuple[float, dict[str, float]]:
@@ -223,7 +234,7 @@ def _compile(lowered, **fields) -> ProgramReport:
   m = compiled.memory_analysis()
   return ProgramReport(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
                        temp_bytes=m.temp_size_in_bytes, alias_bytes=m.alias_size_in_bytes, compile_s=seconds,
-                       kernels=pallas_kernels(compiled), **fields)
+                       kernels=pallas_kernels(compiled), collectives=collectives(compiled), **fields)
 
 
 def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
@@ -266,9 +277,11 @@ def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
 
 def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
   """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_expert × mesh.sampler_tensor), and
-  `prefill_after` with `sampler.prefix_cache`."""
+  `prefill_after` with `sampler.prefix_cache`. With `mesh.sampler_replicas` the programs of one replica, on its
+  share of the topology's devices (every replica's are the same)."""
   devices = topology_devices(topology)
-  mesh = make_mesh(devices, settings.mesh.sampler_axes())
+  mesh = replica_meshes(make_mesh(devices, settings.mesh.sampler_axes()), settings.mesh)[0]
+  devices = list(mesh.devices.flat)
   model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
@@ -305,18 +318,18 @@ def format_table(reports: list[ProgramReport]) -> str:
   """A Markdown table: per-device GiB of each program against the HBM, model TFLOP per device, compile seconds."""
   gib = lambda b: f"{b / GIB:.2f}"
   head = ("role", "program", "topology", "mesh", "args", "out", "temp", "alias", "resident", "total", "HBM", "fits",
-          "TFLOP", "FLOP ratio", "compile s", "Pallas kernels", "note")
+          "TFLOP", "FLOP ratio", "compile s", "Pallas kernels", "collectives", "note")
   rows = [head, ("---",) * len(head)]
   for r in reports:
     mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items())
     if r.error:
       rows.append((r.role, r.program, r.topology, mesh, *("-",) * 6, gib(r.hbm_bytes), "no", "-", "-",
-                   f"{r.compile_s:.1f}", "-", r.error))
+                   f"{r.compile_s:.1f}", "-", "-", r.error))
       continue
     rows.append((r.role, r.program, r.topology, mesh, gib(r.argument_bytes), gib(r.output_bytes), gib(r.temp_bytes),
                  gib(r.alias_bytes), gib(r.resident_bytes), gib(r.total_bytes), gib(r.hbm_bytes),
                  "yes" if r.fits else "NO", f"{r.flops / 1e12:.3f}" if r.flops else "-",
                  f"{r.flop_ratio:.2f}" if r.flop_ratio else "-", f"{r.compile_s:.1f}",
-                 ", ".join(r.kernels) or "-", r.note))
+                 ", ".join(r.kernels) or "-", ", ".join(r.collectives) or "-", r.note))
   return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 

@@ -56,6 +56,24 @@ def test_tiny_compiles_and_fits(reports):
   assert table.count("\n") == len(reports) + 1 and "| accumulate |" in table and "splash_mha_dkv" in table
 
 
+def test_a_replica_s_programs_compile_on_its_share_and_list_their_collectives():
+  """With mesh.sampler_replicas=2 the sampler's programs are one replica's, on 2 of the 4 chips; the compiled HLO's
+  collectives are listed: the decode loop's all-reduces (whether any slot of any shard is live), none in the
+  one-row prefill (computed whole on every data shard)."""
+  settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL,
+                                  **{"mesh.sampler_replicas": 2}), data=False)
+  reports = aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology=None)
+  by_name = {r.program: r for r in reports}
+  assert all(r.fits and r.mesh == {"data": 2, "expert": 1, "tensor": 1} for r in reports), reports
+  assert all(isinstance(c, str) and " x" in c for r in reports for c in r.collectives)
+  assert "collectives" in aot_check.format_table(reports)
+  assert by_name["prefill"].collectives == () and by_name["insert"].collectives == ()
+  assert by_name["decode"].collectives and all(c.startswith("all-reduce") for c in by_name["decode"].collectives)
+  with pytest.raises(ValueError, match="mesh.sampler_replicas=3"):
+    aot_check.check(dataclasses.replace(settings, mesh=dataclasses.replace(settings.mesh, sampler_replicas=3)),
+                    sampler_topology="v5e:2x2", learner_topology=None)
+
+
 def test_tiny_moe_compiles_with_megablox_and_expert_parallelism():
   settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny-moe"), **SMALL, **{
       "mesh.learner_expert": 2, "mesh.sampler_expert": 2}), data=False)
