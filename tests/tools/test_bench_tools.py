@@ -30,13 +30,13 @@ def test_bench_sampler_with_hf_peer():
 
 
 def test_bench_sampler_host_work_and_replicas_lines():
-  out = _run("bench_sampler.py", "--host_slots=256,512", "--host_calls=8")
+  out = _run("bench_sampler.py", "--host_slots=256,512", "--host_calls=4")
   lines = re.findall(r"^host per decode call at (\d+) slots: ([\d.]+) ms, hidden (\d+)%$", out, re.M)
   assert [n for n, _, _ in lines] == ["256", "512"] and all(0 <= int(h) <= 100 for _, _, h in lines), out
-  out = _run("bench_sampler.py", "--replicas=1,2", "--requests=8", "--mean-len=6", "--slots=8", "--repeats=1",
+  out = _run("bench_sampler.py", "--replicas=2", "--requests=8", "--mean-len=6", "--slots=8", "--repeats=1",
              "--swap_every=2")
   lines = re.findall(r"^replicas=(\d+): tokens/s (\d+), stall per swap ([\d.]+) s$", out, re.M)
-  assert [n for n, _, _ in lines] == ["1", "2"] and all(int(t) > 0 for _, t, _ in lines), out
+  assert [n for n, _, _ in lines] == ["2"] and all(int(t) > 0 for _, t, _ in lines), out
 
 
 def test_bench_learner_with_torch_peer():
