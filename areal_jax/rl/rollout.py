@@ -46,23 +46,7 @@ class Rollout(Protocol):
     ...
 
   def publish(self, params, version: int) -> None:
-    """Moves the learner's weights onto every live replica (under LoRA only the adapters); each swaps them in at its
-    own next step."""
-    moved, nbytes = [], 0
-    for r in self._live():
-      e = r.engine
-      if r.base is None:
-        m = self._move(params, e.param_shardings, e.param_dtype)
-        nbytes += lora.nbytes(m)
-      else:
-        adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype)
-        nbytes += lora.nbytes(adapters)
-        m = nnx.merge_state(r.base, adapters)
-      moved.append((r, m))
-    self._bytes = nbytes
-    faults.reach("weight_update")
-    for r, m in moved:
-      r.loop.update_params(m, version)
+    ...
 
   def stats(self) -> dict[str, float]:
     """Counters summed over the samplers: tokens, busy_s, running, waiting, ..."""
@@ -172,21 +156,23 @@ class LocalRollout:
       outer.set_exception(error)
 
   def publish(self, params, version: int) -> None:
-    moved_bytes = 0
+    """Moves the learner's weights onto every live replica (under LoRA only the adapters); each swaps them in at its
+    own next step."""
+    moved, nbytes = [], 0
     for r in self._live():
       e = r.engine
       if r.base is None:
-        moved = self._move(params, e.param_shardings, e.param_dtype)
-        moved_bytes += lora.nbytes(moved)
+        m = self._move(params, e.param_shardings, e.param_dtype)
+        nbytes += lora.nbytes(m)
       else:
         adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype)
-        moved_bytes += lora.nbytes(adapters)
-        moved = nnx.merge_state(r.base, adapters)
-      if r is self.replicas[0] or not self._live()[0] is r:
-        pass
-      r.loop.update_params(moved, version)
-    self._bytes = moved_bytes
+        nbytes += lora.nbytes(adapters)
+        m = nnx.merge_state(r.base, adapters)
+      moved.append((r, m))
+    self._bytes = nbytes
     faults.reach("weight_update")
+    for r, m in moved:
+      r.loop.update_params(m, version)
 
   def stats(self) -> dict[str, float]:
     """The replicas' counters summed (versions: the oldest; the most answers one call advanced: the largest)."""
