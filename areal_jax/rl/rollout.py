@@ -116,8 +116,18 @@ class LocalRollout:
   def _live(self) -> list[_Replica]:
     return [r for r in self.replicas if r.failed is None]
 
+  def _note_failures(self) -> None:
+    """Marks the replicas whose loop stopped on an error (with answers open or idle, e.g. in a weight swap)."""
+    for r in self.replicas:
+      error = r.loop.error or r.loop.driver.error
+      if r.failed is None and error is not None:
+        r.failed = error
+        _log.warning("sampler replica %d of %d failed (%s: %s); its groups are generated on the others", r.index,
+                     len(self.replicas), type(error).__name__, error)
+
   def submit(self, request: Request) -> list[Future]:
     with self._lock:
+      self._note_failures()
       live = {r.index: r for r in self._live()}
       if not live:
         self.check()
@@ -139,10 +149,7 @@ class LocalRollout:
     with self._lock:
       r.answers -= 1
       error = None if inner.cancelled() else inner.exception()
-      if error is not None and r.failed is None and (r.loop.error or r.loop.driver.error) is not None:
-        r.failed = error
-        _log.warning("sampler replica %d of %d failed (%s: %s); its groups are generated on the others", r.index,
-                     len(self.replicas), type(error).__name__, error)
+      self._note_failures()
       lost = r.failed is not None and len(self.replicas) > 1 and bool(self._live())
     if outer.done():
       return
@@ -197,14 +204,15 @@ class LocalRollout:
     return out
 
   def check(self) -> None:
-    live = self._live()
-    if len(self.replicas) == 1 or not live:
-      for r in self.replicas:
-        r.loop.check()
-      if not live:
-        raise RuntimeError(f"all {len(self.replicas)} sampler replicas failed") from self.replicas[0].failed
-    for r in live:
-      r.loop.check()
+    """Raises a lone replica's error, or once every replica has failed; with others left a failed one is dropped."""
+    if len(self.replicas) == 1:
+      return self.replicas[0].loop.check()
+    with self._lock:
+      self._note_failures()
+      live = self._live()
+    if not live:
+      raise RuntimeError(f"all {len(self.replicas)} sampler replicas failed") from self.replicas[0].failed
+    return None
 
   def stop(self) -> None:
     for r in self.replicas:

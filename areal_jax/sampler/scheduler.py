@@ -25,7 +25,9 @@ draws them again (same keys, same tokens). A weight swap first reads every call 
 versions and routes are the same as without overlap (`tests/sampler/test_overlap.py`).
 
 Recording is vectorised over the call's [slots, steps] block: where an answer stops (EOS, its length) is found with
-numpy, and each answer's new tokens are appended once per call, not once per token.
+numpy, and the tokens go into per-slot buffers in a few numpy operations; an answer's lists take them when read
+(`Sequence.tokens` syncs), when it ends, or every 32 calls (a 32nd of the slots in turn). Answers with stop sequences
+are recorded token by token.
 
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
@@ -100,7 +102,7 @@ class Scheduler:
     self._buf_tokens, self._buf_versions = np.zeros((s, width), np.int32), np.zeros((s, width), np.int32)
     self._buf_logp = np.zeros((s, width), np.float32)
     self._buf_n = np.zeros(s, np.int64)
-    self._turn = 0
+    self._turns, self._turn = np.arange(s) % 32, 0  # each slot's turn to move its buffer, and this call's
     # Admitted this step, per prefill: ((answer, its index into the draw, its row), first tokens, logprobs, experts
     # of the rows' positions or None, tokens before each row in the prefix cache).
     self._fresh: list = []
@@ -229,17 +231,17 @@ class Scheduler:
         if self._append(seq, tokens[slot, j], logp[slot, j], call.version):
           finished.append(seq)
           break
-    ends = slots[bulk & (eos | length)]
+    ending = bulk & (eos | length)
+    ends, by_eos = slots[ending], eos[ending]
     slots = slots[bulk]
     self._buffer(slots, count[slots], tokens, logp, call.version)
     if experts is not None:
       for slot in slots.tolist():
         self.running[slot].routes.append(experts[slot, :count[slot]])
     now = time.monotonic()
-    for slot in ends.tolist():
+    for slot, at_eos in zip(ends.tolist(), by_eos.tolist()):
       seq = self.running[slot]
-      seq.finish_reason, seq.t_finish = ("eos" if self._stop_eos[slot] and int(tokens[slot, count[slot] - 1])
-                                         in self.eos_ids else "length"), now
+      seq.finish_reason, seq.t_finish = ("eos" if at_eos else "length"), now
       self._release(seq)
       finished.append(seq)
     self.counters["tokens"] += int(count[slots].sum())
@@ -261,7 +263,7 @@ class Scheduler:
     self._buf_n[slots] += n
     # A 32nd of the slots, in turn, moves its buffer into the lists at each call: the moves cost the same every call
     # (slots that started together do not all fill up in the same one).
-    due = np.flatnonzero((self._buf_n > 0) & (np.arange(len(self._buf_n)) % 32 == self._turn))
+    due = np.flatnonzero((self._buf_n > 0) & (self._turns == self._turn))
     for slot in due.tolist():
       self._sync(self.running[slot])
     self._turn = (self._turn + 1) % 32

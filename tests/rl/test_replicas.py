@@ -84,19 +84,18 @@ def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
 
   sched0._swap_weights = slow_swap  # pylint: disable=protected-access
   try:
-    futures = rollout.submit(_requests(1, max_new_tokens=48)[0])  # to replica 0 (a tie goes to the first)
-    wait_until(lambda: rollout.replicas[0].loop.stats()["tokens"] > 0, what="replica 0 decoding")
     rollout.publish(nnx.state(model, nnx.Param), 1)
-    assert stuck.wait(60)
+    assert stuck.wait(60)  # replica 0 is inside its swap
+    futures = rollout.submit(_requests(1, max_new_tokens=48)[0])  # to replica 0 (a tie goes to the first): held
     held = rollout.replicas[0].loop.stats()["tokens"]
-    # Replica 0 is inside its swap, holding its answers; new groups go to replica 1, which swaps and finishes them.
-    later = [f for r in _requests(2, max_new_tokens=16, first=100) for f in rollout.submit(r)]
+    # A new group goes to replica 1 (fewer answers outstanding), which swaps and finishes it meanwhile.
+    later = rollout.submit(_requests(1, max_new_tokens=16, first=100)[0])
     out = [f.result(timeout=120) for f in later]
     assert all(set(t.versions.tolist()) == {1} for t in out)
     assert rollout.replicas[0].loop.stats()["tokens"] == held and not release.is_set()
     release.set()
     out = [f.result(timeout=120) for f in futures]
-    assert any(1 in t.versions for t in out)
+    assert all(set(t.versions.tolist()) == {1} for t in out)
     assert rollout.stats()["weight_updates"] == 2
   finally:
     release.set()
@@ -125,6 +124,25 @@ def test_a_failed_replica_s_groups_are_generated_again_on_the_others(model):
     again = _generate(rollout, lost)  # as the controller does: the lost groups again
     assert len(again) == 2 * len(lost)
     assert rollout.sampler_metrics()["sampler/replica0/failed"] == 1.0
+  finally:
+    rollout.stop()
+
+
+def test_a_replica_that_fails_while_idle_is_dropped_and_takes_no_groups(model):
+  rollout = _rollout(model, 2)
+  one = rollout.replicas[1].loop
+
+  def fail():
+    raise RuntimeError("replica 1 broke in its weight swap")
+
+  one.scheduler.step = fail
+  try:
+    one.update_params(one.scheduler.params, 1)  # an idle replica steps to swap: the step fails, no answer open
+    wait_until(lambda: one.driver.error is not None, what="replica 1's loop stopping on its error")
+    rollout.check()  # replica 0 is left
+    out = _generate(rollout, _requests(3))
+    assert len(out) == 6 and rollout.replicas[0].loop.stats()["requests"] == 3
+    assert rollout.sampler_metrics()["sampler/replica1/failed"] == 1.0
   finally:
     rollout.stop()
 
