@@ -199,7 +199,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.decode_steps = 8
   # Dispatch each decode call before reading the last one's tokens: the host's bookkeeping hides behind the device.
   c.sampler.overlap = True
-  c.sampler.max_prefill_tokens = 0  # rows x padded length of one batched prefill; 0 = max(8192, max_seq_len)
+  c.sampler.max_prefill_tokens = 0  # rows x padded length of a prefill call, per data shard; 0 = max(8192, max_seq_len)
   # Keep released sequences' full pages for prompts that extend them (an agent's next turn); evicted when short.
   c.sampler.prefix_cache = False
   # The sampler's copy of the weights: bfloat16 halves their HBM and update bytes (gap: sampler/logprob_gap).

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -49,30 +51,32 @@ def _sds(shape, dtype, mesh, spec=P()):
 
 def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, prefill_len: int | None = None,
                   free_bytes: int | None = None) -> dict[str, jax.stages.Lowered]:
-  """Lowered `decode`, `prefill` (one row of `prefill_len` tokens, default max_seq_len), `prefill_after` (the same
-  row after pages of the prefix cache) and `insert` for the pool size the config gives (num_pages, or
-  memory_fraction of `free_bytes` per device), with weights of the config's `param_dtype`."""
+  """Lowered `decode`, `prefill` (one row of `prefill_len` tokens per data shard, default max_seq_len, as the
+  scheduler shards it), `prefill_after` (the same rows after pages of the prefix cache) and `insert` for the pool
+  size the config gives (num_pages, or memory_fraction of `free_bytes` per device), with weights of the config's
+  `param_dtype`."""
   graphdef, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
   state, _ = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free_bytes)
   programs = build_programs(graphdef, model_cfg, cfg, mesh)
   s, m = cfg.num_slots, cfg.pages_per_seq
   t = -(-(prefill_len or cfg.max_seq_len) // cfg.page_size) * cfg.page_size
   i32 = jnp.int32
-  prefill_args = (_sds((1, t), i32, mesh), _sds((1,), i32, mesh), _sds((s,), i32, mesh))
+  b = mesh.shape["data"]
+  prefill_args = (_sds((b, t), i32, mesh, P("data")), _sds((b,), i32, mesh, P("data")), _sds((s,), i32, mesh))
   lowered = {
       "decode": programs.decode.lower(params, state, _sds((s,), i32, mesh, P("data")),
                                      _sds((s,), jnp.bool_, mesh, P("data")), _sds((MAX_EOS_IDS,), i32, mesh),
                                      _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh),
                                      _sds((), i32, mesh)),
-      "prefill": programs.prefill.lower(params, *prefill_args),
+      "prefill": programs.prefill.lower(params, *prefill_args, sharded=True),
       "prefill_after": programs.prefill_after.lower(
-          params, state.k, state.v, _sds((1, m), i32, mesh), _sds((1,), i32, mesh),
-          _sds((1,), i32, mesh), *prefill_args),
+          params, state.k, state.v, _sds((b, m), i32, mesh, P("data")), _sds((b,), i32, mesh, P("data")),
+          *prefill_args),
   }
-  prefix = jax.eval_shape(programs.prefill, params, *prefill_args)[0]
-  dense = prefix_shardings(model_cfg, mesh)
+  prefix = jax.eval_shape(functools.partial(programs.prefill, sharded=True), params, *prefill_args)[0]
+  dense = prefix_shardings(model_cfg, mesh, sharded=True)
   prefix = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dense), prefix)
-  chunks = Chunks(*(_sds((t // cfg.page_size + s,), i32, mesh) for _ in range(4)))
+  chunks = Chunks(*(_sds((b * (t // cfg.page_size) + s,), i32, mesh) for _ in range(4)))
   vec = lambda dtype=i32: _sds((s,), dtype, mesh)
   upd = SlotUpdate(slot=vec(), rows=_sds((s, m), i32, mesh), src=vec(), override=vec(), lengths=vec(), index=vec(),
                    keys=_sds((s, 2), jnp.uint32, mesh), temperature=vec(jnp.float32), top_p=vec(jnp.float32),

@@ -271,26 +271,28 @@ def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_
 
 
 def sharded_prefill_attention_after(mesh: Mesh, num_kv_heads: int, *, pages_per_block: int):
-  """`f(q, k, v, lengths, k_pages, v_pages, page_table, row_shard, past_lengths) -> out`: `prefill_attention_after`
-  per device with `shard_map`. Prefill rows are replicated over `data`: each data shard attends over the pages of
-  its own rows (`row_shard[b]`), zero for the others, and a sum over `data` gives every row its result."""
+  """`f(q, k, v, lengths, k_pages, v_pages, page_table, past_lengths) -> out`: `prefill_attention_after` per device
+  with `shard_map`. Prefill rows are split over `data`, each on the shard whose pages it continues, so every shard
+  attends over its own rows and its own pages only: nothing crosses shards."""
   heads = kv_head_axis(mesh, num_kv_heads)
-
-  def local(q, k, v, lengths, k_pages, v_pages, page_table, row_shard, past_lengths):
-    mine = row_shard == jax.lax.axis_index("data")
-    out = prefill_attention_after(q, k, v, lengths, k_pages, v_pages, page_table, jnp.where(mine, past_lengths, 0),
-                                  pages_per_block=pages_per_block)
-    return jax.lax.psum(jnp.where(mine[:, None, None, None], out, jnp.zeros_like(out)), "data")
-
-  dense, pages, idx = P(None, None, heads, None), P(heads, "data", None, None), P()
-  return jax.shard_map(local, mesh=mesh, in_specs=(dense, dense, dense, idx, pages, pages, idx, idx, idx),
-                       out_specs=dense, check_vma=False)
+  local = functools.partial(prefill_attention_after, pages_per_block=pages_per_block)
+  rows, pages, idx = P("data", None, heads, None), P(heads, "data", None, None), P("data")
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, idx, pages, pages, P("data", None), idx),
+                       out_specs=rows, check_vma=False)
 
 
-def sharded_write_chunks(mesh: Mesh, num_kv_heads: int):
-  """`write_chunks` over the mesh: dense keys/values replicated over `data`, heads split as the cache's."""
+def sharded_write_chunks(mesh: Mesh, num_kv_heads: int, rows_per_shard: int = 0):
+  """`write_chunks` over the mesh, heads split as the cache's. Dense keys/values replicated over `data`
+  (`rows_per_shard` = 0), or split over it, R rows per shard: then chunk c's `src_row` is a row of its own shard
+  (R * shard[c] <= src_row < R * (shard[c] + 1)), read where it lies."""
   heads = kv_head_axis(mesh, num_kv_heads)
-  pages, dense, idx = P(heads, "data", None, None), P(None, None, heads, None), P()
-  return jax.shard_map(functools.partial(write_chunks, axis="data"), mesh=mesh,
-                       in_specs=(pages, pages, dense, dense, idx, idx, idx, idx), out_specs=(pages, pages),
-                       check_vma=False)
+  pages, idx = P(heads, "data", None, None), P()
+  dense = P("data" if rows_per_shard else None, None, heads, None)
+
+  def local(k_pages, v_pages, k, v, src_row, src_chunk, dst, shard):
+    if rows_per_shard:
+      src_row = src_row - rows_per_shard * jax.lax.axis_index("data")  # other shards' chunks: dropped by `shard`
+    return write_chunks(k_pages, v_pages, k, v, src_row, src_chunk, dst, shard, axis="data")
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(pages, pages, dense, dense, idx, idx, idx, idx),
+                       out_specs=(pages, pages), check_vma=False)

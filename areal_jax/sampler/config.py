@@ -33,7 +33,7 @@ class SamplerConfig:
   top_k: int = -1
   attention: str = "auto"
   min_prefill_len: int = 16  # smallest prefill bucket; buckets double up to max_seq_len
-  max_prefill_tokens: int = 0  # rows x bucket length of one batched prefill; 0 = max(8192, max_seq_len)
+  max_prefill_tokens: int = 0  # rows x bucket length of one batched prefill per data shard; 0 = max(8192, max_seq_len)
   # Tokens per block of the pure-JAX paged attention loop (rounded to whole pages); 0 = 32 on CPU (measured fastest
   # there, 2-4x faster than 256 at 40-400 token contexts), 256 elsewhere (fewer loop iterations on GPU).
   attention_block: int = 0
@@ -88,7 +88,7 @@ class SamplerConfig:
 
   @property
   def prefill_budget(self) -> int:
-    """Tokens (rows x padded length) one batched prefill may hold."""
+    """Tokens (rows x padded length) one batched prefill may hold on each data shard."""
     return self.max_prefill_tokens or max(8192, self.pages_per_seq * self.page_size)
 
   @property

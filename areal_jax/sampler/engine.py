@@ -262,8 +262,8 @@ class Engine(engine_api.Engine):
   def get_prefix_destination_sharding(self) -> Prefix:
     kv = prefix_shardings(self.model_cfg, self._mesh)
     rep = NamedSharding(self._mesh, P())
-    return Prefix(arrays=PrefixArrays(k=kv, v=kv), true_length=rep, start=rep, draw_index=rep, first=rep, keys=rep,
-                  temperature=rep, top_p=rep, top_k=rep)
+    return Prefix(arrays=PrefixArrays(k=kv, v=kv), true_length=rep, start=rep, draw_index=rep, array_row=rep,
+                  first=rep, keys=rep, temperature=rep, top_p=rep, top_k=rep)
 
   def get_tokenizer(self) -> TokenizerParameters:
     return TokenizerParameters(path=self._tokenizer or "char")
@@ -355,53 +355,82 @@ class Engine(engine_api.Engine):
     return min(top, max(self.min_bucket, -(-_pow2(length) // p) * p))
 
   def prefill_batch(self, params, sequences: Sequence[np.ndarray], draws: Sequence[Draws], *,
-                    cached: Sequence[tuple[int, Sequence[int]]] = (),
+                    shards: Sequence[int] | None = None, cached: Sequence[tuple[int, Sequence[int]]] = (),
                     decode_state: DecodeState | None = None) -> tuple[Prefix, FirstTokens]:
-    """Prefills several sequences in one call, padded to the longest one's bucket and rows to a power of two (so
-    compiles stay bounded), and draws the first tokens of `draws[b]` for row b (at most num_slots in all; they come
-    back flat, [num_slots], in row-major answer order: see `Prefix.draw_index`).
+    """Prefills several sequences in one call, padded to the longest one's bucket, and draws the first tokens of
+    `draws[b]` for row b (at most num_slots in all; they come back flat, [num_slots], in row-major answer order: see
+    `Prefix.draw_index`).
+
+    `shards[b]`: the data shard whose slots row b's answers go to. Given, the rows are split over the data shards
+    (each shard's padded to a power of two, the same for all), and each shard computes and keeps only its own rows'
+    keys and values; `insert_many` then places a row only into slots of its shard. Without it (JetStream's prefill,
+    whose slot comes after), rows are padded to a power of two and every shard computes all of them.
 
     `cached[b]` = (shard, pages), if given: pages of that data shard (the prefix cache's, `SlotTable.match`) that
-    hold row b's first `len(pages) * page_size` tokens; the row is prefilled after them, reading their keys and
-    values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages. With
-    `sampler.prefix_cache` and a `decode_state`, every batch runs the program that reads cached pages (it loops over
-    the pages rows hold, none for most), so rows with and without cached pages share compiled programs."""
+    hold row b's first `len(pages) * page_size` tokens; the row is prefilled on that shard after them, reading their
+    keys and values from `decode_state`, and goes into slots of that shard with `Placement.cached` = those pages.
+    With `sampler.prefix_cache` and a `decode_state`, every sharded batch runs the program that reads cached pages
+    (it loops over the pages rows hold, none for most), so rows with and without cached pages share compiled
+    programs."""
     s = self.cfg.num_slots
     cached, starts, lengths, num_draws = self._prefill_rows(sequences, draws, cached)
-    t, b = self.bucket(int(lengths.max())), _pow2(len(sequences))
+    if shards is None and starts.any():
+      shards = [shard for shard, _ in cached]
+    array_row, b = self._layout(shards, len(sequences))
+    t = self.bucket(int(lengths.max()))
     tokens = np.zeros((b, t), np.int32)
     lens = np.ones(b, np.int32)
-    lens[:len(sequences)] = lengths
+    lens[array_row] = lengths
     rows = np.zeros(s, np.int32)
     keys = np.zeros((s, 2), np.uint32)
     temperature, top_p, top_k = np.zeros(s, np.float32), np.ones(s, np.float32), np.full(s, -1, np.int32)
     draw_index = np.full((len(sequences), max([len(d.keys) for d in draws] + [1])), -1, np.int32)
     r = 0
     for i, (x, d) in enumerate(zip(sequences, draws)):
-      tokens[i, :lengths[i]] = x[starts[i]:]
+      tokens[array_row[i], :lengths[i]] = x[starts[i]:]
       n = len(d.keys)
       draw_index[i, :n] = np.arange(r, r + n)
-      rows[r:r + n], keys[r:r + n] = i, d.keys
+      rows[r:r + n], keys[r:r + n] = array_row[i], d.keys
       temperature[r:r + n], top_p[r:r + n], top_k[r:r + n] = d.temperature, d.top_p, d.top_k
       r += n
     if starts.any() and decode_state is None:
       raise ValueError("prefill_batch: rows after cached pages need the decode_state that holds them")
-    if starts.any() or (self.cfg.prefix_cache and decode_state is not None):
+    if shards is not None and (starts.any() or (self.cfg.prefix_cache and decode_state is not None)):
       page_rows = np.full((b, self.cfg.pages_per_seq), SCRATCH_PAGE, np.int32)
-      row_shard, start = np.zeros(b, np.int32), np.zeros(b, np.int32)
+      start = np.zeros(b, np.int32)
       for i, (shard, pages) in enumerate(cached):
-        page_rows[i, :len(pages)], row_shard[i], start[i] = pages, shard, starts[i]
-      arrays, logits = self.programs.prefill_after(params, decode_state.k, decode_state.v, page_rows, row_shard,
-                                                   start, tokens, lens, rows)
+        if pages and shard != shards[i]:
+          raise ValueError(f"prefill_batch: row {i} continues cached pages of data shard {shard} but goes to shard "
+                           f"{shards[i]}")
+        page_rows[array_row[i], :len(pages)], start[array_row[i]] = pages, starts[i]
+      arrays, logits = self.programs.prefill_after(params, decode_state.k, decode_state.v, page_rows, start, tokens,
+                                                   lens, rows)
     else:
-      arrays, logits = self.programs.prefill(params, tokens, lens, rows)
+      arrays, logits = self.programs.prefill(params, tokens, lens, rows, sharded=shards is not None)
     if num_draws:
       first, log_prob = self.programs.sample(logits, keys, np.zeros(s, np.int32), temperature, top_p, top_k)
     else:
       first, log_prob = self._no_draws()
-    prefix = Prefix(arrays=arrays, true_length=lengths, start=starts, draw_index=draw_index, first=first, keys=keys,
-                    temperature=temperature, top_p=top_p, top_k=top_k)
+    prefix = Prefix(arrays=arrays, true_length=lengths, start=starts, draw_index=draw_index, array_row=array_row,
+                    first=first, keys=keys, temperature=temperature, top_p=top_p, top_k=top_k)
     return prefix, FirstTokens(tokens=first, log_prob=log_prob)
+
+  def _layout(self, shards: Sequence[int] | None, n: int) -> tuple[np.ndarray, int]:
+    """(the arrays' row of each of n prefill rows, rows in all): with `shards`, R rows per data shard (the most any
+    shard has, rounded to a power of two) and shard d's rows at d * R, d * R + 1, ...; without, rows in order,
+    padded to a power of two."""
+    if shards is None:
+      return np.arange(n, dtype=np.int32), _pow2(n)
+    shards = np.asarray(shards, np.int64)
+    if len(shards) != n or np.any((shards < 0) | (shards >= self.num_shards)):
+      raise ValueError(f"prefill_batch: shards {shards.tolist()} for {n} rows; each must be a data shard in "
+                       f"[0, {self.num_shards})")
+    counts = np.bincount(shards, minlength=self.num_shards)
+    per = _pow2(int(counts.max()))
+    order = np.argsort(shards, kind="stable")
+    nth = np.empty(n, np.int64)
+    nth[order] = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # the row's place among its shard's
+    return (shards * per + nth).astype(np.int32), per * self.num_shards
 
   def _no_draws(self) -> tuple[jax.Array, jax.Array]:
     """First tokens of a prefill that draws none, placed as `sample` places them: `insert` then runs the program
@@ -441,15 +470,15 @@ class Engine(engine_api.Engine):
     top = self.bucket(max_context or self.cfg.max_seq_len - 1)
     t = self.min_bucket
     while True:
-      rows = 1
-      while rows <= min(self.cfg.num_slots, max(1, self.cfg.prefill_budget // t)):
+      per = 1  # rows per data shard, as the scheduler batches them
+      while per <= min(self.slots.slots_per_shard, max(1, self.cfg.prefill_budget // t)):
         # t - 1 tokens fill bucket t (at most max_seq_len - 1: the top bucket may round the cache up to pages).
-        n = min(t, self.cfg.max_seq_len) - 1
+        n, rows = min(t, self.cfg.max_seq_len) - 1, per * self.num_shards
         prefix, _ = self.prefill_batch(params, [np.ones(n, np.int32)] * rows,
                                        [Draws(keys=np.zeros((1, 2), np.uint32), temperature=1.0)] * rows,
-                                       decode_state=decode_state)
+                                       shards=np.repeat(np.arange(self.num_shards), per), decode_state=decode_state)
         decode_state = self._insert(prefix, decode_state, [], [])
-        rows *= 2
+        per *= 2
       if t >= top:
         break
       t = self.bucket(t + 1)
@@ -467,8 +496,9 @@ class Engine(engine_api.Engine):
     `replace`, answers still in the slots are done and are replaced (JetStream's insert; their `free_resource` may
     still come, and is ignored, where the driver `frees_slots`)."""
     true_length, start = np.asarray(prefix.true_length), np.asarray(prefix.start)
-    draw_index = np.asarray(prefix.draw_index)
+    draw_index, array_row = np.asarray(prefix.draw_index), np.asarray(prefix.array_row)
     for pl in placements:
+      self._check_shard(prefix, pl.row, pl.slots)
       drawn = int(np.sum(draw_index[pl.row] >= 0))
       if not drawn and min(pl.pending) < 0:
         raise ValueError(f"prefix row {pl.row} drew no first tokens; pass the pending tokens")
@@ -485,10 +515,11 @@ class Engine(engine_api.Engine):
     for pl, by_shard in zip(placements, occupied):
       full = int(true_length[pl.row]) // p
       i_of = {slot: i for i, slot in enumerate(pl.slots)}
+      src = int(array_row[pl.row])
       for occ in by_shard:
-        chunks += [(pl.row, j, page, occ.shard) for j, page in enumerate(occ.shared)]
+        chunks += [(src, j, page, occ.shard) for j, page in enumerate(occ.shared)]
         for slot, own in zip(occ.slots, occ.own):
-          chunks += [(pl.row, full, page, occ.shard) for page in own]
+          chunks += [(src, full, page, occ.shard) for page in own]
           i = i_of[slot]
           r = int(draw_index[pl.row, pl.answers[i]]) if draw_index[pl.row, pl.answers[i]] >= 0 else 0
           inits.append(_SlotInit(slot=slot, draw=r, pending=pl.pending[i],
@@ -505,21 +536,35 @@ class Engine(engine_api.Engine):
     true_length = np.asarray(prefix.true_length)
     if np.any(np.asarray(prefix.start)):
       raise ValueError("rewrite: a prefix prefilled after cached pages cannot rewrite a slot's pages from its start")
-    chunks = []
+    chunks, array_row = [], np.asarray(prefix.array_row)
     with self.slots.lock:
       for row, slot in rows_to_slots:
+        self._check_shard(prefix, row, [slot])
         shard, n = self.slots.shard_of(slot), -(-int(true_length[row]) // self.cfg.page_size)
         for j, page in enumerate(self.slots.pages[slot][:n]):
           if (shard, page) not in written:
             written.add((shard, page))
-            chunks.append((row, j, page, shard))
+            chunks.append((int(array_row[row]), j, page, shard))
     return self._insert(prefix, decode_state, chunks, [])
+
+  def _check_shard(self, prefix: Prefix, row: int, slots: Sequence[int]) -> None:
+    """A sharded prefix's row goes only into slots of the data shard that holds its keys and values."""
+    per = prefix.arrays.rows_per_shard
+    if not per:
+      return
+    shard = int(np.asarray(prefix.array_row)[row]) // per
+    wrong = [slot for slot in slots if self.slots.shard_of(slot) != shard]
+    if wrong:
+      raise ValueError(f"prefix row {row} was prefilled on data shard {shard}; slot {wrong[0]} is on shard "
+                       f"{self.slots.shard_of(wrong[0])} (pass the slots' shard to prefill_batch)")
 
   def _insert(self, prefix: Prefix, decode_state, chunks, inits: Sequence[_SlotInit]) -> DecodeState:
     s, m = self.cfg.num_slots, self.cfg.pages_per_seq
     b, t = prefix.arrays.k.shape[1:3]
-    # Fixed per prefill shape: every full chunk once per shard, plus one tail copy per slot.
-    ch = np.zeros((4, b * (t // self.cfg.page_size) * self.num_shards + s), np.int32)
+    # Fixed per prefill shape: every full chunk once per shard that may take it (a sharded row's: its own), plus one
+    # tail copy per slot.
+    copies = 1 if prefix.arrays.rows_per_shard else self.num_shards
+    ch = np.zeros((4, b * (t // self.cfg.page_size) * copies + s), np.int32)
     ch[3] = -1
     if chunks:
       ch[:, :len(chunks)] = np.array(chunks, np.int32).T

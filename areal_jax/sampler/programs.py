@@ -3,18 +3,22 @@
 `build_programs(graphdef, model_cfg, cfg, mesh)` needs no parameter values, so the same functions serve
 the engine and AOT lowering from `jax.ShapeDtypeStruct`s (see `areal_jax.sampler.aot`).
 
-* `prefill(params, tokens [B, T], lengths [B], rows [S]) -> (PrefixArrays, logits [S, V])`: causal forward over
-  padded sequences (the learner's attention, in query blocks for long ones), keys/values of every layer and position,
-  and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a slot);
-  with `sampler.record_routes`, a mixture of experts' routing of every position (`PrefixArrays.experts`).
-* `prefill_after(params, k_pool, v_pool, page_rows [B, M], row_shard [B], start [B], tokens, lengths, rows)`: the
-  same for rows that continue `start[b]` tokens already in the pool (pages `page_rows[b]` of data shard
-  `row_shard[b]`, the prefix cache's): positions start there and queries also attend to those keys
-  (`attention.prefill_attention_after`, which loops over the pages held, so one program serves any `start`).
-  Layers run unrolled, each reading its own layer's pool.
+* `prefill(params, tokens [B, T], lengths [B], rows [S], sharded) -> (PrefixArrays, logits [S, V])`: causal forward
+  over padded sequences (the learner's attention, in query blocks for long ones), keys/values of every layer and
+  position, and the last position's logits of row `rows[a]` for each answer a (fixed [S] layout: every answer needs a
+  slot); with `sampler.record_routes`, a mixture of experts' routing of every position (`PrefixArrays.experts`).
+  With `sharded` (static; B a multiple of `data`) the rows are split over `data`, B / data per shard, and each
+  shard computes and keeps its own rows' keys and values (the scheduler's prefills: a row's slots are on its shard);
+  else every shard computes every row (a JetStream prefill, inserted into any slot after it).
+* `prefill_after(params, k_pool, v_pool, page_rows [B, M], start [B], tokens, lengths, rows)`: the sharded prefill
+  of rows that continue `start[b]` tokens already in the pool (pages `page_rows[b]` of the row's own data shard, the
+  prefix cache's): positions start there and queries also attend to those keys (`attention.prefill_attention_after`,
+  which loops over the pages held, so one program serves any `start`). Layers run unrolled, each reading its own
+  layer's pool.
 * `sample(logits [S, V], keys, index, temperature, top_p, top_k) -> (tokens, logprobs)`: draws the first tokens.
 * `insert(state, prefix, first [S], chunks, slots) -> state`: copies page-sized chunks of the prefix into pages and
-  sets the slots' page-table rows, pending tokens and sampling settings.
+  sets the slots' page-table rows, pending tokens and sampling settings; a sharded prefix's chunks are read on the
+  shard that holds them.
 * `decode(params, state, budget [S], stop_eos [S], eos [E], grow [3, G], refill_at) -> (state, DecodeSteps)`: adds
   new pages (slot, column, page) to the page table, then runs up to `cfg.decode_steps` steps in one `lax.while_loop`:
   each step caches every live slot's pending token, draws its next one and records it. Slot s stops after
@@ -39,7 +43,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.sampler import attention
@@ -109,7 +113,9 @@ def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) ->
 
 def _insert(write_chunks, state: DecodeState, prefix: PrefixArrays, first, chunks: Chunks,
             upd: SlotUpdate) -> DecodeState:
-  """The insert program: prefilled pages copied into the pool (`write_chunks`), slot rows set from `upd`."""
+  """The insert program: prefilled pages copied into the pool (`write_chunks(rows_per_shard)`, for the prefix's
+  layout), slot rows set from `upd`."""
+  write_chunks = write_chunks(prefix.rows_per_shard)
   ks, vs = [], []
   for i, (kp, vp) in enumerate(zip(state.k, state.v)):
     kp, vp = write_chunks(kp, vp, prefix.k[i], prefix.v[i], chunks.src_row, chunks.src_chunk, chunks.dst,
@@ -185,45 +191,52 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
   pages_per_block = max(1, block // cfg.page_size)
   decode_attend = attention.sharded_decode_attention(mesh, model_cfg.num_kv_heads, impl=impl,
                                                      pages_per_block=pages_per_block)
-  write_chunks = attention.sharded_write_chunks(mesh, model_cfg.num_kv_heads)
+  write_chunks = functools.lru_cache(functools.partial(attention.sharded_write_chunks, mesh, model_cfg.num_kv_heads))
   attend_after = attention.sharded_prefill_attention_after(mesh, model_cfg.num_kv_heads,
                                                            pages_per_block=pages_per_block)
   state_sh = decode_state_shardings(model_cfg, mesh)
-  dense_sh = prefix_shardings(model_cfg, mesh)
+  data = mesh.shape["data"]
   draw = functools.partial(sample, vocab_limit=cfg.vocab_limit)
 
-  def prefill(params, tokens, lengths, rows, past=None):
+  def prefill(params, tokens, lengths, rows, sharded=False, past=None):
     b, t = tokens.shape
+    if sharded and b % data:
+      raise ValueError(f"a sharded prefill of {b} rows over {data} data shards: rows must be a multiple of them")
     model = nnx.merge(graphdef, params)
     with use_rules(mesh, SAMPLER_RULES):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      if sharded:  # every shard its own rows (SAMPLER_RULES split the forward's batch over data where it divides)
+        by_row = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", *(None,) * (x.ndim - 1))))
+        tokens, lengths, positions = by_row(tokens), by_row(lengths), by_row(positions)
       if past is None:
         attend = lambda i, q, k, v: (attention.prefill_attention(q, k, v, lengths), (k, v))
       else:
-        k_pool, v_pool, page_rows, row_shard, start = past
+        k_pool, v_pool, page_rows, start = past
         positions = positions + start[:, None]
 
         def attend(i, q, k, v):
-          return attend_after(q, k, v, lengths, k_pool[i], v_pool[i], page_rows, row_shard, start), (k, v)
+          return attend_after(q, k, v, lengths, k_pool[i], v_pool[i], page_rows, start), (k, v)
 
       h, kv, routed = model.run_layers(model.embed_tokens(tokens), positions, attend, remat=False,
                                        unroll=True if past is not None else None, routing=True)
       if isinstance(kv, list):  # unrolled layers (model.scan_layers=False): stack them as the scan does
         kv = jax.tree.map(lambda *layers: jnp.stack(layers), *kv)
       k, v = kv
-      logits = model.logits(h[rows, lengths[rows] - 1])  # [S, V]: the last position of row rows[a], per answer a
-    pin = lambda x: jax.lax.with_sharding_constraint(x, dense_sh)
-    return PrefixArrays(k=pin(k), v=pin(v), experts=_experts(routed) if cfg.record_routes else None), logits
+      last = h[jnp.arange(b), lengths - 1]  # [B, E] on the rows' shards: only these cross to the answers' draws
+      logits = model.logits(last[rows])  # [S, V]: the last position of row rows[a], per answer a
+    pin = lambda x: jax.lax.with_sharding_constraint(x, prefix_shardings(model_cfg, mesh, sharded=sharded))
+    return PrefixArrays(k=pin(k), v=pin(v), experts=_experts(routed) if cfg.record_routes else None,
+                        rows_per_shard=b // data if sharded else 0), logits
 
   def decode(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at):
     return _decode(graphdef, model_cfg, mesh, decode_attend, draw, cfg.decode_steps, cfg.record_routes, params, state,
                    budget, stop_eos, eos, grow, refill_at)
 
-  def prefill_after(params, k_pool, v_pool, page_rows, row_shard, start, tokens, lengths, rows):
-    return prefill(params, tokens, lengths, rows, past=(k_pool, v_pool, page_rows, row_shard, start))
+  def prefill_after(params, k_pool, v_pool, page_rows, start, tokens, lengths, rows):
+    return prefill(params, tokens, lengths, rows, sharded=True, past=(k_pool, v_pool, page_rows, start))
 
   return Programs(
-      prefill=jax.jit(prefill),
+      prefill=jax.jit(prefill, static_argnames="sharded"),
       prefill_after=jax.jit(prefill_after),
       sample=jax.jit(draw),
       insert=jax.jit(functools.partial(_insert, write_chunks), donate_argnums=0, out_shardings=state_sh),

@@ -5,8 +5,10 @@ One `step()`:
 1. swap in new weights if `update_params` left some, recomputing every running answer's cache (re-prefill of prompt +
    tokens so far) under them;
 2. admit waiting answers into free slots (preempted ones first, then new groups, oldest first), one batched prefill
-   per length bucket; a group's answers share the prompt's pages. With `sampler.prefix_cache` a context whose first
-   full pages a released sequence left (an agent's previous turn) goes to their shard and is prefilled after them;
+   per length bucket; a group's answers share the prompt's pages. Each data shard prefills only the rows of its own
+   slots (up to `sampler.max_prefill_tokens` of them per shard and call) and keeps their keys and values; the
+   recompute at a weight swap is batched the same way. With `sampler.prefix_cache` a context whose first full pages a
+   released sequence left (an agent's previous turn) goes to their shard and is prefilled after them;
 3. make room: while a shard lacks the pages this step's decode call writes into, preempt its youngest answer (freed,
    requeued, resumed later by re-prefill);
 4. one decode call of up to `sampler.decode_steps` steps for every running answer (one `lax.while_loop` on the
@@ -104,7 +106,7 @@ class Scheduler:
     self._buf_n = np.zeros(s, np.int64)
     self._turns, self._turn = np.arange(s) % 32, 0  # each slot's turn to move its buffer, and this call's
     # Admitted this step, per prefill: ((answer, its index into the draw, its row), first tokens, logprobs, experts
-    # of the rows' positions or None, tokens before each row in the prefix cache).
+    # of the rows' positions or None, tokens before each row in the prefix cache, each row's row of the arrays).
     self._fresh: list = []
     self._lock = threading.Lock()
     self._waited = 0.0  # seconds this step waited for the device
@@ -197,7 +199,7 @@ class Scheduler:
     that finished."""
     steps, t = call.steps, time.perf_counter()
     tokens, logp, count, experts, firsts = jax.device_get(
-        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:] for f in call.fresh]))
+        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:5] for f in call.fresh]))
     self._waited += time.perf_counter() - t
     mine = (call.owners == self._occupant) & (call.owners > 0)  # slots still held by the answer that drew
     count = np.where(mine, count, 0)
@@ -205,12 +207,12 @@ class Scheduler:
     self.counters["decode_calls"] += 1
     self.counters["decode_steps"] += int(count.max(initial=0))
     finished = []
-    for (seqs, *_), (first_tokens, first_logp, prompt_experts, starts) in zip(call.fresh, firsts):
+    for (seqs, *_, array_row), (first_tokens, first_logp, prompt_experts, starts) in zip(call.fresh, firsts):
       for seq, r, row in seqs:
         if seq.slot < 0 or self._occupant[seq.slot] != call.owners[seq.slot]:
           continue
         if prompt_experts is not None:
-          seq.routes = [_row_routes(prompt_experts, row, int(starts[row]), len(seq.prompt))]
+          seq.routes = [_row_routes(prompt_experts, int(array_row[row]), int(starts[row]), len(seq.prompt))]
         if self._append(seq, first_tokens[r], first_logp[r], call.version):
           finished.append(seq)
     slots = np.flatnonzero((count > 0) & (call.owners == self._occupant))  # not ended by its first token
@@ -332,8 +334,9 @@ class Scheduler:
       return
     seqs = list(self.running.values())
     written: set = set()
-    for batch in self._batches(seqs, lambda s: len(s.context())):
-      prefix, _ = self._prefill([[s] for s in batch], draw=False)
+    shard_of = self.engine.slots.shard_of
+    for batch in self._batches(seqs, lambda s: len(s.context()), lambda s: shard_of(s.slot)):
+      prefix, _ = self._prefill([[s] for s in batch], [shard_of(s.slot) for s in batch], draw=False)
       self.state = self.engine.rewrite(prefix, self.state, [(row, s.slot) for row, s in enumerate(batch)], written)
       self.counters["recomputed"] += len(batch)
 
@@ -378,8 +381,10 @@ class Scheduler:
       planned[shard] += table.pages_to_insert(length, k)
 
     # By the tokens to prefill; rows after few cached pages and after many share a call (and its compiled program).
-    for batch in self._batches(plan, lambda u: len(u[0][0].context()) - len(u[3]) * table.page_size):
-      prefix, first = self._prefill([seqs for seqs, *_ in batch], cached=[(shard, c) for _, _, shard, c in batch])
+    for batch in self._batches(plan, lambda u: len(u[0][0].context()) - len(u[3]) * table.page_size,
+                               lambda u: u[2]):
+      prefix, first = self._prefill([seqs for seqs, *_ in batch], [shard for _, _, shard, _ in batch],
+                                    cached=[(shard, c) for _, _, shard, c in batch])
       placements, drawn = [], []
       for row, (seqs, slots, _, cached) in enumerate(batch):
         # Preempted answers resume with their last token pending; new ones with the token drawn at prefill.
@@ -397,26 +402,29 @@ class Scheduler:
       self.state = eng.insert_many(prefix, self.state, placements)
       if drawn:
         experts = prefix.arrays.experts if eng.cfg.record_routes else None
-        self._fresh.append((drawn, first.tokens, first.log_prob, experts, prefix.start))
+        self._fresh.append((drawn, first.tokens, first.log_prob, experts, prefix.start, prefix.array_row))
 
-  def _prefill(self, units: list[list[Sequence]], draw: bool = True, cached=()):
-    """One batched prefill; row b is the shared context of units[b], drawing a first token per answer (or none: a
-    recompute), after `cached[b]` = (shard, pages) already in the pool, if given."""
+  def _prefill(self, units: list[list[Sequence]], shards: list[int], draw: bool = True, cached=()):
+    """One batched prefill; row b is the shared context of units[b], prefilled on data shard `shards[b]` (its slots'),
+    drawing a first token per answer (or none: a recompute), after `cached[b]` = (shard, pages) already in the pool,
+    if given."""
     return self.engine.prefill_batch(self.params, [u[0].context() for u in units], [
         Draws.of([s.key for s in u] if draw else np.zeros((0, 2)), u[0].request.sampling) for u in units],
-        cached=cached, decode_state=self.state)
+        shards=shards, cached=cached, decode_state=self.state)
 
-  def _batches(self, items: list, length_of) -> list[list]:
-    """Items grouped by prefill bucket, each batch within sampler.max_prefill_tokens (rows padded to a power of 2)."""
+  def _batches(self, items: list, length_of, shard_of) -> list[list]:
+    """Items grouped by prefill bucket, in batches that give each data shard at most sampler.max_prefill_tokens of
+    rows (a power of two of them, padded), every shard's items taken in turn."""
     budget = self.engine.cfg.prefill_budget
-    by_bucket = collections.defaultdict(list)
+    by_bucket = collections.defaultdict(lambda: collections.defaultdict(list))
     for item in items:
-      by_bucket[self.engine.bucket(length_of(item))].append(item)
+      by_bucket[self.engine.bucket(length_of(item))][shard_of(item)].append(item)
     batches = []
-    for bucket, group in sorted(by_bucket.items()):
+    for bucket, by_shard in sorted(by_bucket.items()):
       rows = max(1, budget // bucket)
       rows = 1 << (rows.bit_length() - 1)  # largest power of two within the budget
-      batches += [group[i:i + rows] for i in range(0, len(group), rows)]
+      for i in range(0, max(map(len, by_shard.values())), rows):
+        batches.append([item for shard in sorted(by_shard) for item in by_shard[shard][i:i + rows]])
     return batches
 
   def _make_room(self, budget: np.ndarray, ahead: np.ndarray) -> None:

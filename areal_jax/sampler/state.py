@@ -38,11 +38,16 @@ class DecodeState:
 @struct.dataclass(frozen=True)
 class PrefixArrays:
   """Dense keys/values of B prefilled sequences: [layers, B, T, kv_heads, head_dim]; with `sampler.record_routes`,
-  the experts each position was routed to, int16 [sparse layers, B, T, k] (else None)."""
+  the experts each position was routed to, int16 [sparse layers, B, T, k] (else None).
+
+  Layout (static): with `rows_per_shard` = R > 0 the B = data x R rows are split over `data`, row b on data shard
+  b // R, and only that shard holds (and can insert) its keys and values; with 0 every row is replicated over `data`
+  (a JetStream prefill, whose slot is chosen after it)."""
 
   k: jax.Array
   v: jax.Array
   experts: jax.Array | None = None
+  rows_per_shard: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass(frozen=True)
@@ -51,12 +56,14 @@ class Prefix:
   keys/values of B prefilled rows, each row's true length (tokens prefilled), the tokens before them that were
   already in the pool (`start`, whole pages of the prefix cache; 0 for most rows), and the first tokens drawn for
   their answers. Row b's answer i was drawn at position `draw_index[b, i]` (-1: no such answer) of the [S] draw
-  arrays, with PRNG key `keys[r]` and settings `temperature[r]`, `top_p[r]`, `top_k[r]`."""
+  arrays, with PRNG key `keys[r]` and settings `temperature[r]`, `top_p[r]`, `top_k[r]`. Row b is row
+  `array_row[b]` of `arrays` (rows laid out by data shard, see `PrefixArrays`)."""
 
   arrays: PrefixArrays
   true_length: jax.Array  # int32 [B]
   start: jax.Array  # int32 [B]
   draw_index: jax.Array  # int32 [B, G]
+  array_row: jax.Array  # int32 [B]
   first: jax.Array  # int32 [S]
   keys: jax.Array  # uint32 [S, 2]
   temperature: jax.Array  # float32 [S]
@@ -109,9 +116,11 @@ def decode_state_shardings(model_cfg: ModelConfig, mesh: Mesh) -> DecodeState:
       lengths=slots, index=slots, keys=table, temperature=slots, top_p=slots, top_k=slots)
 
 
-def prefix_shardings(model_cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-  """Prefix keys/values: replicated over `data` (any shard may receive them), heads as the cache's."""
-  return NamedSharding(mesh, P(None, None, None, kv_head_axis(mesh, model_cfg.num_kv_heads), None))
+def prefix_shardings(model_cfg: ModelConfig, mesh: Mesh, *, sharded: bool = False) -> NamedSharding:
+  """Prefix keys/values [layers, B, T, heads, head_dim]: rows over `data` (`sharded`: each shard keeps its own rows')
+  or replicated there (any shard may receive them); heads as the cache's."""
+  return NamedSharding(mesh, P(None, "data" if sharded else None, None, kv_head_axis(mesh, model_cfg.num_kv_heads),
+                               None))
 
 
 def page_bytes(model_cfg: ModelConfig, cfg: SamplerConfig) -> int:

@@ -23,7 +23,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.slots import SlotTable
-from areal_jax.sampler.state import DecodeSteps
+from areal_jax.sampler.state import DecodeSteps, PrefixArrays
 from areal_jax.sim.costs import CostModel
 
 FILLER = 1  # the token a simulated answer draws until its last one
@@ -85,15 +85,15 @@ class SimEngine(Engine):
 
   # --- the programs (`Engine.programs`) --------------------------------------------------------------------------
 
-  def prefill(self, params, tokens, lengths, rows, past=None):
-    del params, rows, past
+  def prefill(self, params, tokens, lengths, rows, sharded=False):
+    del params, rows
     b, t = tokens.shape
     self.spent_s += self.costs.prefill(rows=b, length=t * self.scale)
-    return None, None
+    return PrefixArrays(k=None, v=None, rows_per_shard=b // self.num_shards if sharded else 0), None
 
-  def prefill_after(self, params, k_pool, v_pool, page_rows, row_shard, start, tokens, lengths, rows):
-    del k_pool, v_pool, page_rows, row_shard, start
-    return self.prefill(params, tokens, lengths, rows)
+  def prefill_after(self, params, k_pool, v_pool, page_rows, start, tokens, lengths, rows):
+    del k_pool, v_pool, page_rows, start
+    return self.prefill(params, tokens, lengths, rows, sharded=True)
 
   def sample(self, logits, keys, index, temperature, top_p, top_k):
     """First tokens: EOS for an answer one token long."""

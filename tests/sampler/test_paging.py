@@ -39,13 +39,15 @@ def test_pool_refcounts():
 class FakePrograms:
   """Device functions replaced by host stand-ins: random tokens (EOS = 1 now and then), no arrays touched."""
 
-  def __init__(self, num_slots, decode_steps, seed):
+  def __init__(self, num_slots, decode_steps, seed, data):
     self.rng = np.random.default_rng(seed)
+    self.data = data
     self.s, self.decode_steps = num_slots, decode_steps
     self.attention = "jax"
 
-  def prefill(self, params, tokens, lengths, rows):
-    return types.SimpleNamespace(k=np.zeros((1,) + tokens.shape)), None  # [layers, B, T]: only the shape is read
+  def prefill(self, params, tokens, lengths, rows, sharded=False):
+    per = len(tokens) // self.data if sharded else 0  # [layers, B, T]: only the shape and layout are read
+    return types.SimpleNamespace(k=np.zeros((1,) + tokens.shape), rows_per_shard=per), None
 
   def sample(self, logits, keys, index, temperature, top_p, top_k):
     return self.rng.integers(1, 64, self.s).astype(np.int32), np.zeros(self.s, np.float32)
@@ -74,7 +76,7 @@ def test_thousands_of_requests_leave_no_page_behind(data, groups, decode_steps):
   cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=data * 16, max_seq_len=48, max_prefill_tokens=64,
                       decode_steps=decode_steps)
   engine = Engine(model=model, config=cfg, mesh=mesh)
-  engine.programs = FakePrograms(cfg.num_slots, decode_steps, seed=data)
+  engine.programs = FakePrograms(cfg.num_slots, decode_steps, seed=data, data=data)
   sched = Scheduler(engine=engine, params=None, eos_ids=[1])
   sched.state = None
   rng = np.random.default_rng(0)
