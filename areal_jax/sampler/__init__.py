@@ -1,8 +1,8 @@
 """The sampler: a JetStream-style engine over a paged KV cache, continuous batching, interruptible weight updates.
 
-`generate(model, prompts, ...)` for users and evaluation; `Engine` (JetStream's engine contract, `engine_api`, over a
-`SlotTable` of host slot state), `Scheduler` (continuous batching on the host) and `SamplerLoop` (the background
-thread the RL controller talks to) for the system.
+`generate(model, prompts, ...)` for users and evaluation; `Engine` (the device side over a `SlotTable` of host slot
+state), `Scheduler` (continuous batching on the host) and `SamplerLoop` (the background thread the RL controller
+talks to) for the system; `jetstream.JetStreamEngine`, JetStream's engine contract (`engine_api`) over an `Engine`.
 """
 
 from areal_jax.sampler.api import Completion, generate

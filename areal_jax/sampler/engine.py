@@ -1,25 +1,20 @@
-"""The sampling engine over a paged KV cache: JetStream's engine contract (`engine_api.Engine`) plus the batched
-calls our scheduler makes.
-
-A JetStream-style orchestrator (one prompt per prefill, one token per generate):
+"""The sampling engine over a paged KV cache: the batched calls our scheduler makes.
 
     engine = Engine(model=model, config=SamplerConfig(...), mesh=mesh)
-    params = engine.load_params(model)
-    state = engine.init_decode_state()
-    prefix, first = engine.prefill(params=params, padded_tokens=tokens, true_length=n)  # first: ResultTokens
-    state = engine.insert(prefix, state, slot)        # or prefill_multisampling + bulk_insert for G samples
-    state, result = engine.generate(params, state)    # one token per occupied slot; lengths = tokens generated
-    engine.free_resource(slot)                        # idempotent; may come after the slot's next insert
+    params, state = engine.load_params(model), engine.init_decode_state()
+    prefix, first = engine.prefill_batch(params, [prompt], [Draws(keys=...)], shards=[0], decode_state=state)
+    state = engine.insert_many(prefix, state, [Placement.new(0, slots)])
+    state, steps = engine.generate_steps(params, state, budget)   # up to `sampler.decode_steps` tokens per slot
+    engine.slots.advance(steps.count); engine.free_resource(slot)
 
-The scheduler (`scheduler.py`) uses the batched forms: `prefill_batch` (several prompts, G draws each, each after
-the pages of the prefix cache that hold its start, if any), `insert_many` (named `Placement`s), `generate_steps` (up
-to `sampler.decode_steps` tokens per slot in one device call) and `rewrite` (recomputed caches after a weight
-update).
+`prefill_batch` prefills several prompts (G draws each, each after the pages of the prefix cache that hold its
+start, if any) with rows split over the data shards, `insert_many` places them (named `Placement`s), `generate_steps`
+runs one multi-step decode call and `rewrite` writes recomputed caches after a weight update. JetStream's engine
+contract (one prompt per prefill, one token per generate) is an adapter over this one, `jetstream.JetStreamEngine`.
 
 The device work is in `programs.py`; the host state of the slots (pages held, tokens cached and generated, the page
 pool) is one `SlotTable` (`slots.py`), guarded by its lock. Generation raises `PoolExhausted` before touching the
-device when slots need new pages their shard lacks; our scheduler then preempts an answer. A JetStream orchestrator
-cannot preempt, so size the pool for every slot at full length.
+device when slots need new pages their shard lacks; our scheduler then preempts an answer.
 """
 
 from __future__ import annotations
@@ -38,9 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.weights import cast, check_compatible, with_dtype
-from areal_jax.sampler import engine_api, jetstream
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.engine_api import ResultTokens, TokenizerParameters, pack_result
 from areal_jax.sampler.paging import SCRATCH_PAGE
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
 from areal_jax.sampler.requests import SamplingParams
@@ -49,7 +42,6 @@ from areal_jax.sampler.slots import Placement, SlotTable
 from areal_jax.sampler.state import (DecodeState, DecodeSteps, FirstTokens, Prefix, PrefixArrays, decode_state_shapes,
                                      decode_state_shardings, page_bytes, prefix_shardings)
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
-from areal_jax.tokenizer import load_tokenizer
 
 
 MAX_EOS_IDS = 8  # `generate_steps` takes up to this many EOS ids (padded: one compiled decode program)
@@ -108,29 +100,14 @@ class Draws:
                top_p=sampling.top_p, top_k=sampling.top_k)
 
 
-def _unsupported(**kw) -> None:
-  given = [k for k, v in kw.items() if v is not None]
-  if given:
-    raise NotImplementedError(f"Engine: {given[0]} is not supported (JetStream's existing prefixes are not reused: "
-                              "the scheduler's prefix cache is `sampler.prefix_cache`; sampling settings are the "
-                              "engine's `sampling` or a request's SamplingParams)")
+class Engine:
+  """The sampler's device side on one mesh: parameters' shardings, the KV page pool and its `SlotTable`, the compiled
+  programs, and the batched calls the scheduler makes (see the module docstring)."""
 
-
-class Engine(engine_api.Engine):
-
-  frees_slots = True  # its driver frees every slot it used (the scheduler, JetStream's head); not JetStream 0.2.2
-
-  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None,
-               sampling: SamplingParams | None = None, tokenizer: str = "",
-               params_loader: Callable[[Engine], nnx.State] | None = None):
+  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None):
     """`model` gives the graph and parameter shapes (an abstract `nnx.eval_shape` model works); parameters are
-    passed to `prefill`/`generate`, their floating leaves in `config.param_dtype` whatever the model's own dtype. The
-    default mesh is the first device (data 1 x tensor 1).
-
-    For JetStream's own orchestrator and server (`sampler/jetstream.py`): `sampling` (default greedy), since its
-    prefills carry no sampling settings; `tokenizer` (a spec for `load_tokenizer`, default the char vocabulary);
-    `params_loader(engine)`, what `load_params()` without arguments returns (default: `model`'s own parameters)."""
-    self._model, self._params_loader = model, params_loader
+    passed to each call, their floating leaves in `config.param_dtype` whatever the model's own dtype. The default
+    mesh is the first device (data 1 x tensor 1)."""
     self.cfg = config
     self.model_cfg: ModelConfig = model.cfg
     self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
@@ -158,24 +135,11 @@ class Engine(engine_api.Engine):
     self.state_shardings = decode_state_shardings(self.model_cfg, self._mesh)
     p = config.page_size
     self.min_bucket = -(-config.min_prefill_len // p) * p
-    self.sampling = sampling or SamplingParams(temperature=0.0)
-    self._tokenizer = tokenizer
-    self._prefills = itertools.count()  # names the draws of JetStream-style prefills without `rng`
     self._zeros = None
 
-  # --- JetStream's engine contract ------------------------------------------------------------------------------
-
-  def load_params(self, params=None) -> nnx.State:
+  def load_params(self, params) -> nnx.State:
     """Parameters (an NNX model or its state) cast to the engine's `param_dtype`, checked against the engine's and
-    placed on the sampler's shardings. Without an argument, as JetStream's server calls it: `params_loader(self)`,
-    else the parameters of the model the engine was built with."""
-    if params is None:
-      if self._params_loader is not None:
-        return self._params_loader(self)
-      if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(self._model))):
-        raise ValueError("Engine.load_params() without parameters: the engine was built with an abstract model; "
-                         "pass the parameters, or build the engine with a params_loader")
-      params = self._model
+    placed on the sampler's shardings."""
     if isinstance(params, nnx.Module):
       params = nnx.state(params)
     params = cast(params, self.param_dtype)
@@ -191,125 +155,14 @@ class Engine(engine_api.Engine):
     self.slots.reset()
     return self._zeros()
 
-  def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
-              request_id=None) -> tuple[Prefix, ResultTokens] | Prefix:
-    """The prompt `padded_tokens[:true_length]` and one first token, drawn with the engine's `sampling`: (prefix,
-    first token). A vocabulary without BOS drops a leading pad id (JetStream's BOS for it, see
-    `sampler/jetstream.py`)."""
-    del request_id  # accepted for the contract; nothing here depends on it
-    prefix, first = self.prefill_multisampling(params=params, existing_prefix=existing_prefix,
-                                               padded_tokens=padded_tokens, true_length=true_length, sampler=sampler)
-    return prefix, first
-
-  def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
-                            rng=None, num_samples: int = 1) -> tuple[Prefix, ResultTokens]:
-    """As `prefill`, with `num_samples` first tokens (sample i's key: `rng` folded with i, or a fresh one per call
-    under `sampling.seed`). The result holds the slot's samples, as JetStream reads it: `samples_per_slot` =
-    `num_samples`, one token each, length 1."""
-    _unsupported(existing_prefix=existing_prefix, sampler=sampler)
-    if rng is None:
-      n = next(self._prefills)
-      keys = np.stack([request_key(self.sampling.seed, n, i) for i in range(num_samples)])
-    else:
-      keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, i)), np.uint32).reshape(2)
-                       for i in range(num_samples)])
-    tokens = np.asarray(padded_tokens).reshape(-1)[:true_length]  # JetStream cuts a long prompt, keeps its length
-    tok = self.jetstream_tokenizer
-    if not tok.has_bos and len(tokens) > 1 and tokens[0] == tok.pad_id:
-      tokens = tokens[1:]
-    prefix, first = self.prefill_batch(params, [tokens], [Draws.of(keys, self.sampling)])
-    ones = np.ones((num_samples, 1), np.int32)
-    return prefix, pack_result(first.tokens[:num_samples, None], ones, ones[:, 0],
-                               first.log_prob[:num_samples, None], samples_per_slot=num_samples)
-
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None) -> DecodeState:
-    """Answer 0 of the prefix into `slot`; an answer still there is done and is replaced."""
-    del request_id
-    return self.bulk_insert(prefix, decode_state, [slot])
-
-  def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-    """Sample i of the prefix into slots[i]; the samples share the prompt's full pages."""
-    return self.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True)
-
-  def generate(self, params, decode_state: DecodeState, sampler=None) -> tuple[DecodeState, ResultTokens]:
-    """One token for every occupied slot with room: prompt and answer together hold at most `sampler.max_seq_len`
-    tokens, as in the scheduler. A full slot draws nothing: its row is not valid (the answer is done), holds the
-    tokenizer's pad id (JetStream takes it as a stop token; at its head it also lists its id) and keeps its length.
-    Lengths count generated tokens."""
-    _unsupported(sampler=sampler)
-    decode_state, tokens, valid, lengths, log_prob = self.generate_one(params, decode_state)
-    return decode_state, pack_result(tokens[:, None], valid[:, None].astype(np.int32), lengths, log_prob[:, None])
-
-  def generate_one(self, params, decode_state: DecodeState, hold: Sequence[int] = ()):
-    """`generate`'s call, before packing: (state, tokens, valid, lengths, log_prob) per slot; the slots in `hold`
-    draw nothing."""
-    with self.slots.lock:
-      # cached = prompt + generated - 1 (the last drawn token is pending): room while prompt + generated < max.
-      budget = (self.slots.active & (self.slots.cached + 1 < self.cfg.max_seq_len)).astype(np.int32)
-      budget[np.asarray(hold, np.int32)] = 0
-      decode_state, steps = self.generate_steps(params, decode_state, budget)
-      self.slots.advance(budget)  # no EOS stop and no early exit: the device draws exactly the budget
-      lengths = self.slots.generated.copy()
-    valid = budget > 0
-    tokens = jnp.where(valid, steps.tokens[:, 0], self.jetstream_tokenizer.pad_id)
-    return decode_state, tokens, valid, lengths, steps.log_prob[:, 0]
-
   def free_resource(self, slot: int) -> None:
     """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
     replaced the slot's answer, a no-op."""
     self.slots.release(slot)
 
-  def get_prefix_destination_sharding(self) -> Prefix:
-    kv = prefix_shardings(self.model_cfg, self._mesh)
-    rep = NamedSharding(self._mesh, P())
-    return Prefix(arrays=PrefixArrays(k=kv, v=kv), true_length=rep, start=rep, draw_index=rep, array_row=rep,
-                  first=rep, keys=rep, temperature=rep, top_p=rep, top_k=rep)
-
-  def get_tokenizer(self) -> TokenizerParameters:
-    return TokenizerParameters(path=self._tokenizer or "char")
-
-  def build_tokenizer(self, metadata: TokenizerParameters) -> jetstream.JetStreamTokenizer:
-    """The tokenizer behind JetStream's `tokenizer_api.Tokenizer`. JetStream's threads call this first, so it also
-    registers the engine's `ResultTokens` with JetStream's class."""
-    jetstream.register_result_tokens()
-    return jetstream.JetStreamTokenizer(load_tokenizer(metadata.path))
-
-  @functools.cached_property
-  def jetstream_tokenizer(self) -> jetstream.JetStreamTokenizer:
-    return jetstream.JetStreamTokenizer(load_tokenizer(self._tokenizer or "char"))
-
-  @property
-  def max_concurrent_decodes(self) -> int:
-    return self.cfg.num_slots
-
-  @property
-  def samples_per_slot(self) -> int:
-    return 1
-
-  @property
-  def max_prefill_length(self) -> int:
-    """The longest of JetStream's prefill buckets that leaves room for an answer token (JetStream pads prompts to its
-    buckets and needs this to be one); `max_seq_len - 1` for a cache shorter than its smallest bucket."""
-    try:
-      return jetstream.prefill_bucket(self.cfg.max_seq_len)
-    except ValueError:
-      return self.cfg.max_seq_len - 1
-
   @property
   def mesh(self) -> Mesh:
     return self._mesh
-
-  @property
-  def colocated_cpus(self) -> None:
-    return None
-
-  @property
-  def use_chunked_prefill(self) -> bool:
-    return False
-
-  @property
-  def prefill_chunk_size(self) -> int:
-    return self.cfg.max_seq_len
 
   # --- batched calls of the scheduler ----------------------------------------------------------------------------
 
@@ -490,11 +343,11 @@ class Engine(engine_api.Engine):
     return decode_state
 
   def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements: Sequence[Placement], *,
-                  replace: bool = False) -> DecodeState:
+                  replace: bool = False, release_owed: bool = True) -> DecodeState:
     """One device call for several placements of one prefix's rows (see `Placement`). Full pages of a row are
     written once per data shard and shared by reference count; a partial last page is copied per slot. With
     `replace`, answers still in the slots are done and are replaced (JetStream's insert; their `free_resource` may
-    still come, and is ignored, where the driver `frees_slots`)."""
+    still come, and is ignored, where the driver frees every slot it used: `release_owed`)."""
     true_length, start = np.asarray(prefix.true_length), np.asarray(prefix.start)
     draw_index, array_row = np.asarray(prefix.draw_index), np.asarray(prefix.array_row)
     for pl in placements:
@@ -508,7 +361,7 @@ class Engine(engine_api.Engine):
       if len(pl.cached) * self.cfg.page_size != start[pl.row]:
         raise ValueError(f"prefix row {pl.row} was prefilled after {start[pl.row]} cached tokens; the placement "
                          f"gives {len(pl.cached)} cached pages of {self.cfg.page_size}")
-    occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=self.frees_slots)
+    occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=release_owed)
     keys, settings = np.asarray(prefix.keys), (np.asarray(prefix.temperature), np.asarray(prefix.top_p),
                                                np.asarray(prefix.top_k))
     p, chunks, inits = self.cfg.page_size, [], []

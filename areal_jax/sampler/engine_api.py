@@ -5,9 +5,10 @@ JetStream's orchestrator drives any engine through this interface: a prefill thr
 `ResultTokens`, decides which answers are complete (a stop token, an invalid token, or more generated tokens than its
 limit) and calls `free_resource` on their slots, possibly after it has handed the slot to the generate thread again.
 JetStream itself is not a dependency (its released package needs TensorFlow and an old JAX); this module states the
-same members, argument names and result layout so that `areal_jax.sampler.Engine` can be checked against them.
-JetStream's own server and orchestrator drive the engine too: `sampler/jetstream.py` has what their code needs
-beyond this (its tokenizer interface, its `ResultTokens` class, the 0.2 release's API).
+same members, argument names and result layout (as `EngineApi`, JetStream's `Engine`) so that the adapter
+`areal_jax.sampler.jetstream.JetStreamEngine` can be checked against them. JetStream's own server and orchestrator
+drive that adapter too: `sampler/jetstream.py` has what their code needs beyond this (its tokenizer interface, its
+`ResultTokens` class registration); `serve/jetstream.py` the 0.2 release's API.
 
 Result layout: one array `data` [slots * samples_per_slot, width] holding, in column ranges, the tokens of each step
 (`tokens_idx`), whether each token is real output (`valid_idx`) and the number of tokens generated so far, the new
@@ -87,7 +88,7 @@ class TokenizerParameters:
   path: str
 
 
-class Engine(abc.ABC):
+class EngineApi(abc.ABC):
   """The members a JetStream orchestrator calls. `Prefix` and `DecodeState` are pytrees of the engine's choosing."""
 
   @abc.abstractmethod

@@ -7,9 +7,9 @@ benchmarks (`jetstream/tools/requester.py`, `benchmarks/benchmark_serving.py`) r
 
 JetStream is not a dependency: install it (`pip install --no-deps google-jetstream==0.2.2`, or its GitHub head) to use
 this. `import_jetstream` says what the 0.2.2 release needs on this JAX, given only to JetStream's own modules. The
-engine speaks the installed JetStream's API: the head's is `Engine`'s own, 0.2.2's is `EngineApi022` here (see
-`sampler/jetstream.py`); the page pool holds every slot at full length, since JetStream's orchestrator cannot
-preempt an answer. A request JetStream's prefill thread would fail on (a text the tokenizer cannot encode, a token id
+engine speaks the installed JetStream's API: the head's is `sampler.jetstream.JetStreamEngine`'s, 0.2.2's is
+`EngineApi022` here (see `sampler/jetstream.py`); the page pool holds every slot at full length, since JetStream's
+orchestrator cannot preempt an answer. A request JetStream's prefill thread would fail on (a text the tokenizer cannot encode, a token id
 outside the vocabulary) is refused with INVALID_ARGUMENT before it reaches JetStream's Driver, which would otherwise
 kill the server; at the head, requests for several samples are served (`multi_sampling`).
 """
@@ -29,7 +29,6 @@ import numpy as np
 
 from areal_jax.sampler import jetstream as api
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.engine_api import pack_result
 from areal_jax.serve import policy
 from areal_jax.sharding import make_mesh
@@ -38,7 +37,7 @@ from areal_jax.tokenizer import load_tokenizer
 _log = logging.getLogger(__name__)
 
 
-class EngineApi022(Engine):
+class EngineApi022(api.JetStreamEngine):
   """The engine as `google-jetstream` 0.2.2 (PyPI) drives it: `prefill` returns the prefix alone, the first answer
   token comes out of the next `generate` (its log_prob NaN: the prefill kept it on the device), and slots are never
   freed (an insert replaces the answer in a slot)."""
@@ -162,7 +161,7 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
   second, prefixes moved between them by JetStream's transfer thread. Returns JetStream's `JetStreamServer`."""
   config_lib, server_lib, orchestrator = import_jetstream()
   version = api.installed_api()
-  engine_class = EngineApi022 if version == "0.2" else Engine
+  engine_class = EngineApi022 if version == "0.2" else api.JetStreamEngine
   source = policy.describe(checkpoint_dir, step=step, dtype=dtype)
   tokenizer = tokenizer or source.tokenizer
   if not tokenizer:
@@ -180,7 +179,7 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
                         num_pages=mesh.shape["data"] * (slots // mesh.shape["data"] * pages_per_seq + 1),
                         decode_steps=decode_steps, vocab_limit=tok.vocab_size)
     return engine_class(model=model, config=cfg, mesh=mesh, tokenizer=tokenizer,
-                        params_loader=lambda engine: policy.load_params(source, engine))
+                        params_loader=lambda engine: policy.load_params(source, engine.core))
 
   devices = list(devices or jax.devices())
   name = devices[0].platform

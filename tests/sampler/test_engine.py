@@ -12,6 +12,7 @@ from flax import nnx
 
 from areal_jax.models.logprobs import next_token_logprobs
 from areal_jax.sampler import Engine, Placement, Request, SamplerConfig, SamplingParams, Scheduler, generate
+from areal_jax.sampler.jetstream import JetStreamEngine
 from helpers import TINY, tiny_model
 
 CFG = TINY
@@ -167,6 +168,7 @@ def test_finish_reasons(model, engine):
 
 
 def test_engine_api_shares_prompt_pages(model, engine):
+  engine = JetStreamEngine(model=model, config=engine.cfg)  # JetStream's contract over the core engine
   params = engine.load_params(model)
   state = engine.init_decode_state()
   prompt = np.arange(2, 12, dtype=np.int32)  # 10 tokens: 2 full pages + a partial one
@@ -183,10 +185,10 @@ def test_engine_api_shares_prompt_pages(model, engine):
   assert len(tails) == 3  # the partial page is copied per answer
   assert table.pool.num_free(0) == table.pool.capacity - 5
   with pytest.raises(ValueError, match="answers \\[0, 3\\] asked of prefix row 0, which drew 3"):
-    engine.insert_many(prefix, state, [Placement(row=0, slots=(2, 4), answers=(0, 3), pending=(-1, -1),
+    engine.core.insert_many(prefix, state, [Placement(row=0, slots=(2, 4), answers=(0, 3), pending=(-1, -1),
                                                  generated=(1, 1))])
   with pytest.raises(ValueError, match="slot 1 is in use"):
-    engine.insert_many(prefix, state, [Placement.new(0, [2, 1])])
+    engine.core.insert_many(prefix, state, [Placement.new(0, [2, 1])])
   assert table.pool.num_free(0) == table.pool.capacity - 5 and not table.active[2]  # nothing taken
   for _ in range(3):
     state, result = engine.generate(params, state)
