@@ -20,10 +20,8 @@ device when slots need new pages their shard lacks; our scheduler then preempts 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +35,9 @@ from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.paging import SCRATCH_PAGE
 from areal_jax.sampler.programs import Chunks, SlotUpdate, build_programs
 from areal_jax.sampler.requests import SamplingParams
-from areal_jax.sampler.sampling import request_key
 from areal_jax.sampler.slots import Placement, SlotTable
-from areal_jax.sampler.state import (DecodeState, DecodeSteps, FirstTokens, Prefix, PrefixArrays, decode_state_shapes,
-                                     decode_state_shardings, page_bytes, prefix_shardings)
+from areal_jax.sampler.state import (DecodeState, DecodeSteps, FirstTokens, Prefix, decode_state_shapes,
+                                     decode_state_shardings, page_bytes)
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
 
 
