@@ -70,14 +70,15 @@ class Rollout(Protocol):
 
 @dataclasses.dataclass(eq=False)
 class _Replica:
-  """One engine of the sampler slice and the loop that drives it; `answers` outstanding (under the rollout's lock),
-  `failed` once its loop stopped on an error."""
+  """One engine of the sampler slice and the loop that drives it; `answers` outstanding and `dispatched` in all (under
+  the rollout's lock), `failed` once its loop stopped on an error."""
 
   index: int
   engine: Engine
   loop: SamplerLoop
   base: object = None  # under LoRA, its copy of the frozen base
   answers: int = 0
+  dispatched: int = 0
   failed: BaseException | None = None
 
   def free_pages(self) -> int:
@@ -133,11 +134,13 @@ class LocalRollout:
         self.check()
       r = live[dispatch.least_loaded({i: Load(r.answers, r.free_pages()) for i, r in live.items()})]
       r.answers += request.num_answers
+      r.dispatched += request.num_answers
     try:
       inner = r.loop.submit(request)
     except BaseException:
       with self._lock:
         r.answers -= request.num_answers
+        r.dispatched -= request.num_answers
       raise
     outer = [Future() for _ in inner]
     for a, b in zip(inner, outer):
@@ -194,12 +197,13 @@ class LocalRollout:
     return {"sync/bytes": float(self._bytes)}
 
   def sampler_metrics(self) -> dict[str, float]:
-    """Per replica: `sampler/replica{i}/busy` (seconds stepping), `/tokens`, `/swaps` and `/failed`."""
+    """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`
+    and `/failed`; a loop's counters move when its step ends."""
     out = {}
     for r in self.replicas:
       st = r.loop.stats()
       key = f"sampler/replica{r.index}"
-      out.update({f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"], f"{key}/swaps": st["weight_updates"],
+      out.update({f"{key}/answers": float(r.dispatched), f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"], f"{key}/swaps": st["weight_updates"],
                   f"{key}/failed": float(r.failed is not None)})
     return out
 

@@ -64,6 +64,7 @@ def test_groups_spread_over_replicas_and_answers_do_not_depend_on_which(model, r
   assert sum(p["requests"] for p in per) == len(requests) and all(p["requests"] > 0 for p in per)  # whole groups
   assert total["tokens"] == sum(p["tokens"] for p in per) == sum(len(t.response_ids) for t in spread.values())
   assert all(metrics[f"sampler/replica{i}/tokens"] == per[i]["tokens"] for i in range(replicas))
+  assert sum(metrics[f"sampler/replica{i}/answers"] for i in range(replicas)) == 2 * len(requests)
   for key, a in alone.items():  # the same PRNG keys and weights on an engine of the same shape
     b = spread[key]
     np.testing.assert_array_equal(a.response_ids, b.response_ids)

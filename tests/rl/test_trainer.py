@@ -109,16 +109,17 @@ def test_a_run_that_cannot_learn_stops_naming_the_cause(tmp_path):
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_a_run_with_sampler_replicas_trains(tmp_path, replicas):
-  """The 4 sampler devices as 2 or 4 independent engines: every replica generates, the run's weights are swapped in.
+  """The 4 sampler devices as 2 or 4 independent engines: every replica is given groups, none fails, the replicas
+  generate and the run's weights are swapped in.
 
-  Not every replica need have swapped by the last step: one replica's step can hold a compile (its first recompute
-  at a new length) for the whole of a 4-step run on a loaded machine, while the others feed the learner. That each
-  replica swaps on its own is `test_replicas.py`'s."""
+  A 4-step run guarantees no more: each replica compiles its own programs, and on a loaded 2-core machine one
+  replica's first step (its compiles) can outlast the whole run while the others feed the learner; its counters move
+  only when that step ends. That each replica generates and swaps on its own is `test_replicas.py`'s."""
   config = load_config(FAST, total_steps=4, **{"mesh.sampler_replicas": replicas})
   rows = trainer.run(config, str(tmp_path))
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
   last = read_metrics(str(tmp_path))[-1]
   for i in range(replicas):
-    assert last[f"sampler/replica{i}/tokens"] > 0, last
-    assert last[f"sampler/replica{i}/failed"] == 0 and last[f"sampler/replica{i}/busy"] > 0, last
+    assert last[f"sampler/replica{i}/answers"] > 0 and last[f"sampler/replica{i}/failed"] == 0, last
+  assert sum(last[f"sampler/replica{i}/tokens"] for i in range(replicas)) > 0, last
   assert sum(last[f"sampler/replica{i}/swaps"] for i in range(replicas)) >= 1, last
