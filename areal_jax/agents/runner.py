@@ -13,7 +13,7 @@ The client is a real `openai.AsyncOpenAI` (chat completions, completions, the Re
 template, tools and tool calls, streaming. Every request made from the episode's task carries the episode's id in a
 header, whichever client makes it (the one handed over, another from `client()` / `anthropic_client()`, or one set as
 a global default such as the Agents SDK's `set_default_openai_client`); the routes hand them to this runner, which
-sends them to the `Rollout` (a `SamplerLoop` here, or sampler processes through the hub) and records every answer as
+sends them to the `Rollout` (a `LocalRollout` here, or sampler processes through the hub) and records every answer as
 drawn: prompt token ids, answer tokens, behaviour logprobs, policy versions. A chat turn (in any of the APIs) whose
 history holds an earlier answer is prompted with that answer's drawn ids (`turns.TurnHistory`).
 
@@ -50,8 +50,8 @@ from areal_jax.agents.turns import TurnHistory
 from areal_jax.async_thread import AsyncThread
 from areal_jax.errors import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.sampler.sampler import Tokens
 from areal_jax.serve import openai_api, responses_api
-from areal_jax.serve.backend import Tokens
 from areal_jax.serve.server import EPISODE_HEADER, create_app
 from areal_jax.tokenizer import Tokenizer
 from areal_jax.types import Trajectory
@@ -188,7 +188,7 @@ class EpisodeRunner:
     self.sampling = RolloutSampling(rollout, sampling=sampling, limits=limits, version=version, lost=self._lost)
     # The Responses API's stored responses go with their episode: the bound only guards against a leak.
     self.responses = responses_api.ResponseStore(max_items=1 << 20)
-    self.app = create_app(backend=self.sampling, tokenizer=tokenizer, model_name=MODEL_NAME, episodes=self,
+    self.app = create_app(sampler=self.sampling, tokenizer=tokenizer, model_name=MODEL_NAME, episodes=self,
                           any_model=True, responses=self.responses)
     self.failures = 0
     self._episodes: dict[str, _Episode] = {}

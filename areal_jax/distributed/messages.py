@@ -107,7 +107,7 @@ class Pulled:
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-  counters: dict[str, float]  # `SamplerLoop.stats()`
+  counters: dict[str, float]  # `Sampler.stats()`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Faile
                                             Stop, Weights)
 from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.errors import SamplerLost
-from areal_jax.sampler.loop import end_futures
+from areal_jax.sampler.sampler import end_futures
 from areal_jax.sampler import dispatch
 from areal_jax.sampler.dispatch import Load
 from areal_jax.sampler.requests import Request
@@ -138,7 +138,7 @@ class SamplerHub:
 
   def stats(self) -> dict[str, float]:
     """Counters summed over the sampler processes (tokens, busy_s, ..., those that left included; running, waiting:
-    the live ones'; `version`: the oldest live one's), as `SamplerLoop.stats`."""
+    the live ones'; `version`: the oldest live one's), as `Sampler.stats`."""
     return self._call(self._stats)
 
   def sampler_metrics(self) -> dict[str, float]:

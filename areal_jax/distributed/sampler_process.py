@@ -2,7 +2,7 @@
 
 It owns its local devices (a data x expert x tensor mesh of its own; it never joins the learner's collectives),
 connects to the leader, and then, until told to stop:
-- generates the prompt groups the leader sends (a `SamplerLoop`: continuous batching, paged KV cache), each from
+- generates the prompt groups the leader sends (a `Sampler`: continuous batching, paged KV cache), each from
   the policy version it names or newer;
 - sends every finished answer back as its future completes (detokenised here, scored by the leader's reward workers);
 - pulls each new policy version in a background thread, beside decoding, and swaps it in between two decode steps
@@ -41,7 +41,7 @@ from areal_jax.distributed.slices import MeshConfig
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
 from areal_jax.models import create, lora
 from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sampler.sampler import Sampler
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import load_tokenizer
 
@@ -60,8 +60,8 @@ def run_sampler(settings, layout: ProcessLayout) -> None:
   puller, timeout_s = None, CONNECT_TIMEOUT_S
   while True:
     leader = connect(layout, authkey(), timeout_s=timeout_s, devices=mesh.devices.size)
-    sampler = SamplerWorker(leader, engine, abstract_params, layout=layout, mesh=settings.mesh, eos_ids=[tokenizer.eos_id],
-                       detokenize=tokenizer.decode, puller=puller)
+    sampler = SamplerWorker(leader, engine, abstract_params, layout=layout, mesh=settings.mesh,
+                            eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, puller=puller)
     try:
       sampler.run()
       return
@@ -86,7 +86,7 @@ class SamplerWorker:
     self.leader, self.engine, self.layout = leader, engine, layout
     self.abstract_params, self.mesh = abstract_params, mesh
     self.eos_ids, self.detokenize = eos_ids, detokenize
-    self.loop: SamplerLoop | None = None
+    self.sampler: Sampler | None = None
     self.base = None  # under LoRA: the frozen base weights, pulled once
     self.puller = puller  # kept across a rejoin
     self.threads: dict[str, threading.Thread] = {}
@@ -108,9 +108,9 @@ class SamplerWorker:
       raise
     finally:
       self.stop.set()
-      if self.loop is not None:
-        self.loop.stop(timeout=10)
-        self.loop = None
+      if self.sampler is not None:
+        self.sampler.stop(timeout=10)
+        self.sampler = None
       self.leader.close()
 
   def idle_puller(self) -> bool:
@@ -147,19 +147,19 @@ class SamplerWorker:
                                  tensor=self.mesh.sampler_tensor, expert=self.mesh.sampler_expert,
                                  devices=jax.local_devices(), host=local_ip_towards(self.layout.host))
     params = self._pull(notice)
-    self.loop = SamplerLoop(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,
-                            detokenize=self.detokenize).start()
+    self.sampler = Sampler(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,
+                           detokenize=self.detokenize, gather=True).start()
     threads["_pull_loop"].start()
     while not self.stop.is_set():
       if self.error is not None:
         raise self.error
-      self.loop.check()
+      self.sampler.check()
       if not self.leader.poll(0.2):
         continue
       kind, msg = self.leader.recv()
       match msg:
         case Generate(request=request):
-          for answer, future in enumerate(self.loop.submit(request)):
+          for answer, future in enumerate(self.sampler.submit(request)):
             future.add_done_callback(functools.partial(self._send_answer, answer))
         case Weights():
           self.notices.put(msg)
@@ -212,14 +212,14 @@ class SamplerWorker:
         notice = self.notices.get(timeout=0.2)
       except queue.Empty:
         continue
-      # Every published version is pulled (the learner holds each until then); the loop swaps in the newest.
+      # Every published version is pulled (the learner holds each until then); the sampler swaps in the newest.
       params = self._pull(notice)
-      if notice.version > self.loop.version:  # never back: a sampler that joins may hear of a version twice
-        self.loop.update_params(params, notice.version)
+      if notice.version > self.sampler.version:  # never back: a sampler that joins may hear of a version twice
+        self.sampler.update_params(params, notice.version)
 
   def _send_answer(self, answer: int, future) -> None:
-    """On the loop's detokenising thread: one finished answer to the leader (a failed future: the loop's error, which
-    the main thread raises)."""
+    """On the sampler's detokenising thread: one finished answer to the leader (a failed future: the sampler's error,
+    which the main thread raises)."""
     if future.cancelled() or future.exception() is not None:
       return
     if self._send(Answer(index=answer, trajectory=future.result())):
@@ -227,5 +227,5 @@ class SamplerWorker:
 
   def _report_stats(self) -> None:
     while not self.stop.wait(1.0):
-      if not self._send(Stats(self.loop.stats() if self.loop is not None else {})):
+      if not self._send(Stats(self.sampler.stats() if self.sampler is not None else {})):
         return  # the connection ended: the main thread reads why

@@ -165,7 +165,7 @@ class RolloutController:
         waiting_since = time.time()
 
   def _samplers(self) -> dict[str, float]:
-    return getattr(self.rollout, "sampler_metrics", dict)()  # a bare SamplerLoop (tests, the simulator) has none
+    return getattr(self.rollout, "sampler_metrics", dict)()  # a bare Sampler (tests, the simulator) has none
 
   def mark_trained(self, groups: Sequence[Group]) -> None:
     with self._lock:

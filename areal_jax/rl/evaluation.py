@@ -26,7 +26,7 @@ from areal_jax.distributed import weight_transfer
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.driver import Driver
+from areal_jax.sampler.sampler import Sampler
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, SamplingParams
 
@@ -89,9 +89,9 @@ class Evaluator:
     sampling = dataclasses.replace(self.sampling, **{k: v for k, v in (("temperature", temperature), ("top_p", top_p))
                                                      if v is not None})
     params = weight_transfer.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
-    driver = Driver(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids)
+    sampler = Sampler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids, warmup=False)
     faults.reach("evaluation")
-    finished = driver.run([Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling)
+    finished = sampler.run([Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling)
                            for i, r in enumerate(records)])
     answers = {(i, j): list(seq.tokens) for i, row in enumerate(finished) for j, seq in enumerate(row)}
     keys = sorted(answers)

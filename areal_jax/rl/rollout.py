@@ -6,7 +6,7 @@
 
 An answer whose sampler process was lost fails with `SamplerLost`: the controller generates its group again.
 
-`LocalRollout` runs a `SamplerLoop` per engine replica of this process's sampler slice (`mesh.sampler_replicas`) and
+`LocalRollout` runs a `Sampler` per engine replica of this process's sampler slice (`mesh.sampler_replicas`) and
 moves weights device-to-device;
 `SamplerHub` (sampler_hub.py) drives sampler processes and moves weights over `jax.experimental.transfer`.
 Under LoRA both move the whole model once, at the start, and then only the adapters: the samplers keep their copy
@@ -34,7 +34,7 @@ from areal_jax.sampler import dispatch
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.dispatch import Load
 from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sampler.sampler import Sampler
 from areal_jax.sampler.requests import Request
 
 _log = logging.getLogger(__name__)
@@ -70,12 +70,12 @@ class Rollout(Protocol):
 
 @dataclasses.dataclass(eq=False)
 class _Replica:
-  """One engine of the sampler slice and the loop that drives it; `answers` outstanding and `dispatched` in all (under
-  the rollout's lock), `failed` once its loop stopped on an error."""
+  """One engine of the sampler slice and the sampler that drives it; `answers` outstanding and `dispatched` in all
+  (under the rollout's lock), `failed` once its sampler stopped on an error."""
 
   index: int
   engine: Engine
-  loop: SamplerLoop
+  sampler: Sampler
   base: object = None  # under LoRA, its copy of the frozen base
   answers: int = 0
   dispatched: int = 0
@@ -86,10 +86,10 @@ class _Replica:
 
 
 class LocalRollout:
-  """`SamplerLoop`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
+  """`Sampler`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
   construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest answers outstanding, then most
   free pages); each replica swaps weights at its own step boundary, so one replica's recompute never stops another's
-  decoding. With several replicas, one whose loop fails is dropped: its groups' answers fail with `SamplerLost` (the
+  decoding. With several replicas, one whose sampler fails is dropped: its groups' answers fail with `SamplerLost` (the
   controller generates them again on the others) and `check()` raises only once none is left."""
 
   def __init__(self, *, abstract_model, config: SamplerConfig, meshes: Sequence[Mesh], params, version: int, eos_ids,
@@ -104,9 +104,9 @@ class LocalRollout:
       moved = self._move(params, engine.param_shardings, engine.param_dtype)
       self._bytes += lora.nbytes(moved)
       base = lora.split(moved)[1] if lora.has_adapters(moved) else None  # held under LoRA
-      loop = SamplerLoop(engine=engine, params=moved, version=version, eos_ids=eos_ids,
-                         detokenize=detokenize).start()
-      self.replicas.append(_Replica(index=i, engine=engine, loop=loop, base=base))
+      sampler = Sampler(engine=engine, params=moved, version=version, eos_ids=eos_ids, detokenize=detokenize,
+                        gather=True, name=f"sampler{i}").start()
+      self.replicas.append(_Replica(index=i, engine=engine, sampler=sampler, base=base))
 
   @staticmethod
   def _move(params, shardings, dtype):
@@ -118,9 +118,9 @@ class LocalRollout:
     return [r for r in self.replicas if r.failed is None]
 
   def _note_failures(self) -> None:
-    """Marks the replicas whose loop stopped on an error (with answers open or idle, e.g. in a weight swap)."""
+    """Marks the replicas whose sampler stopped on an error (with answers open or idle, e.g. in a weight swap)."""
     for r in self.replicas:
-      error = r.loop.error or r.loop.driver.error
+      error = r.sampler.error
       if r.failed is None and error is not None:
         r.failed = error
         _log.warning("sampler replica %d of %d failed (%s: %s); its groups are generated on the others", r.index,
@@ -136,7 +136,7 @@ class LocalRollout:
       r.answers += request.num_answers
       r.dispatched += request.num_answers
     try:
-      inner = r.loop.submit(request)
+      inner = r.sampler.submit(request)
     except BaseException:
       with self._lock:
         r.answers -= request.num_answers
@@ -182,11 +182,11 @@ class LocalRollout:
     self._bytes = nbytes
     faults.reach("weight_update")
     for r, m in moved:
-      r.loop.update_params(m, version)
+      r.sampler.update_params(m, version)
 
   def stats(self) -> dict[str, float]:
     """The replicas' counters summed (versions: the oldest; the most answers one call advanced: the largest)."""
-    per = [r.loop.stats() for r in self.replicas]
+    per = [r.sampler.stats() for r in self.replicas]
     out = {k: sum(p.get(k, 0) for p in per) for k in per[0]}
     out["version"] = min(p["version"] for p in per)
     for k in ("max_batch_answers", "max_batch_requests"):
@@ -198,19 +198,19 @@ class LocalRollout:
 
   def sampler_metrics(self) -> dict[str, float]:
     """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`
-    and `/failed`; a loop's counters move when its step ends."""
+    and `/failed`; a sampler's counters move when its step ends."""
     out = {}
     for r in self.replicas:
-      st = r.loop.stats()
+      st = r.sampler.stats()
       key = f"sampler/replica{r.index}"
-      out.update({f"{key}/answers": float(r.dispatched), f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"], f"{key}/swaps": st["weight_updates"],
-                  f"{key}/failed": float(r.failed is not None)})
+      out.update({f"{key}/answers": float(r.dispatched), f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"],
+                  f"{key}/swaps": st["weight_updates"], f"{key}/failed": float(r.failed is not None)})
     return out
 
   def check(self) -> None:
     """Raises a lone replica's error, or once every replica has failed; with others left a failed one is dropped."""
     if len(self.replicas) == 1:
-      return self.replicas[0].loop.check()
+      return self.replicas[0].sampler.check()
     with self._lock:
       self._note_failures()
       live = self._live()
@@ -221,7 +221,7 @@ class LocalRollout:
   def stop(self) -> None:
     for r in self.replicas:
       try:
-        r.loop.stop()
+        r.sampler.stop()
       except RuntimeError:
         if r.failed is None or len(self.replicas) == 1:
           raise

@@ -10,9 +10,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.driver import Driver
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.sampler.sampler import Sampler
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,10 +42,10 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   cfg = SamplerConfig(num_slots=slots, page_size=page_size, num_pages=data * (slots // data * pages_per_seq + 1),
                       max_seq_len=max_seq_len, max_new_tokens=max_new_tokens, decode_steps=decode_steps)
   engine = Engine(model=model, config=cfg, mesh=mesh)
-  driver = Driver(engine=engine, params=engine.load_params(model), version=version, eos_ids=eos_ids)
+  sampler = Sampler(engine=engine, params=engine.load_params(model), version=version, eos_ids=eos_ids)
   sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                             stop=tuple(tuple(int(t) for t in s) for s in stop), seed=seed)
-  answers = driver.run([Request(group_id=j, prompt_ids=p, num_answers=n, sampling=sampling)
+  answers = sampler.run([Request(group_id=j, prompt_ids=p, num_answers=n, sampling=sampling)
                         for j, p in enumerate(prompts)])
   return [[Completion(tokens=np.asarray(seq.tokens, np.int32), logprobs=np.asarray(seq.logprobs, np.float32),
                       versions=np.asarray(seq.versions, np.int32), finish_reason=seq.finish_reason) for seq in row]

@@ -97,69 +97,33 @@ class Draws:
                top_p=sampling.top_p, top_k=sampling.top_k)
 
 
-class Engine:
-  """The sampler's device side on one mesh: parameters' shardings, the KV page pool and its `SlotTable`, the compiled
-  programs, and the batched calls the scheduler makes (see the module docstring)."""
+class EngineBase:
+  """The engine's host side over any `programs` (the compiled ones, or the simulator's cost model): the KV page
+  pool's `SlotTable`, prefill buckets and the batched calls the scheduler makes (see the module docstring). A
+  subclass gives `init_decode_state` and `_no_draws`."""
 
-  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None):
-    """`model` gives the graph and parameter shapes (an abstract `nnx.eval_shape` model works); parameters are
-    passed to each call, their floating leaves in `config.param_dtype` whatever the model's own dtype. The default
-    mesh is the first device (data 1 x tensor 1)."""
-    self.cfg = config
-    self.model_cfg: ModelConfig = model.cfg
-    self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
-    if set(self._mesh.axis_names) - {"expert"} != {"data", "tensor"}:
-      raise ValueError(f"sampler mesh axes {self._mesh.axis_names}: expected ('data', 'tensor') or ('data', 'expert', "
-                       "'tensor')")
-    self.num_shards = self._mesh.shape["data"]
-    if config.max_seq_len > self.model_cfg.max_position_embeddings:
-      raise ValueError(f"sampler.max_seq_len={config.max_seq_len} exceeds model.max_position_embeddings="
-                       f"{self.model_cfg.max_position_embeddings}")
-    if config.vocab_limit > self.model_cfg.vocab_size:
-      raise ValueError(f"sampler.vocab_limit={config.vocab_limit} exceeds model.vocab_size={self.model_cfg.vocab_size}")
-    self.graphdef, abstract = nnx.split(model)
-    self.param_dtype = config.weight_dtype
-    self.abstract_params = with_dtype(abstract, self.param_dtype)
-    self.param_shardings = state_shardings(abstract, self._mesh, SAMPLER_RULES)
-    # The KV pool (num_pages=0) gets what is left beside weights of param_dtype: bfloat16 leaves it more.
-    param_bytes = param_bytes_per_device(self.abstract_params, self._mesh)
-    self.pages_per_shard = pages_per_shard(self.model_cfg, config, self._mesh, param_bytes_per_device=param_bytes)
-    self.num_pages = self.pages_per_shard * self.num_shards
-    self.slots = SlotTable(num_slots=config.num_slots, num_shards=self.num_shards,
-                           pages_per_shard=self.pages_per_shard, page_size=config.page_size,
-                           max_seq_len=config.max_seq_len)
-    self.programs = build_programs(self.graphdef, self.model_cfg, config, self._mesh)
-    self.state_shardings = decode_state_shardings(self.model_cfg, self._mesh)
+  def __init__(self, *, config: SamplerConfig, model_cfg: ModelConfig, num_shards: int, pages_per_shard: int,
+               programs):
+    self.cfg, self.model_cfg, self.num_shards, self.programs = config, model_cfg, num_shards, programs
+    self.pages_per_shard = pages_per_shard
+    self.num_pages = pages_per_shard * num_shards
+    self.slots = SlotTable(num_slots=config.num_slots, num_shards=num_shards, pages_per_shard=pages_per_shard,
+                           page_size=config.page_size, max_seq_len=config.max_seq_len)
     p = config.page_size
     self.min_bucket = -(-config.min_prefill_len // p) * p
-    self._zeros = None
 
-  def load_params(self, params) -> nnx.State:
-    """Parameters (an NNX model or its state) cast to the engine's `param_dtype`, checked against the engine's and
-    placed on the sampler's shardings."""
-    if isinstance(params, nnx.Module):
-      params = nnx.state(params)
-    params = cast(params, self.param_dtype)
-    check_compatible(params, self.abstract_params)
-    return jax.device_put(params, self.param_shardings)
+  def init_decode_state(self):
+    """An empty cache, every slot free (the slot table starts over with it)."""
+    raise NotImplementedError
 
-  def init_decode_state(self) -> DecodeState:
-    """An empty cache on the sampler's shardings, every slot free (the slot table starts over with it)."""
-    if self._zeros is None:
-      shapes = decode_state_shapes(self.model_cfg, self.cfg, self.num_pages)
-      self._zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
-                            out_shardings=self.state_shardings)
-    self.slots.reset()
-    return self._zeros()
+  def _no_draws(self):
+    """First tokens of a prefill that draws none, as `insert` takes them."""
+    raise NotImplementedError
 
   def free_resource(self, slot: int) -> None:
     """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
     replaced the slot's answer, a no-op."""
     self.slots.release(slot)
-
-  @property
-  def mesh(self) -> Mesh:
-    return self._mesh
 
   # --- batched calls of the scheduler ----------------------------------------------------------------------------
 
@@ -281,13 +245,6 @@ class Engine:
     nth = np.empty(n, np.int64)
     nth[order] = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # the row's place among its shard's
     return (shards * per + nth).astype(np.int32), per * self.num_shards
-
-  def _no_draws(self) -> tuple[jax.Array, jax.Array]:
-    """First tokens of a prefill that draws none, placed as `sample` places them: `insert` then runs the program
-    already compiled for the prefill's shape (a host array would compile another, mid-run, at a weight swap)."""
-    rep = NamedSharding(self._mesh, P())
-    s = self.cfg.num_slots
-    return jax.device_put(np.zeros(s, np.int32), rep), jax.device_put(np.zeros(s, np.float32), rep)
 
   def _prefill_rows(self, sequences, draws, cached) -> tuple[list, np.ndarray, np.ndarray, int]:
     """`prefill_batch`'s arguments checked: (cached pages per row, tokens cached per row, tokens to prefill per row,
@@ -447,3 +404,63 @@ class _SlotInit:
   temperature: float
   top_p: float
   top_k: int
+
+
+class Engine(EngineBase):
+  """The sampler's device side on one mesh: parameters' shardings, the KV page pool and the compiled programs, under
+  the host side's batched calls (`EngineBase`)."""
+
+  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None):
+    """`model` gives the graph and parameter shapes (an abstract `nnx.eval_shape` model works); parameters are
+    passed to each call, their floating leaves in `config.param_dtype` whatever the model's own dtype. The default
+    mesh is the first device (data 1 x tensor 1)."""
+    model_cfg: ModelConfig = model.cfg
+    self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
+    if set(self._mesh.axis_names) - {"expert"} != {"data", "tensor"}:
+      raise ValueError(f"sampler mesh axes {self._mesh.axis_names}: expected ('data', 'tensor') or ('data', 'expert', "
+                       "'tensor')")
+    if config.max_seq_len > model_cfg.max_position_embeddings:
+      raise ValueError(f"sampler.max_seq_len={config.max_seq_len} exceeds model.max_position_embeddings="
+                       f"{model_cfg.max_position_embeddings}")
+    if config.vocab_limit > model_cfg.vocab_size:
+      raise ValueError(f"sampler.vocab_limit={config.vocab_limit} exceeds model.vocab_size={model_cfg.vocab_size}")
+    self.graphdef, abstract = nnx.split(model)
+    self.param_dtype = config.weight_dtype
+    self.abstract_params = with_dtype(abstract, self.param_dtype)
+    self.param_shardings = state_shardings(abstract, self._mesh, SAMPLER_RULES)
+    # The KV pool (num_pages=0) gets what is left beside weights of param_dtype: bfloat16 leaves it more.
+    param_bytes = param_bytes_per_device(self.abstract_params, self._mesh)
+    super().__init__(config=config, model_cfg=model_cfg, num_shards=self._mesh.shape["data"],
+                     pages_per_shard=pages_per_shard(model_cfg, config, self._mesh, param_bytes_per_device=param_bytes),
+                     programs=build_programs(self.graphdef, model_cfg, config, self._mesh))
+    self.state_shardings = decode_state_shardings(model_cfg, self._mesh)
+    self._zeros = None
+
+  def load_params(self, params) -> nnx.State:
+    """Parameters (an NNX model or its state) cast to the engine's `param_dtype`, checked against the engine's and
+    placed on the sampler's shardings."""
+    if isinstance(params, nnx.Module):
+      params = nnx.state(params)
+    params = cast(params, self.param_dtype)
+    check_compatible(params, self.abstract_params)
+    return jax.device_put(params, self.param_shardings)
+
+  def init_decode_state(self) -> DecodeState:
+    """An empty cache on the sampler's shardings, every slot free (the slot table starts over with it)."""
+    if self._zeros is None:
+      shapes = decode_state_shapes(self.model_cfg, self.cfg, self.num_pages)
+      self._zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                            out_shardings=self.state_shardings)
+    self.slots.reset()
+    return self._zeros()
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  def _no_draws(self) -> tuple[jax.Array, jax.Array]:
+    """First tokens of a prefill that draws none, placed as `sample` places them: `insert` then runs the program
+    already compiled for the prefill's shape (a host array would compile another, mid-run, at a weight swap)."""
+    rep = NamedSharding(self._mesh, P())
+    s = self.cfg.num_slots
+    return jax.device_put(np.zeros(s, np.int32), rep), jax.device_put(np.zeros(s, np.float32), rep)

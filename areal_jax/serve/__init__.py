@@ -6,19 +6,18 @@ decode batch).
     server = build("gs://bucket/run", port=8000)  # a run's latest checkpoint, an Orbax policy or a HF directory
     server.serve_forever()
 
-`backend` runs the scheduler in one thread; `openai_api` checks requests and shapes responses, `responses_api` and
+A `sampler.Sampler` runs the scheduler; `openai_api` checks requests and shapes responses, `responses_api` and
 `messages_api` translate the other two APIs to chat requests and shape their answers, `streaming` shapes streamed
-events, `tool_calls` parses the model's tool calls, `scoring` gives top alternatives and echoed prompts'
-logprobs; `server` has the routes and uvicorn; `policy` reads the checkpoint. `tools/serve.py` is the command line.
+events, `tool_calls` parses the model's tool calls (`sampler.scoring` gives top alternatives and echoed
+prompts' logprobs); `server` has the routes and uvicorn; `policy` reads the checkpoint. `tools/serve.py` is the command line.
 The names below load on first use: importing `serve.tool_calls` (the agents' warm-start does) loads no HTTP stack.
 """
 
 import importlib
 
-_WHERE = {"Backend": "backend", "QueueFull": "backend", "ApiError": "openai_api", "PolicyServer": "server",
-          "build": "server", "create_app": "server"}
+_WHERE = {"ApiError": "openai_api", "PolicyServer": "server", "build": "server", "create_app": "server"}
 
-__all__ = ["ApiError", "Backend", "PolicyServer", "QueueFull", "build", "create_app"]
+__all__ = ["ApiError", "PolicyServer", "build", "create_app"]
 
 
 def __getattr__(name: str):

@@ -39,7 +39,7 @@ import pydantic
 
 from areal_jax.sampler.requests import Request, SamplingParams, Sequence
 from areal_jax.serve import tool_calls
-from areal_jax.serve.scoring import TOP, Scores
+from areal_jax.sampler.scoring import TOP, Scores
 from areal_jax.tokenizer import Tokenizer
 
 MAX_N = 128  # answers per request (OpenAI's own limit)

@@ -1,11 +1,11 @@
-"""The HTTP server (FastAPI on uvicorn): OpenAI-compatible routes over one shared `Backend`.
+"""The HTTP server (FastAPI on uvicorn): OpenAI-compatible routes over one shared `Sampler`.
 
     server = build("gs://bucket/run", port=8000)  # the latest checkpoint; see `build` for the sampler's sizing
     server.serve_forever()  # or server.start() ... server.stop() to run it in a background thread
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (see `openai_api` for the fields), `POST /v1/responses`
 (`responses_api`), `POST /v1/messages` (Anthropic's, `messages_api`), `GET /v1/models`,
-`GET /health`, `GET /stats` (the backend's counters: requests accepted, rejected and finished, answers running,
+`GET /health`, `GET /stats` (the sampler's counters: requests accepted, rejected and finished, answers running,
 requests waiting, the most answers and requests one decode call advanced, policy version).
 
 Handlers never block the event loop on the device: tokenizing, scoring and shaping answers run in worker threads, and
@@ -18,7 +18,7 @@ requests wait beyond the free decode slots, 503 if the sampler thread has stoppe
 the stream ends). A refused request changes nothing; the next one is served.
 
 `create_app` registers the routes in groups (`_completion_routes`, `_agent_api_routes`, `_info_routes`); the
-generating routes share a `_Generation` (the backend, tokenizer and model name, and a request's way through them).
+generating routes share a `_Generation` (the sampler, tokenizer and model name, and a request's way through them).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
-from areal_jax.serve import messages_api, openai_api, policy, responses_api, scoring, streaming
-from areal_jax.serve.backend import Backend, QueueFull
+from areal_jax.sampler import scoring
+from areal_jax.sampler.sampler import QueueFull, Sampler
+from areal_jax.serve import messages_api, openai_api, policy, responses_api, streaming
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -68,7 +69,8 @@ def _validation_error(exc: fastapi.exceptions.RequestValidationError) -> openai_
 
 
 class Sampling(Protocol):
-  """What the routes need from the sampler side: a `Backend` when serving, `agents.RolloutSampling` in training."""
+  """What the routes need from the sampler side: a `sampler.Sampler` when serving, `agents.RolloutSampling` in
+  training."""
 
   error: BaseException | None
 
@@ -98,10 +100,10 @@ class Episodes(Protocol):
 EPISODE_HEADER = "x-areal-episode"
 
 
-def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None = None,
+def create_app(*, sampler: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None = None,
                any_model: bool = False, api_key: str | None = None,
                responses: responses_api.ResponseStore | None = None) -> fastapi.FastAPI:
-  """The routes over `backend` (which the caller starts and stops); `episodes` records agents' completions;
+  """The routes over `sampler` (which the caller starts and stops); `episodes` records agents' completions;
   `any_model` serves requests naming any model (in training, whatever name an agent was written with); `api_key`:
   the key every request but `/health` must carry; `responses`: where the Responses API keeps the responses it made
   (default: the newest 4096, for an hour)."""
@@ -109,36 +111,36 @@ def create_app(*, backend: Sampling, tokenizer: Tokenizer, model_name: str, epis
   if api_key:
     _require_api_key(app, api_key)
   _openai_errors(app)
-  generation = _Generation(backend=backend, tokenizer=tokenizer, model_name=model_name, episodes=episodes,
+  generation = _Generation(sampler=sampler, tokenizer=tokenizer, model_name=model_name, episodes=episodes,
                            any_model=any_model)
   _completion_routes(app, generation)
   _agent_api_routes(app, generation, responses or responses_api.ResponseStore())
-  _info_routes(app, backend, model_name=model_name, max_model_len=generation.limits["max_seq_len"])
+  _info_routes(app, sampler, model_name=model_name, max_model_len=generation.limits["max_seq_len"])
   return app
 
 
 class _Generation:
-  """What the completion routes share: a request's way from its body to the backend's answers and back."""
+  """What the completion routes share: a request's way from its body to the sampler's answers and back."""
 
-  def __init__(self, *, backend: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None,
+  def __init__(self, *, sampler: Sampling, tokenizer: Tokenizer, model_name: str, episodes: Episodes | None,
                any_model: bool):
-    self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+    self.sampler, self.tokenizer, self.model_name = sampler, tokenizer, model_name
     self.episodes, self.any_model = episodes, any_model
-    self.limits = backend.limits
+    self.limits = sampler.limits
 
   def submit(self, prepared: openai_api.Prepared, on_tokens=None):
-    """The prepared requests' futures; the backend's refusals as OpenAI errors (429, 400, 503)."""
+    """The prepared requests' futures; the sampler's refusals as OpenAI errors (429, 400, 503)."""
     try:
-      return self.backend.submit_many(prepared.requests, on_tokens)
+      return self.sampler.submit_many(prepared.requests, on_tokens=on_tokens)
     except QueueFull as e:
       raise openai_api.ApiError(429, str(e), kind="rate_limit_error") from None
     except ValueError as e:  # what the scheduler itself refuses
       raise openai_api.ApiError(400, str(e)) from None
     except RuntimeError as e:
-      raise openai_api.ApiError(503, f"{e}: {self.backend.error!r}", kind="server_error") from None
+      raise openai_api.ApiError(503, f"{e}: {self.sampler.error!r}", kind="server_error") from None
 
   def failed(self, e: BaseException) -> openai_api.ApiError:
-    return openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {self.backend.error!r})",
+    return openai_api.ApiError(503, f"the request failed: {e!r} (sampler error: {self.sampler.error!r})",
                                kind="server_error")
 
   def _check(self, body, episode: str | None) -> None:
@@ -164,14 +166,14 @@ class _Generation:
     if prepared.stream:
       events = events or functools.partial(streaming.ChunkEvents, chat=isinstance(body, openai_api.ChatRequest),
                                            tokenizer=self.tokenizer, model=self.model_name)
-      return _stream(prepared, events(prepared, version=self.backend.version), episode=episode, submit=self.submit,
+      return _stream(prepared, events(prepared, version=self.sampler.version), episode=episode, submit=self.submit,
                      failed=self.failed, episodes=self.episodes, tokenizer=self.tokenizer)
     futures = self.submit(prepared)
     try:
       seqs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except Exception as e:  # pylint: disable=broad-except  # the sampler thread stopped (on an error, or shutting down)
       raise self.failed(e) from None
-    scored = functools.partial(self.backend.score, temperature=prepared.temperature)
+    scored = functools.partial(self.sampler.score, temperature=prepared.temperature)
     response = await asyncio.to_thread(respond, prepared, seqs, tokenizer=self.tokenizer, model=self.model_name,
                                        score=scored)
     if episode is not None:
@@ -214,7 +216,7 @@ def _agent_api_routes(app: fastapi.FastAPI, generation: _Generation, store: resp
                                      request.headers.get(EPISODE_HEADER), events=events)
 
 
-def _info_routes(app: fastapi.FastAPI, backend: Sampling, *, model_name: str, max_model_len: int) -> None:
+def _info_routes(app: fastapi.FastAPI, sampler: Sampling, *, model_name: str, max_model_len: int) -> None:
   """`GET /v1/models`, `GET /health` and `GET /stats`."""
   created = int(time.time())
 
@@ -222,17 +224,17 @@ def _info_routes(app: fastapi.FastAPI, backend: Sampling, *, model_name: str, ma
   async def models():
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                         "owned_by": "areal_jax", "max_model_len": max_model_len,
-                                        "policy_version": backend.version}]}
+                                        "policy_version": sampler.version}]}
 
   @app.get("/health")
   async def health():
-    if backend.error is not None:
-      raise openai_api.ApiError(503, f"the sampler thread stopped on an error: {backend.error!r}", kind="server_error")
-    return {"status": "ok", "policy_version": backend.version}
+    if sampler.error is not None:
+      raise openai_api.ApiError(503, f"the sampler thread stopped on an error: {sampler.error!r}", kind="server_error")
+    return {"status": "ok", "policy_version": sampler.version}
 
   @app.get("/stats")
   async def stats():
-    return backend.stats()
+    return sampler.stats()
 
 
 def _error_response(request: fastapi.Request, err: openai_api.ApiError) -> JSONResponse:
@@ -316,10 +318,10 @@ class _Interrupted(Exception):
 class PolicyServer:
   """`create_app` served by uvicorn on `host:port` (port 0 = any free port; `port` then holds the one bound)."""
 
-  def __init__(self, *, backend: Backend, tokenizer: Tokenizer, model_name: str, host: str = "127.0.0.1",
+  def __init__(self, *, sampler: Sampler, tokenizer: Tokenizer, model_name: str, host: str = "127.0.0.1",
                port: int = 0, api_key: str | None = None):
-    self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
-    self.app = create_app(backend=backend, tokenizer=tokenizer, model_name=model_name, api_key=api_key)
+    self.sampler, self.tokenizer, self.model_name = sampler, tokenizer, model_name
+    self.app = create_app(sampler=sampler, tokenizer=tokenizer, model_name=model_name, api_key=api_key)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self._sock = socket.socket(family, socket.SOCK_STREAM)
     self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -340,7 +342,7 @@ class PolicyServer:
 
   def start(self, timeout: float = 60.0) -> PolicyServer:
     """Serves from a background thread; returns once the server accepts connections."""
-    self.backend.start()
+    self.sampler.start()
     self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="serve-http",
                                     daemon=True)
     self._thread.start()
@@ -355,8 +357,15 @@ class PolicyServer:
     self._server.should_exit = True
     if self._thread is not None:
       self._thread.join(30)
-    self.backend.stop()
+    self._stop_sampler()
     self._sock.close()
+
+  def _stop_sampler(self) -> None:
+    """Requests still open fail with "shutting down"; a sampler that had failed is logged, not raised."""
+    try:
+      self.sampler.stop(error=RuntimeError("the server is shutting down"))
+    except RuntimeError:
+      _log.exception("the sampler had stopped on an error")
 
   def serve_forever(self) -> None:
     """Serves in the main thread until SIGINT or SIGTERM, then shuts down gracefully and returns."""
@@ -367,15 +376,15 @@ class PolicyServer:
     # uvicorn shuts down on these signals, then re-raises them with the handlers it found: ours end the loop here.
     previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-      self.backend.start()
-      _log.info("serving %s (policy version %d) on %s/v1", self.model_name, self.backend.version, self.url)
+      self.sampler.start()
+      _log.info("serving %s (policy version %d) on %s/v1", self.model_name, self.sampler.version, self.url)
       self._server.run(sockets=[self._sock])
     except _Interrupted:
       _log.info("stopped")
     finally:
       for sig, handler in previous.items():
         signal.signal(sig, handler)
-      self.backend.stop()
+      self._stop_sampler()
       self._sock.close()
 
   def __enter__(self) -> PolicyServer:
@@ -423,10 +432,7 @@ def build(checkpoint_dir: str, *, step: str = "latest", tokenizer: str | None = 
   engine = Engine(model=policy.abstract_model(cfg), config=sampler_cfg, mesh=mesh)
   params = policy.load_params(source, engine)
   eos_ids = sorted({tok.eos_id, *source.eos_ids})
-  backend = Backend(engine=engine, params=params, version=source.version, eos_ids=eos_ids, max_queue=max_queue)
-  if warmup:
-    start = time.perf_counter()
-    backend.scheduler.state = engine.warmup(params, backend.scheduler.state)
-    _log.info("compiled the sampler's programs in %.1f s", time.perf_counter() - start)
-  return PolicyServer(backend=backend, tokenizer=tok, model_name=model_name or source.name, host=host, port=port,
+  sampler = Sampler(engine=engine, params=params, version=source.version, eos_ids=eos_ids, max_queue=max_queue,
+                    warmup=warmup, name="serve-sampler")
+  return PolicyServer(sampler=sampler, tokenizer=tok, model_name=model_name or source.name, host=host, port=port,
                       api_key=api_key)

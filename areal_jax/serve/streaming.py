@@ -1,7 +1,7 @@
 """Streamed answers (`stream=true`): the sampler's new tokens after each decode call become server-sent events.
 
     stream = ChoiceStream(tokenizer, stops=("\\n\\n",), tools=False)
-    delta = stream.push(tokens)  # a `backend.Tokens` report; None when nothing can be sent yet
+    delta = stream.push(tokens)  # a `sampler.Tokens` report; None when nothing can be sent yet
     delta.text, delta.token_ids, delta.finish_reason  # finish_reason set on the choice's last delta
 
 Each API writes its own events from the deltas (an `Events`): `ChunkEvents` OpenAI's completion and chat chunks,
@@ -21,7 +21,7 @@ import uuid
 from typing import Any, Protocol
 
 from areal_jax.serve import openai_api, tool_calls
-from areal_jax.serve.backend import Tokens
+from areal_jax.sampler.sampler import Tokens
 from areal_jax.tokenizer import Tokenizer
 
 

@@ -1,9 +1,9 @@
 """The sampler engine in virtual time: the real `Engine`'s host side (slot table, page pool, buckets, insert and
 growth bookkeeping) with its device programs replaced by a cost model.
 
-`SimEngine` inherits `generate_steps`, `prefill_batch`, `insert_many`, `rewrite` and `free_resource` from `Engine`
-unchanged, so the `Scheduler` above it admits, allocates pages, preempts and swaps weights exactly as in a run. Only
-the programs differ: a decode call draws filler tokens until each answer reaches the length `lengths(key)` gives it
+`SimEngine` inherits `generate_steps`, `prefill_batch`, `insert_many`, `rewrite` and `free_resource` from
+`EngineBase` (the real engine's host side) unchanged, so the `Scheduler` above it admits, allocates pages, preempts
+and swaps weights exactly as in a run. Only the programs differ: a decode call draws filler tokens until each answer reaches the length `lengths(key)` gives it
 (its PRNG key, so an answer keeps its length across preemption and re-prefill), then EOS; every program adds its
 predicted seconds to `spent_s`, which the simulated sampler sleeps on the virtual clock.
 
@@ -21,8 +21,7 @@ import numpy as np
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.slots import SlotTable
+from areal_jax.sampler.engine import EngineBase
 from areal_jax.sampler.state import DecodeSteps, PrefixArrays
 from areal_jax.sim.costs import CostModel
 
@@ -46,24 +45,19 @@ def scaled(cfg: SamplerConfig, scale: int) -> SamplerConfig:
                      warmup=False)
 
 
-class SimEngine(Engine):
+class SimEngine(EngineBase):
   """See the module docstring. `cfg` is the real sampler config; `pages_per_shard` counts real pages."""
 
   def __init__(self, *, model_cfg: ModelConfig, cfg: SamplerConfig, num_shards: int, pages_per_shard: int,
                costs: CostModel, lengths: Callable[[np.ndarray], np.ndarray], eos_id: int, scale: int = 1):
-    self.real_cfg, self.scale = cfg, scale
-    self.cfg = scaled(cfg, scale)
-    self.model_cfg, self.num_shards, self.costs, self.eos_id = model_cfg, num_shards, costs, eos_id
+    self.real_cfg, self.scale, self.costs, self.eos_id = cfg, scale, costs, eos_id
     self._lengths = lengths  # real tokens per answer, from PRNG keys [..., 2]
+    sim = scaled(cfg, scale)
     # The pool holds as many real tokens as the run's: pages of `scale` x the simulated page size.
-    self.pages_per_shard = max(self.cfg.pages_per_seq + 1,
-                               pages_per_shard * cfg.page_size // (self.cfg.page_size * scale))
-    self.num_pages = self.pages_per_shard * num_shards
-    self.slots = SlotTable(num_slots=cfg.num_slots, num_shards=num_shards, pages_per_shard=self.pages_per_shard,
-                           page_size=self.cfg.page_size, max_seq_len=self.cfg.max_seq_len)
-    self.abstract_params = {}
-    self.min_bucket = self.cfg.min_prefill_len
-    self.programs = self
+    super().__init__(config=sim, model_cfg=model_cfg, num_shards=num_shards, programs=self,
+                     pages_per_shard=max(sim.pages_per_seq + 1,
+                                         pages_per_shard * cfg.page_size // (sim.page_size * scale)))
+    self.abstract_params = {}  # the weights `Scheduler.update_params` checks: none
     self.target = np.zeros(cfg.num_slots, np.int64)  # each slot's answer length, in simulated tokens
     # What the device state holds per slot (`DecodeState.index`, `.lengths`): tokens drawn and cached, which the
     # host's slot table learns only when it reads a call (a call later, with `sampler.overlap`).

@@ -1,8 +1,8 @@
 """A run in virtual time: the project's own orchestration with device calls that cost predicted seconds.
 
 Shared with a real run, unchanged: `RolloutBuffer` (η, target staleness), `RolloutController` (admission, one
-coroutine per prompt group, its rewards), `SamplerLoop`/`Driver`/`Scheduler` (slots, pages, preemption, the weight
-swap with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs (`engine.SimEngine`), the reward
+coroutine per prompt group, its rewards), `Sampler`/`Scheduler` (its loop, slots, pages, preemption, the weight swap
+with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs (`engine.SimEngine`), the reward
 service (an answer is right with probability `success`, or a recorded group is replayed whole; scored after
 `reward_s`), and the learner, whose loop below follows `run/trainer.py:_train` (a batch from the buffer, a train
 step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
@@ -27,8 +27,8 @@ from areal_jax.reward.service import RewardResult
 from areal_jax.rl.controller import RolloutController, Stalled
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.loop import SamplerLoop
 from areal_jax.sampler.requests import SamplingParams
+from areal_jax.sampler.sampler import Sampler
 from areal_jax.sampler.sampling import request_key
 from areal_jax.sim.clock import virtual_loop
 from areal_jax.sim.costs import CostModel
@@ -147,24 +147,45 @@ class _Buffer(RolloutBuffer):
 
 
 class _Rollout:
-  """The controller's sampler: a `SamplerLoop` whose threads never start; `_sample` steps its driver."""
+  """The controller's sampler: a `Sampler` whose loop runs on the virtual clock (`_VirtualClock`), never started."""
 
-  def __init__(self, loop: SamplerLoop, wake: asyncio.Event, replay: _Replay | None):
-    self.loop, self.wake, self.replay = loop, wake, replay
+  def __init__(self, sampler: Sampler, wake: asyncio.Event, replay: _Replay | None):
+    self.sampler, self.wake, self.replay = sampler, wake, replay
 
   def submit(self, request):
     if self.replay is not None:
       self.replay.register(request)
-    futures = self.loop.submit(request)
+    futures = self.sampler.submit(request)
     self.wake.set()
     return futures
 
   def publish(self, version: int) -> None:
-    self.loop.update_params({}, version)
+    self.sampler.update_params({}, version)
     self.wake.set()
 
   def check(self) -> None:
-    self.loop.check()
+    self.sampler.check()
+
+
+class _VirtualClock:
+  """The sampler's `Clock` in virtual time: a decode call lasts what the cost model charged for it (busy while it
+  runs); an idle sampler waits until the rollout wakes it (a request, new weights)."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop, engine: SimEngine, wake: asyncio.Event, busy: _Busy):
+    self.loop, self.engine, self.wake, self.busy = loop, engine, wake, busy
+
+  def now(self) -> float:
+    return self.loop.time()
+
+  async def idle(self, sampler) -> None:
+    del sampler
+    self.wake.clear()
+    await self.wake.wait()
+
+  async def device(self) -> None:
+    spent = self.engine.take_spent()
+    self.busy.add(spent)
+    await asyncio.sleep(spent)
 
 
 class _Replay:
@@ -247,35 +268,14 @@ class _Busy:
     return self.total - max(0.0, self.until - self.loop.time())
 
 
-async def _sample(rollout: _Rollout, engine: SimEngine, busy: _Busy) -> None:
-  """The sampler's thread (`Driver._loop`), stepping on the virtual clock: a step's call ends after its cost; the
-  results a step reads are its own call's, or with `sampler.overlap` the previous call's."""
-  sampler, wake = rollout.loop, rollout.wake
-  driver, sched = sampler.driver, sampler.driver.scheduler
-  while True:
-    driver.poll()
-    if sched.idle and not sched.has_update:
-      wake.clear()
-      await wake.wait()
-      continue
-    finished = sched.step()
-    spent = engine.take_spent()
-    busy.add(spent)
-    if not sched.overlap:  # the step's own call: its results come after it
-      await asyncio.sleep(spent)
-    driver.record(finished)  # with overlap, the previous call's, done when this one started
-    sampler.drain()
-    if sched.overlap:
-      await asyncio.sleep(spent)
-
-
 async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
   loop = asyncio.get_running_loop()
   replay = _Replay(job.recorded, job.seed) if job.recorded is not None else None
   engine = SimEngine(model_cfg=job.model, cfg=job.sampler, num_shards=job.num_shards,
                      pages_per_shard=costs.pages_per_shard(job.sampler.page_size, job.sampler.memory_fraction),
                      costs=costs, lengths=replay.lengths if replay else lengths, eos_id=EOS, scale=job.scale)
-  rollout = _Rollout(SamplerLoop(engine=engine, params={}, version=0, eos_ids=[EOS]), asyncio.Event(), replay)
+  rollout = _Rollout(Sampler(engine=engine, params={}, version=0, eos_ids=[EOS], warmup=False), asyncio.Event(),
+                     replay)
   changed = asyncio.Event()
   b = job.batch_prompts
   buffer = _Buffer(changed, batch_size=b, max_offpolicyness=job.eta, target_staleness=job.target_staleness,
@@ -285,7 +285,7 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
                                  buffer=buffer, version=0, group_size=job.answers, sampling=sampling,
                                  filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
   result, sampler_busy = Result(job=job), _Busy(loop)
-  sampler = loop.create_task(_sample(rollout, engine, sampler_busy))
+  sampler = loop.create_task(rollout.sampler.serve(_VirtualClock(loop, engine, rollout.wake, sampler_busy)))
   controller.start()
   version, learner_busy = 0, 0.0
   try:
@@ -310,7 +310,7 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
       result.sampler_busy.append(sampler_busy.now())
       result.learner_busy.append(learner_busy)
       await asyncio.sleep(costs.after_step())  # the host's work before it awaits the next batch
-    result.sampler_stats = rollout.loop.stats()
+    result.sampler_stats = rollout.sampler.stats()
   finally:
     controller.stop()
     sampler.cancel()

@@ -116,7 +116,7 @@ def test_agent_frameworks_train_and_serve_unchanged(hf_dir, tok, rollout):
   # Serving: the same functions against the policy server, through a plain AsyncOpenAI client.
   with build(hf_dir, port=0, devices=jax.devices()[:1], max_seq_len=MAX_SEQ_LEN, num_slots=4, page_size=16,
              model_name=agent_examples.MODEL, warmup=False) as server:
-    server.backend.update_params(server.backend.scheduler.engine.load_params(params), version=2)
+    server.sampler.update_params(server.sampler.scheduler.engine.load_params(params), version=2)
 
     async def serve(agent):
       client = (anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0)
@@ -127,4 +127,4 @@ def test_agent_frameworks_train_and_serve_unchanged(hf_dir, tok, rollout):
 
     for name, agent in FRAMEWORKS.items():
       assert asyncio.run(serve(agent)) == 1.0, name
-    assert json.loads(json.dumps(server.backend.stats()))["finished"] == 2 * len(FRAMEWORKS)
+    assert json.loads(json.dumps(server.sampler.stats()))["finished"] == 2 * len(FRAMEWORKS)

@@ -219,17 +219,17 @@ def test_sampler_records_routes_that_the_learner_replays(num_pages):
   from areal_jax.learner.microbatch import Layout, assemble
   from areal_jax.learner.step import packed_logprobs
   from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams
-  from areal_jax.sampler.driver import Driver
+  from areal_jax.sampler.sampler import Sampler
   model = tiny_model(CFG, seed=4)
   cfg = SamplerConfig(num_slots=4, page_size=4, num_pages=num_pages, max_seq_len=32, decode_steps=3,
                       record_routes=True)
   engine = Engine(model=model, config=cfg)
   sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=1)
   prompts = ([5], [7, 3, 9, 2, 1], list(range(2, 15)))
-  driver = Driver(engine=engine, params=engine.load_params(model))
-  answers = driver.run([Request(group_id=j, prompt_ids=p, num_answers=2, sampling=sampling)
+  sampler = Sampler(engine=engine, params=engine.load_params(model))
+  answers = sampler.run([Request(group_id=j, prompt_ids=p, num_answers=2, sampling=sampling)
                         for j, p in enumerate(prompts)])
-  assert (driver.scheduler.counters["preemptions"] > 0) == (num_pages == 10)
+  assert (sampler.scheduler.counters["preemptions"] > 0) == (num_pages == 10)
   trajs = [seq.trajectory() for row in answers for seq in row]
   for t in trajs:
     assert t.routes.shape == (t.num_tokens - 1, 2, 2) and t.routes.dtype == np.int16

@@ -56,7 +56,7 @@ def test_groups_spread_over_replicas_and_answers_do_not_depend_on_which(model, r
   rollout = _rollout(model, replicas)
   try:
     spread = _generate(rollout, requests)
-    per = [r.loop.stats() for r in rollout.replicas]
+    per = [r.sampler.stats() for r in rollout.replicas]
     metrics = rollout.sampler_metrics()
     total = rollout.stats()
   finally:
@@ -74,7 +74,7 @@ def test_groups_spread_over_replicas_and_answers_do_not_depend_on_which(model, r
 def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
   rollout = _rollout(model, 2)
   stuck, release = threading.Event(), threading.Event()
-  sched0 = rollout.replicas[0].loop.scheduler
+  sched0 = rollout.replicas[0].sampler.scheduler
   swap = sched0._swap_weights  # pylint: disable=protected-access
 
   def slow_swap():
@@ -88,12 +88,12 @@ def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
     rollout.publish(nnx.state(model, nnx.Param), 1)
     assert stuck.wait(60)  # replica 0 is inside its swap
     futures = rollout.submit(_requests(1, max_new_tokens=48)[0])  # to replica 0 (a tie goes to the first): held
-    held = rollout.replicas[0].loop.stats()["tokens"]
+    held = rollout.replicas[0].sampler.stats()["tokens"]
     # A new group goes to replica 1 (fewer answers outstanding), which swaps and finishes it meanwhile.
     later = rollout.submit(_requests(1, max_new_tokens=16, first=100)[0])
     out = [f.result(timeout=120) for f in later]
     assert all(set(t.versions.tolist()) == {1} for t in out)
-    assert rollout.replicas[0].loop.stats()["tokens"] == held and not release.is_set()
+    assert rollout.replicas[0].sampler.stats()["tokens"] == held and not release.is_set()
     release.set()
     out = [f.result(timeout=120) for f in futures]
     assert all(set(t.versions.tolist()) == {1} for t in out)
@@ -105,7 +105,7 @@ def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
 
 def test_a_failed_replica_s_groups_are_generated_again_on_the_others(model):
   rollout = _rollout(model, 2)
-  broken = rollout.replicas[0].loop.scheduler
+  broken = rollout.replicas[0].sampler.scheduler
 
   def fail():
     raise RuntimeError("replica 0 broke")
@@ -131,7 +131,7 @@ def test_a_failed_replica_s_groups_are_generated_again_on_the_others(model):
 
 def test_a_replica_that_fails_while_idle_is_dropped_and_takes_no_groups(model):
   rollout = _rollout(model, 2)
-  one = rollout.replicas[1].loop
+  one = rollout.replicas[1].sampler
 
   def fail():
     raise RuntimeError("replica 1 broke in its weight swap")
@@ -139,10 +139,10 @@ def test_a_replica_that_fails_while_idle_is_dropped_and_takes_no_groups(model):
   one.scheduler.step = fail
   try:
     one.update_params(one.scheduler.params, 1)  # an idle replica steps to swap: the step fails, no answer open
-    wait_until(lambda: one.driver.error is not None, what="replica 1's loop stopping on its error")
+    wait_until(lambda: one.error is not None, what="replica 1's sampler stopping on its error")
     rollout.check()  # replica 0 is left
     out = _generate(rollout, _requests(3))
-    assert len(out) == 6 and rollout.replicas[0].loop.stats()["requests"] == 3
+    assert len(out) == 6 and rollout.replicas[0].sampler.stats()["requests"] == 3
     assert rollout.sampler_metrics()["sampler/replica1/failed"] == 1.0
   finally:
     rollout.stop()
@@ -150,7 +150,7 @@ def test_a_replica_that_fails_while_idle_is_dropped_and_takes_no_groups(model):
 
 def test_a_lone_replica_s_failure_fails_the_run(model):
   rollout = _rollout(model, 1)
-  broken = rollout.replicas[0].loop.scheduler
+  broken = rollout.replicas[0].sampler.scheduler
   broken.step = lambda: (_ for _ in ()).throw(RuntimeError("the only replica broke"))
   [f, _] = rollout.submit(_requests(1)[0])
   with pytest.raises(RuntimeError, match="the only replica broke"):

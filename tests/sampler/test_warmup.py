@@ -4,7 +4,7 @@ not even at a weight swap that recomputes running answers."""
 import numpy as np
 
 from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
-from areal_jax.sampler.loop import SamplerLoop
+from areal_jax.sampler.sampler import Sampler
 from helpers import TINY, tiny_model
 
 CFG = SamplerConfig(num_slots=4, page_size=4, num_pages=24, max_seq_len=24, max_prefill_tokens=32, warmup=True)
@@ -20,10 +20,10 @@ def test_a_warmed_up_sampler_compiles_nothing_while_it_generates_and_swaps_weigh
   engine = Engine(model=model, config=CFG)
   params = engine.load_params(model)
   before = _compiled(engine)
-  loop = SamplerLoop(engine=engine, params=params, eos_ids=[5, 9])  # warms up: sampler.warmup=True
+  sampler = Sampler(engine=engine, params=params, eos_ids=[5, 9])  # warms up: sampler.warmup=True
   warm = _compiled(engine)
   assert all(warm[k] > before[k] for k in ("prefill", "insert")), (before, warm)
-  sched = loop.driver.scheduler
+  sched = sampler.scheduler
   sp = SamplingParams(max_new_tokens=12, seed=1)
   for g in range(3):
     sched.submit(Request(group_id=g, prompt_ids=np.arange(2, 4 + 3 * g, dtype=np.int32), num_answers=2, sampling=sp))

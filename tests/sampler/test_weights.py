@@ -21,7 +21,7 @@ from areal_jax.learner.step import make_learner_mesh
 from areal_jax.learner.step_stats import gap_stats
 from areal_jax.models import weights
 from areal_jax.models.logprobs import next_token_logprobs
-from areal_jax.sampler import Engine, Request, SamplerConfig, SamplerLoop, SamplingParams, Scheduler
+from areal_jax.sampler import Engine, Request, Sampler, SamplerConfig, SamplingParams, Scheduler
 from areal_jax.sharding import LEARNER_RULES, make_mesh, state_shardings
 from helpers import TINY, tiny_model
 
@@ -155,8 +155,8 @@ def test_an_update_without_recompute_keeps_the_caches_it_finds(models):
 def test_loop_thread_end_to_end(models, engine):
   params = {v: engine.load_params(m) for v, m in models.items()}
   decoded = []
-  loop = SamplerLoop(engine=engine, params=params[0], version=0, eos_ids=[1],
-                     detokenize=lambda ids: decoded.append(list(ids)) or " ".join(map(str, ids)))
+  loop = Sampler(engine=engine, params=params[0], version=0, eos_ids=[1], gather=True,
+                  detokenize=lambda ids: decoded.append(list(ids)) or " ".join(map(str, ids)))
   sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=24, seed=2)
   rng = np.random.default_rng(1)
   with loop:
@@ -194,12 +194,12 @@ def test_loop_thread_end_to_end(models, engine):
 
 def test_an_idle_loop_gathers_a_burst_of_requests_into_one_step(models, engine):
   """Requests arriving one by one a few ms apart (an agent's next turns) start together: one decode call."""
-  loop = SamplerLoop(engine=engine, params=engine.load_params(models[0]), version=0)
+  loop = Sampler(engine=engine, params=engine.load_params(models[0]), version=0, gather=True)
   sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=ENGINE_CFG.decode_steps, ignore_eos=True)
   with loop:
     [warm] = loop.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=sampling))
     warm.result(timeout=120)
-    loop.driver._last_step_s = 1.0  # pylint: disable=protected-access  # a long step: a 0.25 s window
+    loop._last_step_s = 1.0  # pylint: disable=protected-access  # a long step: a 0.25 s window
     calls = loop.stats()["decode_calls"]
     futures = []
     for g in range(1, 7):

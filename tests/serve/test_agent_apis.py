@@ -129,11 +129,11 @@ def tool_policy(server, hf_dir, tok):
   pairs = [(tok.encode(tok.apply_chat_template(first, tools=CHAT_TOOLS)), tok.encode(CALL) + [tok.eos_id]),
            (tok.encode(tok.apply_chat_template(called, tools=CHAT_TOOLS)), tok.encode(ANSWER) + [tok.eos_id])]
   scripted = memorize(load_hf(hf_dir), pairs)
-  backend = server.backend
-  before, version = backend.scheduler.params, backend.version
-  backend.update_params(backend.scheduler.engine.load_params(nnx.state(scripted, nnx.Param)), version=version + 1)
+  sampler = server.sampler
+  before, version = sampler.scheduler.params, sampler.version
+  sampler.update_params(sampler.scheduler.engine.load_params(nnx.state(scripted, nnx.Param)), version=version + 1)
   yield
-  backend.update_params(before, version=version)
+  sampler.update_params(before, version=version)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -224,7 +224,7 @@ def test_x_api_key_authenticates_anthropic_clients(hf_dir):
 def test_mixed_streams_under_load_finish_or_get_429(server):
   """64 concurrent streamed requests, the three APIs mixed, on 4 slots and a queue of 16: each one either streams to
   its end or is refused with 429 at once; then every later request is served."""
-  server.backend.max_queue = 16
+  server.sampler.max_queue = 16
 
   async def one(i, oai, claude):
     kw = dict(temperature=1.0, extra_body={"ignore_eos": True, "seed": i})
@@ -253,7 +253,7 @@ def test_mixed_streams_under_load_finish_or_get_429(server):
   try:
     results = asyncio.run(run(64))
   finally:
-    server.backend.max_queue = 64
+    server.sampler.max_queue = 64
   refused = results.count("429")
   assert 0 < refused < 64 and all(r == 24 for r in results if r != "429"), results
   assert asyncio.run(run(3)) == [24, 24, 24]

@@ -27,8 +27,8 @@ from flax import nnx
 
 from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
 from areal_jax.models import orbax_io, save_hf
-from areal_jax.sampler import Request, SamplingParams, generate
-from areal_jax.serve import QueueFull, build
+from areal_jax.sampler import QueueFull, Request, SamplingParams, generate
+from areal_jax.serve import build
 from areal_jax.tokenizer import load_tokenizer
 from helpers import TINY, TOOLS_CHATML, memorize, tiny_model
 from waiting import wait_until
@@ -107,7 +107,7 @@ def post(server, path, data: bytes):
 def test_models_health_and_stats(server, client, hf_dir):
   [m] = client.models.list().data
   assert m.id == server.model_name == MODEL and m.model_extra["max_model_len"] == MAX_SEQ_LEN
-  assert server.backend.scheduler.eos_ids == {0, 2}  # the tokenizer's and generation_config.json's
+  assert server.sampler.scheduler.eos_ids == {0, 2}  # the tokenizer's and generation_config.json's
   with urllib.request.urlopen(server.url + "/health") as r:
     assert json.loads(r.read())["status"] == "ok"
   with urllib.request.urlopen(server.url + "/stats") as r:
@@ -124,7 +124,7 @@ def test_greedy_completion_is_the_full_forward_argmax(server, client, model, tok
     assert c.token_ids == argmax and len(c.token_ids) == 20 and c.finish_reason == "length"
     np.testing.assert_allclose(c.logprobs.token_logprobs, logprobs, atol=1e-4)  # greedy: under temperature 1
     assert c.logprobs.tokens == [tok.decode([t]) for t in c.token_ids] and c.text == tok.decode(c.token_ids)
-    assert r.policy_version == server.backend.version == c.version_start == c.version_end
+    assert r.policy_version == server.sampler.version == c.version_start == c.version_end
     assert r.system_fingerprint == f"areal_jax-policy-v{r.policy_version}"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 20)
 
@@ -154,7 +154,7 @@ def test_chat_completion_logprobs(server, client, model, tok):
   assert c.token_ids == argmax and r.usage.prompt_tokens == len(prompt)
   np.testing.assert_allclose([e.logprob for e in content], logprobs, atol=1e-4)
   assert c.message.role == "assistant" and c.message.content == tok.decode(c.token_ids)
-  assert c.finish_reason == ("stop" if c.token_ids[-1] in server.backend.scheduler.eos_ids else "length")
+  assert c.finish_reason == ("stop" if c.token_ids[-1] in server.sampler.scheduler.eos_ids else "length")
   assert r.policy_version == c.version_end
 
 
@@ -170,7 +170,7 @@ def test_stop_string_ends_the_text_before_it(client, tok):
 
 def test_concurrent_requests_share_decode_batches(server, client, model, tok):
   prompts = [f"What is {i} + {2 * i}?" for i in range(16)]
-  before = server.backend.stats()
+  before = server.sampler.stats()
 
   def ask(p):
     return client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
@@ -180,7 +180,7 @@ def test_concurrent_requests_share_decode_batches(server, client, model, tok):
     got = list(pool.map(ask, prompts))
   want = generate(model, [tok.encode(p) for p in prompts], max_new_tokens=16, temperature=0.0)
   assert got == [w[0].tokens.tolist() for w in want]  # batching changes no answer
-  after = server.backend.stats()
+  after = server.sampler.stats()
   assert after["finished"] - before["finished"] == 16
   # One request alone draws at most decode_steps=8 tokens per decode call (its prefill token included): more per
   # call means calls advanced answers of several HTTP requests.
@@ -229,34 +229,34 @@ def test_bad_request_gets_a_clear_400_and_the_next_is_served(server, case):
 
 
 def test_full_queue_gives_429_and_the_server_keeps_serving(server, client):
-  backend = server.backend
+  sampler = server.sampler
   long = dict(max_new_tokens=120, ignore_eos=True)
-  running = [backend.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=SamplingParams(seed=i, **long)))
-             for i in range(4)]  # one per slot
-  wait_until(lambda: backend.stats()["running"] >= 4, timeout_s=60, what=backend.stats, poll_s=0.002)
-  backend.max_queue = 1
+  running = sampler.submit_many([Request(group_id=0, prompt_ids=[5, 6, 7], sampling=SamplingParams(seed=i, **long))
+                                 for i in range(4)])  # one per slot
+  wait_until(lambda: sampler.stats()["running"] >= 4, timeout_s=60, what=sampler.stats, poll_s=0.002)
+  sampler.max_queue = 1
   try:
-    queued = backend.submit(Request(group_id=0, prompt_ids=[5, 6, 7], sampling=SamplingParams(**long)))
+    [queued] = sampler.submit_many([Request(group_id=0, prompt_ids=[5, 6, 7], sampling=SamplingParams(**long))])
     with pytest.raises(openai.RateLimitError, match=r"1 requests are waiting .*max_queue=1"):
       client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    assert backend.stats()["rejected"] >= 1
+    assert sampler.stats()["rejected"] >= 1
     for f in running + [queued]:
       assert len(f.result(timeout=120)[0].tokens) == 120
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
   finally:
-    backend.max_queue = 64
+    sampler.max_queue = 64
 
 
 def test_new_weights_report_their_version(server, client):
-  backend = server.backend
-  old = backend.version
-  backend.update_params(backend.scheduler.params, version=old + 5)
+  sampler = server.sampler
+  old = sampler.version
+  sampler.update_params(sampler.scheduler.params, version=old + 5)
   try:
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert r.policy_version == r.choices[0].version_start == old + 5
     assert client.models.list().data[0].model_extra["policy_version"] == old + 5
   finally:
-    backend.update_params(backend.scheduler.params, version=old)
+    sampler.update_params(sampler.scheduler.params, version=old)
 
 
 def test_a_run_checkpoint_serves_its_step_and_version(hf_dir, model, tmp_path):
@@ -268,7 +268,7 @@ def test_a_run_checkpoint_serves_its_step_and_version(hf_dir, model, tmp_path):
   (run / "config.json").write_text(json.dumps({"model": {"tokenizer": hf_dir}, "sampler": {"max_seq_len": 64}}))
   sizing = dict(SIZING, max_seq_len=None)  # the run's own
   with build(str(run), port=0, devices=jax.devices()[:1], **sizing) as srv:
-    assert srv.model_name == "myrun@3" and srv.backend.scheduler.engine.cfg.max_seq_len == 64
+    assert srv.model_name == "myrun@3" and srv.sampler.scheduler.engine.cfg.max_seq_len == 64
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
     r = client.completions.create(model=srv.model_name, prompt=[5, 17, 3], max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -423,9 +423,9 @@ def test_a_tool_call_comes_back_as_tool_calls(server, client, model, tok):
   prompt = tok.encode(tok.apply_chat_template(messages, tools=TOOLS))
   call = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>'
   scripted = memorize(model, [(prompt, tok.encode(call) + [tok.eos_id])])
-  backend, old = server.backend, server.backend.version
-  before = backend.scheduler.params
-  backend.update_params(backend.scheduler.engine.load_params(nnx.state(scripted, nnx.Param)), version=old + 1)
+  sampler, old = server.sampler, server.sampler.version
+  before = sampler.scheduler.params
+  sampler.update_params(sampler.scheduler.engine.load_params(nnx.state(scripted, nnx.Param)), version=old + 1)
   try:
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=60)
     [c] = r.choices
@@ -446,23 +446,23 @@ def test_a_tool_call_comes_back_as_tool_calls(server, client, model, tok):
         0, "add", {"a": 12, "b": 34})
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
   finally:
-    backend.update_params(before, version=old)
+    sampler.update_params(before, version=old)
 
 
 def test_a_burst_fills_the_free_slots_then_the_queue(server):
-  backend = server.backend
+  sampler = server.sampler
   long = SamplingParams(max_new_tokens=120, ignore_eos=True)
-  backend.max_queue = 2
+  sampler.max_queue = 2
   accepted, rejected = [], 0
   try:
     for i in range(10):  # an idle server with 4 free slots: 4 + max_queue accepted, whenever the slots are handed out
       try:
-        accepted.append(backend.submit(Request(group_id=i, prompt_ids=[5, 6, 7], sampling=long)))
+        accepted += sampler.submit_many([Request(group_id=i, prompt_ids=[5, 6, 7], sampling=long)])
       except QueueFull:
         rejected += 1
     assert (len(accepted), rejected) == (6, 4)
   finally:
-    backend.max_queue = 64
+    sampler.max_queue = 64
     for f in accepted:
       f.result(timeout=120)
 
@@ -489,7 +489,7 @@ def test_lm_evaluation_harness_scores_and_generates_through_the_server(server, m
                                                                                      "max_gen_toks": 12}), 0)],
                              disable_tqdm=True)
   ids = lm.tok_encode("Question: how many")
-  want = generate(model, [ids], max_new_tokens=12, temperature=0.0, eos_ids=sorted(server.backend.scheduler.eos_ids))
+  want = generate(model, [ids], max_new_tokens=12, temperature=0.0, eos_ids=sorted(server.sampler.scheduler.eos_ids))
   assert text == load_tokenizer(hf_dir).decode(want[0][0].tokens).split("\n\n")[0]
 
 
@@ -518,7 +518,7 @@ def test_api_key_is_required_of_every_route_but_health(server, tok):
   from areal_jax.serve.server import create_app  # pylint: disable=g-import-not-at-top
 
   port = free_port_pair()
-  app = create_app(backend=server.backend, tokenizer=tok, model_name=MODEL, api_key="sk-test-key")
+  app = create_app(sampler=server.sampler, tokenizer=tok, model_name=MODEL, api_key="sk-test-key")
   keyed = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
   thread = threading.Thread(target=keyed.run, daemon=True)
   thread.start()
