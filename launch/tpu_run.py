@@ -6,7 +6,8 @@ One process (the default) splits its devices into a sampler slice and a learner 
 (and `--process_id`, `--coordinator_address=HOST:PORT` of process 0), this is one of N processes:
 `config.mesh.sampler_processes` of them are samplers, the rest form the learner (`areal_jax/distributed/roles.py`).
 `launch/local.py` starts all N on one machine. A workdir that already holds checkpoints is resumed. On CPU each
-process emulates `config.mesh.cpu_devices` devices.
+process emulates `config.mesh.cpu_devices` devices; on a GPU or TPU host `--devices=0,1` gives this process only those
+GPUs or TPU chips of its host (several processes per host, each with its own).
 """
 
 import os
@@ -16,7 +17,8 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
-from areal_jax.devices import emulate_cpu_devices  # pylint: disable=g-import-not-at-top  # does not import JAX
+from areal_jax.devices import (device_subset_env, emulate_cpu_devices,  # pylint: disable=g-import-not-at-top
+                               local_accelerators)  # does not import JAX
 from areal_jax.distributed import roles  # pylint: disable=g-import-not-at-top  # does not import JAX
 
 _CONFIG = cli.define_config()
@@ -24,6 +26,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/areal_jax", "Run directory, loca
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (default: environment, else 1).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (it also uses PORT + 1).")
+_DEVICES = flags.DEFINE_list("devices", None, "This process's GPUs or TPU chips of its host, by index (default: all).")
 
 
 def main(argv):
@@ -33,6 +36,13 @@ def main(argv):
                                    coordinator_address=_COORDINATOR.value,
                                    sampler_processes=config.mesh.sampler_processes)
   emulate_cpu_devices(config.mesh.cpu_devices)  # before JAX starts
+  if _DEVICES.value:
+    kind, _ = local_accelerators()
+    from areal_jax.distributed.local_job import free_port_pair  # pylint: disable=g-import-not-at-top  # no JAX
+    try:
+      os.environ.update(device_subset_env(kind, [int(d) for d in _DEVICES.value], port=free_port_pair()))
+    except ValueError as e:
+      sys.exit(f"FATAL --devices={','.join(_DEVICES.value)}: {e}")
   if os.environ.get("JAX_PLATFORMS", "").startswith("proxy"):
     try:
       import pathwaysutils  # pylint: disable=g-import-not-at-top

@@ -11,7 +11,12 @@ second, or after a pause that doubles while it keeps failing within `QUICK_EXIT_
 `MAX_RESTART_PAUSE_S`) and joins the running job, or else the job goes on without it. Every process shares the job's
 persistent compilation cache (`cache_dir`, unless $JAX_COMPILATION_CACHE_DIR names one), so a restarted one loads its
 programs instead of compiling them; a restarted one is forked from a process that has already imported the script's
-modules (`zygote.py`), so it does not spend seconds of the other processes' CPU importing them again. If a learner
+modules (`zygote.py`), so it does not spend seconds of the other processes' CPU importing them again.
+
+On a GPU or TPU host each process can own a subset of its accelerators (`learner_devices`, `sampler_devices` per
+process; `device_blocks`): consecutive blocks in process order, given through the environment JAX reads at start
+(`devices.device_subset_env`), so 8 GPUs can be a 4-GPU learner and 4 one-GPU sampler processes. A restarted sampler
+gets its own block again. If a learner
 process dies, the others are stopped within seconds and the job exits non-zero naming it; starting it again with the
 same workdir resumes from the last checkpoint.
 """
@@ -29,6 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from areal_jax.devices import device_subset_env, local_accelerators
 from areal_jax.distributed import zygote
 from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout
 
@@ -58,6 +64,33 @@ def core_sets(num_processes: int, cpus_per_process: int | None) -> list[list[int
   cores = sorted(os.sched_getaffinity(0))
   k = cpus_per_process or max(1, len(cores) // num_processes)
   return [[cores[(i * k + j) % len(cores)] for j in range(k)] for i in range(num_processes)]
+
+
+def device_blocks(roles: Sequence[str], *, learner_devices: int, sampler_devices: int,
+                  available: int) -> list[list[int]]:
+  """Accelerator indices per process (`roles` in process order, each "learner" or "sampler"): consecutive blocks of
+  `learner_devices` or `sampler_devices` each; a role given 0 splits what the other leaves evenly. [] when both are 0
+  (every process sees every device). A ValueError names the flags when the blocks do not fit `available`."""
+  if not learner_devices and not sampler_devices:
+    return []
+  if learner_devices < 0 or sampler_devices < 0:
+    raise ValueError(f"--learner_devices={learner_devices} --sampler_devices={sampler_devices}: must be >= 0")
+  count = {r: sum(x == r for x in roles) for r in ("learner", "sampler")}
+  per = {"learner": learner_devices, "sampler": sampler_devices}
+  left = available - sum(per[r] * count[r] for r in per)
+  for r in per:  # the role given 0 shares what is left
+    if not per[r] and count[r]:
+      per[r] = max(0, left) // count[r]
+  need = sum(max(per[r], 1) * count[r] for r in per)
+  if need > available:
+    raise ValueError(f"--learner_devices={learner_devices} --sampler_devices={sampler_devices}: "
+                     f"{count['learner']} learner and {count['sampler']} sampler processes need at least {need} "
+                     f"devices; this host has {available}")
+  blocks, start = [], 0
+  for r in roles:
+    blocks.append(list(range(start, start + per[r])))
+    start += per[r]
+  return blocks
 
 
 def _signal_name(code: int) -> str:
@@ -116,9 +149,12 @@ def pinned(cores: Sequence[int], args: Sequence[str], python: str = sys.executab
 
 def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_processes: int,
               cpus_per_process: int | None = None, python: str = sys.executable, restart_samplers: bool = False,
-              cache_dir: str | None = None, preload: Sequence[str] = ()) -> int:
+              cache_dir: str | None = None, preload: Sequence[str] = (), learner_devices: int = 0,
+              sampler_devices: int = 0, accelerators: tuple[str, int] | None = None) -> int:
   """Starts the job, waits for it, returns 0 if every learner process finished cleanly (else 1). With
-  `restart_samplers`, restarted samplers are forked from a zygote that imported `preload` (the script's modules)."""
+  `restart_samplers`, restarted samplers are forked from a zygote that imported `preload` (the script's modules).
+  `learner_devices`/`sampler_devices`: accelerators per process (`device_blocks`) of `accelerators` (kind, count;
+  default: this host's, `devices.local_accelerators`)."""
   port = free_port_pair()
   address = f"127.0.0.1:{port}"
   layouts = [ProcessLayout.create(num_processes=num_processes, process_id=i, coordinator_address=address,
@@ -127,17 +163,29 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
   env = dict(os.environ, **{AUTHKEY_ENV: os.environ.get(AUTHKEY_ENV) or secrets.token_hex(16)})
   if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
     env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
+  kind, available = accelerators or local_accelerators()
+  roles = ["sampler" if layout.role == "sampler" else "learner" for layout in layouts]
+  if (learner_devices or sampler_devices) and kind == "cpu":
+    raise ValueError(f"--learner_devices={learner_devices} --sampler_devices={sampler_devices}: this machine has no "
+                     "GPU or TPU (on CPU each process emulates config.mesh.cpu_devices devices)")
+  blocks = device_blocks(roles, learner_devices=learner_devices, sampler_devices=sampler_devices,
+                         available=available)
   print(f"local: the job's control address is {address}", flush=True)
   children: list[_Child] = []
-  for layout, cores in zip(layouts, core_sets(num_processes, cpus_per_process)):
+  for i, (layout, cores) in enumerate(zip(layouts, core_sets(num_processes, cpus_per_process))):
     argv = [script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
             f"--coordinator_address={address}"]
     child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
                      MKL_NUM_THREADS=str(len(cores)))
+    where = ""
+    if blocks:
+      child_env.update(device_subset_env(kind, blocks[i], port=free_port_pair()))
+      where = f", {kind.upper()}s {','.join(map(str, blocks[i]))}"
     child = _Child(layout.name, argv, cores, child_env, python, sampler=layout.role == "sampler")
     child.start()
     children.append(child)
-    print(f"local: {layout.name} is process {layout.process_id} (pid {child.proc.pid}) on cores {cores}", flush=True)
+    print(f"local: {layout.name} is process {layout.process_id} (pid {child.proc.pid}) on cores {cores}{where}",
+          flush=True)
 
   samplers = [c for c in children if c.sampler]
   forker = zygote.Zygote(preload, samplers[0].env, python) if restart_samplers and preload and samplers else None
