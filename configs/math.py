@@ -300,7 +300,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # sampler mesh: data x tensor (data = devices / tensor); 30B-A3B: its 61 GB of bfloat16 weights over 4 chips
   c.mesh.sampler_tensor = 1
   # Independent sampler engines on equal parts of the sampler slice (own scheduler, KV pool, weight swap); the
-  # sampler.num_slots and num_pages are each replica's.
+  # sampler.num_slots and num_pages are each replica's; in a multi-process job, of each sampler process's devices.
   c.mesh.sampler_replicas = 1
   # learner mesh: fsdp x tensor (fsdp = devices / tensor); tensor > 1 trades rows for memory.
   c.mesh.learner_tensor = 1

@@ -57,7 +57,7 @@ def main():
 
   from bench_sampler import model_config  # pylint: disable=g-import-not-at-top
   from areal_jax.models import create  # pylint: disable=g-import-not-at-top
-  from areal_jax.rl.rollout import LocalRollout  # pylint: disable=g-import-not-at-top
+  from areal_jax.distributed.replicas import LocalRollout  # pylint: disable=g-import-not-at-top
   from areal_jax.sampler.config import SamplerConfig  # pylint: disable=g-import-not-at-top
   from areal_jax.sampler.engine import Engine  # pylint: disable=g-import-not-at-top
   from areal_jax.sampler.requests import Request, SamplingParams  # pylint: disable=g-import-not-at-top

@@ -273,7 +273,7 @@ def replicas_run(model, params, prompts, lengths, replicas: int, slots: int, swa
   from flax import nnx
 
   from areal_jax.distributed.slices import MeshConfig, replica_meshes
-  from areal_jax.rl.rollout import LocalRollout
+  from areal_jax.distributed.replicas import LocalRollout
   from areal_jax.sampler import Request, SamplerConfig, SamplingParams
   from areal_jax.sharding import make_mesh
 
@@ -306,7 +306,7 @@ def replicas_run(model, params, prompts, lengths, replicas: int, slots: int, swa
     wall = time.perf_counter() - start
     done.set()
     thread.join()
-    swapping = sum(r.loop.scheduler.seconds["weight_swap"] for r in rollout.replicas)
+    swapping = sum(r.sampler.scheduler.seconds["weight_swap"] for r in rollout.replicas)
   finally:
     done.set()
     rollout.stop()

@@ -1,9 +1,9 @@
 """`run_sampler(settings, layout)`: a sampler process of a multi-process run.
 
-It owns its local devices (a data x expert x tensor mesh of its own; it never joins the learner's collectives),
-connects to the leader, and then, until told to stop:
-- generates the prompt groups the leader sends (a `Sampler`: continuous batching, paged KV cache), each from
-  the policy version it names or newer;
+It owns its local devices (data x expert x tensor meshes of its own, `mesh.sampler_replicas` of them; it never joins
+the learner's collectives), connects to the leader, and then, until told to stop:
+- generates the prompt groups the leader sends (a `LocalRollout`: a `Sampler` per replica, continuous batching, paged
+  KV cache; a group goes whole to one replica), each from the policy version it names or newer;
 - sends every finished answer back as its future completes (detokenised here, scored by the leader's reward workers);
 - pulls each new policy version in a background thread, beside decoding, and swaps it in between two decode steps
   (answers in flight are re-prefilled under it);
@@ -14,8 +14,9 @@ The messages each way are the typed records of `messages.py` (its diagram), sent
 Any failure (the leader gone, a pull that hangs or arrives corrupted, a device error) is reported to the leader when
 possible and ends the process with a non-zero status; SIGTERM or SIGINT (a preemption) says `Leaving` first. Either
 way the leader generates its answers in flight again elsewhere and the job goes on; the same command started again
-(or `launch/local.py --restart_samplers`) rejoins it. One the leader dropped for silence (stopped, or too slow) reads
-`Dropped` when it runs again and connects again as it is: its engine and compiled programs, no restart.
+(or `launch/local.py --restart_samplers`) rejoins it; a replica that fails fails the process so. One the leader
+dropped for silence (stopped, or too slow) reads `Dropped` when it runs again and connects again as it is: its meshes
+and compiled programs, no restart.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ import jax
 from flax import nnx
 
 from areal_jax import cli
-from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, Peer, connect
 from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Failed, Generate, Leaving, Pulled, Stats,
                                             Stop, Weights)
+from areal_jax.distributed.replicas import LocalRollout
 from areal_jax.distributed.roles import ProcessLayout, authkey
-from areal_jax.distributed.slices import MeshConfig
+from areal_jax.distributed.slices import MeshConfig, replica_meshes
 from areal_jax.distributed.weight_transfer import WeightPuller, check_fingerprint, local_ip_towards
-from areal_jax.models import create, lora
-from areal_jax.sampler.engine import Engine
-from areal_jax.sampler.sampler import Sampler
+from areal_jax.models import create
+from areal_jax.models.weights import with_dtype
+from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sharding import make_mesh
 from areal_jax.tokenizer import load_tokenizer
 
@@ -53,15 +54,18 @@ def run_sampler(settings, layout: ProcessLayout) -> None:
   """A sampler process: `settings` are the run's typed settings (`config.validate`)."""
   tokenizer = load_tokenizer(settings.model_source.tokenizer)
   mesh = make_mesh(jax.local_devices(), settings.mesh.sampler_axes())
+  meshes = replica_meshes(mesh, settings.mesh)
   abstract_model = nnx.eval_shape(lambda: create(settings.model, 0))
-  engine = Engine(model=abstract_model, config=settings.sampler.for_tokenizer(tokenizer.vocab_size), mesh=mesh)
-  abstract_params = engine.abstract_params  # in sampler.param_dtype: what the learner publishes
-  logging.info("%s: engine on %d local devices %s", layout.name, mesh.devices.size, dict(mesh.shape))
+  config = settings.sampler.for_tokenizer(tokenizer.vocab_size)
+  abstract_params = with_dtype(nnx.split(abstract_model)[1], config.weight_dtype)  # what the learner publishes
+  logging.info("%s: %d engine replica(s) of %s on %d local devices", layout.name, len(meshes),
+               dict(meshes[0].shape), mesh.devices.size)
   puller, timeout_s = None, CONNECT_TIMEOUT_S
   while True:
     leader = connect(layout, authkey(), timeout_s=timeout_s, devices=mesh.devices.size)
-    sampler = SamplerWorker(leader, engine, abstract_params, layout=layout, mesh=settings.mesh,
-                            eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode, puller=puller)
+    sampler = SamplerWorker(leader, abstract_model, config, meshes, abstract_params, layout=layout,
+                            mesh=settings.mesh, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+                            puller=puller)
     try:
       sampler.run()
       return
@@ -69,7 +73,7 @@ def run_sampler(settings, layout: ProcessLayout) -> None:
       logging.warning("%s: the leader dropped it (%s); connecting again", layout.name, e)
     puller, timeout_s = (sampler.puller if sampler.idle_puller() else None), REJOIN_TIMEOUT_S
     del sampler
-    gc.collect()  # the dropped loop's KV cache goes before the next one is allocated
+    gc.collect()  # the dropped samplers' KV caches go before the next ones are allocated
 
 
 class _Dropped(Exception):
@@ -77,23 +81,25 @@ class _Dropped(Exception):
 
 
 class SamplerWorker:
-  """One connection's worth of a sampler process: its loop, its pulls, its heartbeat. Only the main thread reads the
+  """One connection's worth of a sampler process: its replicas, its pulls, its heartbeat. Only the main thread reads the
   connection; the other threads only send, and a send that fails (the leader closed it) ends their work quietly: the
   main thread reads why (`Dropped`, or the connection's end) in order."""
 
-  def __init__(self, leader: Peer, engine: Engine, abstract_params, *, layout: ProcessLayout, mesh: MeshConfig, eos_ids,
-               detokenize, puller: WeightPuller | None = None):
-    self.leader, self.engine, self.layout = leader, engine, layout
+  def __init__(self, leader: Peer, abstract_model, config: SamplerConfig, meshes, abstract_params, *,
+               layout: ProcessLayout, mesh: MeshConfig, eos_ids, detokenize, puller: WeightPuller | None = None):
+    self.leader, self.layout = leader, layout
+    self.abstract_model, self.config, self.meshes = abstract_model, config, meshes
     self.abstract_params, self.mesh = abstract_params, mesh
     self.eos_ids, self.detokenize = eos_ids, detokenize
-    self.sampler: Sampler | None = None
-    self.base = None  # under LoRA: the frozen base weights, pulled once
+    self.rollout: LocalRollout | None = None
+    self.version = -1  # the newest version handed to the replicas
     self.puller = puller  # kept across a rejoin
     self.threads: dict[str, threading.Thread] = {}
     self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
     self.error: BaseException | None = None
     self.stop = threading.Event()
     self.answers = 0  # sent to the leader
+    self._answers_lock = threading.Lock()  # answers are sent from every replica's detokeniser
 
   def run(self) -> None:
     try:
@@ -108,9 +114,9 @@ class SamplerWorker:
       raise
     finally:
       self.stop.set()
-      if self.sampler is not None:
-        self.sampler.stop(timeout=10)
-        self.sampler = None
+      if self.rollout is not None:
+        self.rollout.stop()
+        self.rollout = None
       self.leader.close()
 
   def idle_puller(self) -> bool:
@@ -147,19 +153,22 @@ class SamplerWorker:
                                  tensor=self.mesh.sampler_tensor, expert=self.mesh.sampler_expert,
                                  devices=jax.local_devices(), host=local_ip_towards(self.layout.host))
     params = self._pull(notice)
-    self.sampler = Sampler(engine=self.engine, params=params, version=notice.version, eos_ids=self.eos_ids,
-                           detokenize=self.detokenize, gather=True).start()
+    self.rollout = LocalRollout(abstract_model=self.abstract_model, config=self.config, meshes=self.meshes,
+                                params=params, version=notice.version, eos_ids=self.eos_ids,
+                                detokenize=self.detokenize)
+    self.version = notice.version
+    del params  # each replica holds its own copy
     threads["_pull_loop"].start()
     while not self.stop.is_set():
       if self.error is not None:
         raise self.error
-      self.sampler.check()
+      self._check_replicas()
       if not self.leader.poll(0.2):
         continue
       kind, msg = self.leader.recv()
       match msg:
         case Generate(request=request):
-          for answer, future in enumerate(self.sampler.submit(request)):
+          for answer, future in enumerate(self.rollout.submit(request)):
             future.add_done_callback(functools.partial(self._send_answer, answer))
         case Weights():
           self.notices.put(msg)
@@ -188,23 +197,26 @@ class SamplerWorker:
 
     return run
 
+  def _check_replicas(self) -> None:
+    """Raises the error of a replica that failed: the process ends, and the leader generates its groups again
+    elsewhere (a replica's groups are the process's to the leader)."""
+    self.rollout.check()
+    failed = [r for r in self.rollout.replicas if r.failed is not None]
+    if failed:
+      raise RuntimeError(f"{self.layout.name}: sampler replica {failed[0].index} failed") from failed[0].failed
+
   def _pull(self, notice: Weights):
     """Pulls one version, checks it against the published fingerprint (a layout mismatch would copy the wrong bytes),
-    reports it and returns it on the engine's shardings."""
+    reports it and returns it (on the puller's devices: `LocalRollout` moves it onto each replica; under LoRA, after
+    the first version, the adapters only, which each replica joins to its copy of the base)."""
     start = time.perf_counter()
     part = notice.part
     pulled, fp = self.puller.pull(notice.uuid, part=part, timeout_s=PULL_TIMEOUT_S)
     seconds = time.perf_counter() - start
     check_fingerprint(fp, notice.fingerprint, paths=self.puller.paths[part],
                       what=f"weights of version {notice.version} on {self.layout.name}")
-    # Onto this process's data x tensor mesh; LoRA adapters join the base pulled with the first version.
-    params = weight_transfer.transfer(pulled, weight_transfer.part_of(self.engine.param_shardings, part))
-    if part == "adapters":
-      params = nnx.merge_state(self.base, params)
-    elif lora.has_adapters(params):
-      self.base = lora.split(params)[1]
     self._send(Pulled(version=notice.version, seconds=seconds))
-    return params
+    return pulled
 
   def _pull_loop(self) -> None:
     while not self.stop.is_set():
@@ -212,10 +224,11 @@ class SamplerWorker:
         notice = self.notices.get(timeout=0.2)
       except queue.Empty:
         continue
-      # Every published version is pulled (the learner holds each until then); the sampler swaps in the newest.
+      # Every published version is pulled (the learner holds each until then); the replicas swap in the newest.
       params = self._pull(notice)
-      if notice.version > self.sampler.version:  # never back: a sampler that joins may hear of a version twice
-        self.sampler.update_params(params, notice.version)
+      if notice.version > self.version:  # never back: a sampler that joins may hear of a version twice
+        self.rollout.publish(params, notice.version)
+        self.version = notice.version
 
   def _send_answer(self, answer: int, future) -> None:
     """On the sampler's detokenising thread: one finished answer to the leader (a failed future: the sampler's error,
@@ -223,9 +236,10 @@ class SamplerWorker:
     if future.cancelled() or future.exception() is not None:
       return
     if self._send(Answer(index=answer, trajectory=future.result())):
-      self.answers += 1
+      with self._answers_lock:
+        self.answers += 1
 
   def _report_stats(self) -> None:
     while not self.stop.wait(1.0):
-      if not self._send(Stats(self.sampler.stats() if self.sampler is not None else {})):
+      if not self._send(Stats(self.rollout.stats() if self.rollout is not None else {})):
         return  # the connection ended: the main thread reads why

@@ -15,18 +15,18 @@ from flax import nnx
 from areal_jax import agents
 from areal_jax.distributed.control import CONNECT_TIMEOUT_S, ControlServer
 from areal_jax.distributed.learner_group import LearnerGroup
+from areal_jax.distributed.replicas import LocalRollout
 from areal_jax.distributed.roles import ProcessLayout
 from areal_jax.distributed.sampler_hub import SamplerHub
 from areal_jax.distributed.slices import MeshConfig
 from areal_jax.distributed.weight_transfer import WeightPublisher
-from areal_jax.errors import ConfigError
 from areal_jax.learner.learner import Learner
 from areal_jax.models import weights
 from areal_jax.reward.service import RewardService, score_all
 from areal_jax.rl.controller import RolloutController, problem
 from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator
 from areal_jax.rl.metrics import MetricsWriter
-from areal_jax.rl.rollout import LocalRollout, Rollout
+from areal_jax.rl.rollout import Rollout
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sharding import make_mesh
@@ -116,9 +116,6 @@ def _start_rollout(mesh: MeshConfig, layout: ProcessLayout, control: ControlServ
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
     return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, meshes=sampler_meshes, params=local,
                         version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
-  if mesh.sampler_replicas > 1:
-    raise ConfigError(f"config.mesh.sampler_replicas={mesh.sampler_replicas}: replicas split the sampler slice of "
-                      "one process; in a multi-process job each sampler process holds one engine (set 1)")
   publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
                               tensor=mesh.sampler_tensor, expert=mesh.sampler_expert, devices=learner_local,
                               host=layout.host)

@@ -19,7 +19,7 @@ import agent_examples
 from areal_jax import agents
 from areal_jax.agents.runner import wants_anthropic
 from areal_jax.models import load_hf, save_hf
-from areal_jax.rl.rollout import LocalRollout
+from areal_jax.distributed.replicas import LocalRollout
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.serve import build

@@ -21,7 +21,7 @@ from areal_jax.config import load_config
 from areal_jax.errors import SamplerLost
 from areal_jax.learner.microbatch import Layout, assemble
 from areal_jax.rl.metrics import read_metrics
-from areal_jax.rl.rollout import LocalRollout
+from areal_jax.distributed.replicas import LocalRollout
 from areal_jax.run import trainer
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sampler.requests import SamplingParams

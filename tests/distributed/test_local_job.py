@@ -42,16 +42,20 @@ def _run(workdir, num_processes, overrides, timeout=400):
 
 
 def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_path):
-  """With LoRA: the sampler process pulls the whole model once, then each version's adapters alone."""
+  """With LoRA: the sampler process pulls the whole model once, then each version's adapters alone, and hands them to
+  its two engine replicas (one device each)."""
   eta = 1
   overrides = dict(PROCESS_OVERRIDES, total_steps=4, **{"rollout.max_head_offpolicyness": eta,
-                                                        "learner.lora.rank": 4})
+                                                        "learner.lora.rank": 4, "mesh.cpu_devices": 2,
+                                                        "mesh.sampler_replicas": 2})
   adapter_bytes = 4 * 4 * 2 * sum(i + o for i, o in ModelConfig.from_config(
       load_config(FAST, **overrides).model).lora_shapes().values())  # float32, rank 4, 2 layers
   proc = _run(tmp_path, 2, overrides)
   assert proc.returncode == 0, proc.stdout[-4000:]
   assert re.search(r"learner 0 is process 0 .* on cores \[\d+\]", proc.stdout)
   assert re.search(r"sampler 0 is process 1 .* on cores \[\d+\]", proc.stdout)
+  assert re.search(r"sampler 0: 2 engine replica\(s\) of \{'data': 1, 'expert': 1, 'tensor': 1\} on 2 local devices",
+                   proc.stdout + proc.stderr), proc.stdout[-4000:]
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
   for m in metrics[1:]:

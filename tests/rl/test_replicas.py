@@ -11,7 +11,7 @@ from flax import nnx
 
 from areal_jax.distributed.slices import MeshConfig, build_slices
 from areal_jax.errors import SamplerLost
-from areal_jax.rl.rollout import LocalRollout
+from areal_jax.distributed.replicas import LocalRollout
 from areal_jax.sampler import Request, SamplerConfig, SamplingParams
 from helpers import TINY, tiny_model
 from waiting import wait_until

@@ -1,0 +1,192 @@
+"""Engine replicas in one process behind one dispatcher: `LocalRollout`, the `rl.rollout.Rollout` of a process that
+holds its samplers itself (a one-process run's sampler slice, a sampler process's local devices).
+
+    rollout = LocalRollout(abstract_model=model, config=sampler_cfg, meshes=replica_meshes(...), params=params,
+                           version=0, eos_ids=[tok.eos_id], detokenize=tok.decode)
+    futures = rollout.submit(request)  # the group goes whole to the least loaded replica
+    rollout.publish(params, version=1)  # onto every replica, device-to-device; each swaps at its own step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax import faults
+from areal_jax.distributed import weight_transfer
+from areal_jax.errors import SamplerLost
+from areal_jax.models import lora
+from areal_jax.sampler import dispatch
+from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.dispatch import Load
+from areal_jax.sampler.engine import Engine
+from areal_jax.sampler.requests import Request
+from areal_jax.sampler.sampler import Sampler
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Replica:
+  """One engine of the sampler slice and the sampler that drives it; `answers` outstanding and `dispatched` in all
+  (under the rollout's lock), `failed` once its sampler stopped on an error."""
+
+  index: int
+  engine: Engine
+  sampler: Sampler
+  base: object = None  # under LoRA, its copy of the frozen base
+  answers: int = 0
+  dispatched: int = 0
+  failed: BaseException | None = None
+
+  def free_pages(self) -> int:
+    return sum(self.engine.slots.free_pages(s) for s in range(self.engine.num_shards))
+
+
+class LocalRollout:
+  """`Sampler`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
+  construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest answers outstanding, then most
+  free pages); each replica swaps weights at its own step boundary, so one replica's recompute never stops another's
+  decoding. With several replicas, one whose sampler fails is dropped: its groups' answers fail with `SamplerLost` (the
+  controller generates them again on the others) and `check()` raises only once none is left."""
+
+  def __init__(self, *, abstract_model, config: SamplerConfig, meshes: Sequence[Mesh], params, version: int, eos_ids,
+               detokenize):
+    if not meshes:
+      raise ValueError("LocalRollout: no sampler mesh")
+    self._lock = threading.Lock()
+    self._bytes = 0
+    self.replicas: list[_Replica] = []
+    for i, mesh in enumerate(meshes):
+      engine = Engine(model=abstract_model, config=config, mesh=mesh)
+      moved = self._move(params, engine.param_shardings, engine.param_dtype)
+      self._bytes += lora.nbytes(moved)
+      base = lora.split(moved)[1] if lora.has_adapters(moved) else None  # held under LoRA
+      sampler = Sampler(engine=engine, params=moved, version=version, eos_ids=eos_ids, detokenize=detokenize,
+                        gather=True, name=f"sampler{i}").start()
+      self.replicas.append(_Replica(index=i, engine=engine, sampler=sampler, base=base))
+
+  @staticmethod
+  def _move(params, shardings, dtype):
+    """Onto a replica's shardings, device-to-device, cast to `sampler.param_dtype` on the learner's devices first
+    (so the narrower copy is what crosses over)."""
+    return weight_transfer.transfer(params, shardings, dtype=dtype)
+
+  def _live(self) -> list[_Replica]:
+    return [r for r in self.replicas if r.failed is None]
+
+  def _note_failures(self) -> None:
+    """Marks the replicas whose sampler stopped on an error (with answers open or idle, e.g. in a weight swap)."""
+    for r in self.replicas:
+      error = r.sampler.error
+      if r.failed is None and error is not None:
+        r.failed = error
+        _log.warning("sampler replica %d of %d failed (%s: %s); its groups are generated on the others", r.index,
+                     len(self.replicas), type(error).__name__, error)
+
+  def submit(self, request: Request) -> list[Future]:
+    with self._lock:
+      self._note_failures()
+      live = {r.index: r for r in self._live()}
+      if not live:
+        self.check()
+      r = live[dispatch.least_loaded({i: Load(r.answers, r.free_pages()) for i, r in live.items()})]
+      r.answers += request.num_answers
+      r.dispatched += request.num_answers
+    try:
+      inner = r.sampler.submit(request)
+    except BaseException:
+      with self._lock:
+        r.answers -= request.num_answers
+        r.dispatched -= request.num_answers
+      raise
+    outer = [Future() for _ in inner]
+    for a, b in zip(inner, outer):
+      a.add_done_callback(functools.partial(self._relay, r, b))
+    return outer
+
+  def _relay(self, r: _Replica, outer: Future, inner: Future) -> None:
+    """An answer of replica `r` done: its result, or its replica's failure (`SamplerLost` while others live)."""
+    with self._lock:
+      r.answers -= 1
+      error = None if inner.cancelled() else inner.exception()
+      self._note_failures()
+      lost = r.failed is not None and len(self.replicas) > 1 and bool(self._live())
+    if outer.done():
+      return
+    if inner.cancelled():
+      outer.cancel()
+    elif error is None:
+      outer.set_result(inner.result())
+    elif lost:
+      outer.set_exception(SamplerLost(f"sampler replica {r.index} failed: {error}"))
+    else:
+      outer.set_exception(error)
+
+  def publish(self, params, version: int) -> None:
+    """Moves the learner's weights onto every live replica (under LoRA only the adapters); each swaps them in at its
+    own next step."""
+    moved, nbytes = [], 0
+    for r in self._live():
+      e = r.engine
+      if r.base is None:
+        m = self._move(params, e.param_shardings, e.param_dtype)
+        nbytes += lora.nbytes(m)
+      else:
+        adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype)
+        nbytes += lora.nbytes(adapters)
+        m = nnx.merge_state(r.base, adapters)
+      moved.append((r, m))
+    self._bytes = nbytes
+    faults.reach("weight_update")
+    for r, m in moved:
+      r.sampler.update_params(m, version)
+
+  def stats(self) -> dict[str, float]:
+    """The replicas' counters summed (versions: the oldest; the most answers one call advanced: the largest)."""
+    per = [r.sampler.stats() for r in self.replicas]
+    out = {k: sum(p.get(k, 0) for p in per) for k in per[0]}
+    out["version"] = min(p["version"] for p in per)
+    for k in ("max_batch_answers", "max_batch_requests"):
+      out[k] = max(p[k] for p in per)
+    return out
+
+  def sync_metrics(self) -> dict[str, float]:
+    return {"sync/bytes": float(self._bytes)}
+
+  def sampler_metrics(self) -> dict[str, float]:
+    """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`
+    and `/failed`; a sampler's counters move when its step ends."""
+    out = {}
+    for r in self.replicas:
+      st = r.sampler.stats()
+      key = f"sampler/replica{r.index}"
+      out.update({f"{key}/answers": float(r.dispatched), f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"],
+                  f"{key}/swaps": st["weight_updates"], f"{key}/failed": float(r.failed is not None)})
+    return out
+
+  def check(self) -> None:
+    """Raises a lone replica's error, or once every replica has failed; with others left a failed one is dropped."""
+    if len(self.replicas) == 1:
+      return self.replicas[0].sampler.check()
+    with self._lock:
+      self._note_failures()
+      live = self._live()
+    if not live:
+      raise RuntimeError(f"all {len(self.replicas)} sampler replicas failed") from self.replicas[0].failed
+    return None
+
+  def stop(self) -> None:
+    for r in self.replicas:
+      try:
+        r.sampler.stop()
+      except RuntimeError:
+        if r.failed is None or len(self.replicas) == 1:
+          raise
