@@ -204,7 +204,7 @@ def host_engine(slots: int, decode_steps: int, calls: int):
   from areal_jax.sampler.state import DecodeSteps
   from areal_jax.sim import engine as sim_engine
   from areal_jax.sim.costs import CostModel
-  from areal_jax.sim.devices import DEVICES
+  from areal_jax.hardware import DEVICES
 
   class Engine(sim_engine.SimEngine):
 

@@ -6,7 +6,7 @@ against colocated synchronous RL on all the chips; names the recommended split a
   python tools/plan.py --config=configs/math.py:qwen2.5-1.5b --device=h800 --chips=8 --eta=0,1,4,8 \
       --lengths=run/rollouts.jsonl --json > plan.json
 
-Devices: v4, v5e, v5p, v6e, a100, h100, h800, h200 (published peaks, `areal_jax/sim/devices.py`). Answer lengths
+Devices: v4, v5e, v5p, v6e, a100, h100, h800, h200 (published peaks, `areal_jax/hardware.py`). Answer lengths
 come from `--lengths` (a run's rollouts.jsonl, or a file of integers) or a log-normal of `--length_mean` cut at
 `--length_max`. See `areal_jax.sim`.
 
@@ -67,13 +67,15 @@ def _ints(text: str, flag: str) -> list[int]:
 def _setup():
   from areal_jax import config as config_lib  # pylint: disable=g-import-not-at-top  # after the flags
   from areal_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-  from areal_jax.sim import devices, lengths, plan  # pylint: disable=g-import-not-at-top
+  from areal_jax import hardware  # pylint: disable=g-import-not-at-top
+  from areal_jax.sim import lengths, plan  # pylint: disable=g-import-not-at-top
 
   settings = config_lib.validate(_CONFIG.value, data=False)
   model = settings.model
   if _MODEL.value.endswith(".json") or "/" in _MODEL.value:
     model = hf_io.read_config(_MODEL.value.removesuffix("config.json"), dtype=model.dtype,
                               param_dtype=model.param_dtype, remat=model.remat)
+    _refuse_toy_settings(model, settings)
   elif _MODEL.value:
     path = flags.FLAGS["config"].config_filename
     model = config_lib.validate(config_lib.load_config(f"{path}:{_MODEL.value}"), data=False).model
@@ -97,7 +99,7 @@ def _setup():
     counted = programs.learner_passes(settings, _PROGRAMS.value, int(prompt_len + dist.mean), model)
     passes = dict(passes=counted.total, proximal=counted.proximal)
     remat = 0.0  # in the counted passes
-  return plan.Setup(model=model, device=devices.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
+  return plan.Setup(model=model, device=hardware.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
@@ -108,6 +110,23 @@ def _setup():
                     max_tokens_per_mb=settings.learner.max_tokens_per_mb,
                     minibatches=settings.learner.ppo_n_minibatches, remat=remat, scale=_SCALE.value, seed=settings.seed,
                     **passes)
+
+
+TOY_RATIO = 100  # a model this many times the preset's own is not planned with the preset's settings
+
+
+def _refuse_toy_settings(model, settings) -> None:
+  """A HF model far larger than the preset's own model would be planned with that preset's sampler and learner
+  settings (slots, pages, micro-batch tokens, batch sizes made for a toy): refused, naming what to pass."""
+  ours, theirs = settings.model.num_params(), model.num_params()
+  if theirs > TOY_RATIO * ours:
+    preset = _CONFIG.value.get("preset", "tiny")
+    raise SystemExit(
+        f"FATAL --model={_MODEL.value}: {theirs / 1e9:.2f}B parameters, planned with the `{preset}` preset's sampler "
+        f"and learner settings (made for its {ours / 1e6:.1f}M-parameter model: sampler.num_slots="
+        f"{settings.sampler.num_slots}, learner.max_tokens_per_mb={settings.learner.max_tokens_per_mb}, "
+        f"rollout.batch_size={settings.rollout.batch_size}); pass --config=configs/math.py:PRESET with a real-size "
+        "preset (qwen2.5-1.5b, r1-distill-qwen-7b, qwen3-30b-a3b) or set those fields")
 
 
 def _check() -> None:

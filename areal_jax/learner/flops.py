@@ -11,26 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Dense bf16 peak per device (chip for TPUs), from vendor datasheets.
-_PEAK_BF16 = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5": 459e12,  # v5p reports "TPU v5"
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
-}
-
+from areal_jax import hardware
 
 def datasheet_peak(device: jax.Device) -> float | None:
-  """Dense bf16 FLOP/s of one device from the table, or None when unknown (e.g. CPU)."""
-  kind = device.device_kind
-  matches = [k for k in _PEAK_BF16 if kind == k or kind.startswith(k + " ")]
-  return _PEAK_BF16[max(matches, key=len)] if matches else None
+  """Dense bf16 FLOP/s of one device from its datasheet (`hardware`), or None when unknown (e.g. CPU)."""
+  known = hardware.of_kind(device.device_kind)
+  return None if known is None else known.flops
 
 
 def measure_matmul_peak(devices: Sequence[jax.Device], *, dtype=jnp.float32, size: int = 1024,

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from areal_jax.sim.costs import CostModel, Efficiency
-from areal_jax.sim.devices import Device
+from areal_jax.hardware import Device
 
 
 # tools/bench_async.py --processes on a 2-core machine: colocated = one process, 4 devices on both cores, 2 per role;

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.sim.devices import Device
+from areal_jax.hardware import Device
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np
 from areal_jax.models.config import ModelConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sim.costs import CostModel, Efficiency
-from areal_jax.sim.devices import Device
+from areal_jax.hardware import Device
 from areal_jax.sim.job import Job, Result, simulate
 from areal_jax.sim.lengths import Lengths, RecordedGroups
 

@@ -8,7 +8,7 @@ from areal_jax import config as config_lib
 from areal_jax.sim import check
 from areal_jax.sim.calibrate import Calibration, fit
 from areal_jax.sim.costs import Efficiency
-from areal_jax.sim.devices import Device
+from areal_jax.hardware import Device
 
 
 def _bench(tmp_path):

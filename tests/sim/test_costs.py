@@ -5,7 +5,7 @@ import pytest
 
 from areal_jax import config as config_lib
 from areal_jax.sim.costs import CostModel, Efficiency
-from areal_jax.sim.devices import DEVICES, device
+from areal_jax.hardware import DEVICES, device
 
 
 def _model():

@@ -7,7 +7,7 @@ from areal_jax import config as config_lib
 from areal_jax.rl import rollout_buffer
 from areal_jax.run import trainer
 from areal_jax.sim import plan
-from areal_jax.sim.devices import device
+from areal_jax.hardware import device
 from areal_jax.sim.lengths import Lengths
 from run_checks import FAST, rollouts
 

@@ -7,7 +7,7 @@ import numpy as np
 from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
 from areal_jax.sampler.sampling import request_key
 from areal_jax.sim.costs import CostModel
-from areal_jax.sim.devices import Device
+from areal_jax.hardware import Device
 from areal_jax.sim.engine import SimEngine
 from helpers import TINY, tiny_model
 

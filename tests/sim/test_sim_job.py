@@ -12,7 +12,7 @@ from areal_jax.rl.controller import Stalled
 from areal_jax.sim import plan
 from areal_jax.sim.costs import CostModel
 from areal_jax.sim.job import Job, simulate
-from areal_jax.sim.devices import Device, device
+from areal_jax.hardware import Device, device
 from areal_jax.sim.lengths import Lengths, RecordedGroups
 
 

@@ -33,3 +33,25 @@ def test_device_check_dry_run(tmp_path):
   assert number(by_check["sampler (float32 weights) vs learner forward"]["value"]) < 1e-5
   assert by_check["greedy answers equal to transformers (cpu)"]["value"] == "8/8"
   assert any(r["section"] == "learner" and "faster" in r["ratio"] for r in rows)
+  # Judged: each correctness row passed its threshold; the performance floors are shown but judged on the GPU only.
+  data = json.loads((tmp_path / "device_check.json").read_text())
+  assert data["dry_run"] and data["thresholds"]["learner_mfu"] > 0
+  judged = [r for r in rows if r["ok"] is not None]
+  assert len(judged) >= 6 and all(r["ok"] and r["verdict"] == "pass" for r in judged), judged
+  mfu = next(r for r in rows if r["check"].startswith("packed step"))
+  assert mfu["ok"] is None and "real check only" in mfu["threshold"]
+
+
+def test_a_figure_past_its_threshold_fails_the_check(tmp_path, monkeypatch):
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "tools", "device_check.py"))
+  tool = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, "device_check", tool)  # its dataclasses look their module up
+  spec.loader.exec_module(tool)
+  monkeypatch.setitem(tool.THRESHOLDS, "kernel_max_abs", 0.0)  # no kernel is exact to the last bit
+  monkeypatch.setattr(sys, "argv", ["device_check.py", "--dry_run", f"--out={tmp_path}",
+                                    "--skip=logprobs,sampler,learner,run"])
+  assert tool.main() == 1
+  rows = json.loads((tmp_path / "device_check.json").read_text())["rows"]
+  assert [r["verdict"] for r in rows] == ["FAIL", "FAIL"], rows

@@ -1,0 +1,61 @@
+"""Accelerators by their datasheets: per-chip peaks for the planner (`tools/plan.py --device=NAME`), the learner's
+MFU (`learner.flops`) and the device check's judgements (`tools/device_check.py`). Does not import JAX.
+
+Peaks are the vendors' dense bf16 figures; what a program reaches of them is the cost model's efficiency
+(`sim.costs.Efficiency`), fitted on this machine by `sim.calibrate` for the CPU and set from published MFU/bandwidth
+figures for the rest. `link` is the bandwidth one chip can send weights at to another slice (ICI for TPUs, NVLink for
+GPUs), one direction. `kinds` are the `device_kind` strings JAX reports for the chip (a longer match wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  name: str
+  flops: float  # peak dense bf16 FLOP/s per chip
+  hbm_bw: float  # HBM bytes/s per chip
+  hbm: float  # HBM bytes per chip
+  link: float  # bytes/s one chip sends to another, one direction
+  kinds: tuple[str, ...] = ()  # JAX's `device_kind` for it, or the start of it (before a space or a hyphen)
+
+
+DEVICES = {d.name: d for d in (
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; all-reduce 1.1 PB/s per 4096-chip pod
+    # (268 GB/s per chip).
+    Device("v4", 275e12, 1200 * GB, 32 * GIB, 268 * GB, ("TPU v4",)),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB at 819 GB/s, ICI 400 GB/s per chip bidirectional.
+    Device("v5e", 197e12, 819 * GB, 16 * GB, 200 * GB, ("TPU v5 lite", "TPU v5e")),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB at 2765 GB/s, ICI 4800 Gbps per chip.
+    Device("v5p", 459e12, 2765 * GB, 95 * GB, 600 * GB, ("TPU v5", "TPU v5p")),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB at 1640 GB/s, ICI 3584 Gbps per chip.
+    Device("v6e", 918e12, 1640 * GB, 32 * GB, 448 * GB, ("TPU v6 lite", "TPU v6e")),
+    # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2039 GB/s, NVLink 600 GB/s (both directions).
+    Device("a100", 312e12, 2039 * GB, 80 * GB, 300 * GB, ("NVIDIA A100",)),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 80 GB at 3.35 TB/s, NVLink 900 GB/s (both directions).
+    Device("h100", 989e12, 3350 * GB, 80 * GB, 450 * GB, ("NVIDIA H100",)),
+    # H800 SXM5 (H100 for the Chinese market; the AReaL paper's GPU): H100's compute and HBM, NVLink 400 GB/s.
+    Device("h800", 989e12, 3350 * GB, 80 * GB, 200 * GB, ("NVIDIA H800",)),
+    # NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 141 GB at 4.8 TB/s, NVLink 900 GB/s (both directions).
+    Device("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB, ("NVIDIA H200",)),
+)}
+
+
+def device(name: str) -> Device:
+  """The named device; a ValueError lists the known names."""
+  if name not in DEVICES:
+    raise ValueError(f"--device={name!r}: choose one of {sorted(DEVICES)}")
+  return DEVICES[name]
+
+
+def of_kind(kind: str) -> Device | None:
+  """The device whose `kinds` match JAX's `device_kind` (exactly, or as its start before a space or a hyphen), or
+  None (a CPU, a chip not in the table). The longest match wins ("TPU v5 lite" over "TPU v5")."""
+  matches = [(len(k), d) for d in DEVICES.values() for k in d.kinds
+             if kind == k or kind.startswith((k + " ", k + "-"))]
+  return max(matches, key=lambda m: m[0])[1] if matches else None
