@@ -74,13 +74,25 @@ class CostModel:
     m = self.model
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.kv_bytes
 
+  def decode_weight_bytes(self, batch: np.ndarray) -> np.ndarray:
+    """Weight bytes one decode step of `batch` tokens reads: every weight of a dense model; of a mixture of experts,
+    the shared ones and the experts its tokens route to (k of E each, independently: a share 1 - (1 - k/E)^batch
+    of each sparse layer's experts)."""
+    m, batch = self.model, np.asarray(batch, np.float64)
+    if not m.num_experts:
+      return np.full(batch.shape, float(self.params * self.weight_bytes))
+    experts = sum(m.sparse_layers()) * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+    touched = 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** batch
+    return (self.params - experts + experts * touched) * self.weight_bytes
+
   def decode_step(self, batch: np.ndarray, context: np.ndarray) -> float:
     """One decode step; per data shard `batch[i]` live answers holding `context[i]` cached tokens in all. The
-    shards run in lockstep: the slowest decides."""
+    shards run in lockstep: the slowest decides. FLOPs count the weights a token uses (a mixture of experts: its k
+    experts), bytes the weights the step reads (`decode_weight_bytes`)."""
     m, d, t, e = self.model, self.device, self.shard_chips, self.eff
-    dense = 2 * self.params - (0 if m.tie_word_embeddings else 2 * m.vocab_size * m.hidden_size)
+    dense = 2 * m.num_params(active=True) - (0 if m.tie_word_embeddings else 2 * m.vocab_size * m.hidden_size)
     flops = batch * dense + 4 * m.num_layers * m.num_heads * m.head_dim * context
-    bytes_ = np.where(batch > 0, self.params * self.weight_bytes + context * self.kv_per_token, 0)
+    bytes_ = np.where(batch > 0, self.decode_weight_bytes(batch) + context * self.kv_per_token, 0)
     seconds = np.maximum(flops / (t * d.flops * e.decode_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
     return float(seconds.max(initial=0.0)) + e.decode_step_s
 

@@ -43,3 +43,27 @@ def test_every_device_has_positive_peaks_and_an_unknown_one_is_named():
   assert all(d.flops > 0 and d.hbm_bw > 0 and d.hbm > 0 and d.link > 0 for d in DEVICES.values())
   with pytest.raises(ValueError, match="--device='tpu9'"):
     device("tpu9")
+
+
+def test_a_mixture_of_experts_decodes_with_its_active_flops_and_reads_the_experts_its_tokens_use():
+  m = config_lib.validate(config_lib.load_config("configs/math.py:tiny-moe"), data=False).model
+  assert m.num_experts > m.num_experts_per_tok > 0
+  d = device("h100")
+  c = CostModel(model=m, device=d, sampler_chips=1, learner_chips=1,
+                eff=Efficiency(decode_bw=1.0, decode_flops=1.0, decode_step_s=0.0))
+  head = 0 if m.tie_word_embeddings else 2 * m.vocab_size * m.hidden_size
+  experts = sum(m.sparse_layers()) * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+  shared = m.num_params() - experts
+  # One token: the shared weights and k of E experts per sparse layer; compute on its active weights only.
+  one = (shared + experts * m.num_experts_per_tok / m.num_experts) * 2
+  assert c.decode_weight_bytes(np.array([1]))[0] == pytest.approx(one)
+  assert shared + experts * m.num_experts_per_tok / m.num_experts == pytest.approx(m.num_params(active=True))
+  # A large batch reads every expert: the whole model.
+  assert c.decode_weight_bytes(np.array([4096]))[0] == pytest.approx(m.num_params() * 2)
+  batch, context = np.array([256]), np.array([0])
+  flops_s = 256 * (2 * m.num_params(active=True) - head) / d.flops
+  bytes_s = m.num_params() * 2 / d.hbm_bw
+  assert c.decode_step(batch, context) == pytest.approx(max(flops_s, bytes_s))
+  # A dense model of the same weights reads them all at any batch.
+  dense = CostModel(model=_model(), device=d, sampler_chips=1, learner_chips=1)
+  assert dense.decode_weight_bytes(np.array([1]))[0] == dense.params * 2
