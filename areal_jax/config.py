@@ -147,6 +147,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, da
           f"must divide rollout.batch_size={r.batch_size} (minibatches hold whole prompt groups)")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
+  m = settings.mesh
+  if m.colocated and r.max_head_offpolicyness != 0:
+    _fail("mesh.colocated", True, f"generates then trains (synchronous RL): needs rollout.max_head_offpolicyness=0, "
+          f"not {r.max_head_offpolicyness}")
   _check_mesh(settings, num_devices)
   return settings
 
@@ -163,7 +167,8 @@ def _check_mesh(settings: Settings, num_devices: int | None) -> None:
       _fail(f"mesh.{role}_tensor", t, f"must divide model.num_heads={model.num_heads}")
   if num_devices is not None:
     try:
-      n_sampler, n_learner = split_devices(num_devices, m.sampler_devices)
+      n_sampler, n_learner = ((num_devices, num_devices) if m.colocated
+                              else split_devices(num_devices, m.sampler_devices))
     except ValueError as e:
       raise ConfigError(f"config.{e}") from None
     if n_sampler % (m.sampler_tensor * m.sampler_expert):

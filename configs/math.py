@@ -297,6 +297,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # A sampler process that sends nothing this long (hung, or cut off) is dropped and its groups generated again.
   c.mesh.sampler_heartbeat_s = 30.0
   c.mesh.sampler_devices = 0.5  # int = count, float in (0, 1) = fraction of devices; the rest are the learner's
+  # Both roles on every device, generate-then-train: synchronous RL's colocated baseline (needs
+  # rollout.max_head_offpolicyness=0; sampler_devices unused). The sampler's KV pool and the learner's state share HBM.
+  c.mesh.colocated = False
   # sampler mesh: data x tensor (data = devices / tensor); 30B-A3B: its 61 GB of bfloat16 weights over 4 chips
   c.mesh.sampler_tensor = 1
   # Independent sampler engines on equal parts of the sampler slice (own scheduler, KV pool, weight swap); the

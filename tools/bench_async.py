@@ -8,7 +8,8 @@ differ. η = 0 with the plain PPO loss is synchronous RL (generate a batch, trai
 decoupled loss. Without `--processes`, every run is one process whose devices are split into a sampler and a learner
 slice (`config.mesh`). With `--processes` (CPU, a machine of at least 2 cores):
 
-- `colocated sync`: one process using every core, generate-then-train (the verl-style baseline);
+- `colocated sync`: one process using every core, both roles on every device (`mesh.colocated`), generate-then-train
+  (the verl-style baseline);
 - `split sync`: a learner process and a sampler process, each pinned to its own cores (`launch/local.py`), η = 0;
 - `split η=k`: the same split, asynchronous, for each η > 0 in `--etas`.
 
@@ -82,7 +83,8 @@ def runs_for(etas, processes: bool, variants=()) -> list[Run]:
     sync = [Run("eta0", "sync", 0)] if 0 in etas else []
     return sync + [Run(f"eta{e}{'_' + v if v else ''}", f"η={e}{' ' + v if v else ''}", e, overrides=o)
                    for e in etas if e > 0 for v, o in variants]
-  return ([Run("colocated_sync", "colocated sync", 0, 1), Run("split_sync", "split sync", 0, 2, 1)]
+  colocated = Run("colocated_sync", "colocated sync", 0, 1, overrides=(("mesh.colocated", "true"),))
+  return ([colocated, Run("split_sync", "split sync", 0, 2, 1)]
           + [Run(f"split_eta{e}{'_' + v if v else ''}", f"split η={e}{' ' + v if v else ''}", e, 2, 1, o)
              for e in etas if e > 0 for v, o in variants])
 

@@ -39,6 +39,8 @@ class MeshConfig:
   sampler_processes: int = 1  # of a multi-process job
   sampler_heartbeat_s: float = 30.0  # a sampler process silent this long is dropped (its groups generated again)
   sampler_devices: int | float = 0.5  # int = count, float in (0, 1) = fraction
+  # Both roles on every device, generate-then-train (η = 0): the synchronous baseline; `sampler_devices` is unused.
+  colocated: bool = False
   sampler_tensor: int = 1
   # Independent sampler engines the slice is split into, each on its own devices with its own scheduler, KV pool
   # and weight swap (`rl.rollout.LocalRollout`); `sampler.num_slots` and `num_pages` count per replica.
@@ -80,7 +82,7 @@ class MeshConfig:
 class Slices:
   sampler: Mesh  # axes (data, expert, tensor): the whole sampler slice
   learner: Mesh  # axes (fsdp, expert, tensor)
-  shared: bool  # one device time-shared by both roles
+  shared: bool  # every device time-shared by both roles (`mesh.colocated`, or one device)
   replicas: tuple[Mesh, ...] = ()  # `mesh.sampler_replicas` meshes over disjoint parts of the sampler slice
 
 
@@ -112,15 +114,18 @@ def _by_slice(devices: Sequence[jax.Device], n_sampler: int) -> tuple[list, list
 
 
 def build_slices(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Slices:
-  """The sampler and learner meshes over `devices` (default: every visible device)."""
+  """The sampler and learner meshes over `devices` (default: every visible device): disjoint slices, or, colocated
+  (`mesh.colocated`, or one device), both over every device."""
   devices = list(devices if devices is not None else jax.devices())
-  if len(devices) == 1:
-    logging.info("one device: sampler and learner time-share %s", devices[0])
-    d = devices
-    if mesh_config.sampler_replicas != 1:
+  if len(devices) == 1 or mesh_config.colocated:
+    if len(devices) == 1 and mesh_config.sampler_replicas != 1:
       raise ValueError(f"mesh.sampler_replicas={mesh_config.sampler_replicas}: one device holds one sampler")
-    sampler = make_mesh(d, {"data": 1, "tensor": 1})
-    return Slices(sampler, make_mesh(d, {"fsdp": 1, "tensor": 1}), shared=True, replicas=(sampler,))
+    one = len(devices) == 1  # then the tensor and expert axes have one device too, whatever the config says
+    sampler = make_mesh(devices, {"data": 1, "expert": 1, "tensor": 1} if one else mesh_config.sampler_axes())
+    learner = make_mesh(devices, {"fsdp": 1, "expert": 1, "tensor": 1} if one else mesh_config.learner_axes())
+    logging.info("colocated: sampler %s and learner %s time-share the %d devices", dict(sampler.shape),
+                 dict(learner.shape), len(devices))
+    return Slices(sampler, learner, shared=True, replicas=(sampler,) if one else replica_meshes(sampler, mesh_config))
   n_sampler, _ = mesh_config.split(len(devices))
   split = _by_slice(devices, n_sampler) or (devices[:n_sampler], devices[n_sampler:])
   sampler = make_mesh(split[0], mesh_config.sampler_axes())

@@ -74,6 +74,9 @@ class _QuietLibraries(logging.Filter):
 def _learner_mesh(mesh: MeshConfig, layout: ProcessLayout):
   """(learner mesh, in-process sampler replicas' meshes or None): the device split of one process, or every learner
   process's devices in one fsdp x tensor mesh."""
+  if layout.multi_process and mesh.colocated:
+    raise config_lib.ConfigError("config.mesh.colocated=True: puts both roles on one process's devices; a "
+                                 "multi-process job gives them processes of their own (set False)")
   if not layout.multi_process:
     try:
       slices = build_slices(mesh)

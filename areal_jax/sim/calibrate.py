@@ -26,9 +26,9 @@ from areal_jax.sim.costs import CostModel, Efficiency
 from areal_jax.hardware import Device
 
 
-# tools/bench_async.py --processes on a 2-core machine: colocated = one process, 4 devices on both cores, 2 per role;
-# split = a sampler process and a learner process, each with 1 device on one core.
-LAYOUTS = {"colocated": (2, 4, 2), "split": (1, 1, 1)}
+# tools/bench_async.py --processes on a 2-core machine: colocated = one process, 4 devices on both cores, both roles
+# on all 4 (`mesh.colocated`); split = a sampler process and a learner process, each with 1 device on one core.
+LAYOUTS = {"colocated": (2, 4, 4), "split": (1, 1, 1)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The planner against measurement: predicts the runs of a `tools/bench_async.py --processes` workdir from this
 machine's calibrated costs, and sets the predictions beside what the bench measured.
 
-Each run is simulated in its layout (colocated: one process, sampler and learner on 2 emulated devices each, both
-cores, generate-then-train; split: a sampler and a learner process of one emulated device on one core each), with its
+Each run is simulated in its layout (colocated: one process, sampler and learner both on its 4 emulated devices
+(`mesh.colocated`), both cores, generate-then-train; split: a sampler and a learner process of one emulated device on one core each), with its
 η, loss (PPO at η = 0: no proximal pass) and variant overrides, the bench's prompt groups (from its
 `rollouts.jsonl`: each simulated group replays a recorded one's answer lengths and rewards together, so groups are
 dropped as uniform as often as they were, and are as long as they were), B x G and slots, for the steps it ran.

@@ -1,5 +1,6 @@
 """Controller parts: the rollout buffer (admission rule, batches), weight sync, slices, checkpoints, metrics."""
 
+import dataclasses
 import json
 import threading
 
@@ -11,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding as shd
 from areal_jax.checkpoint.store import CheckpointMeta, Checkpointer
-from areal_jax.config import load_config
+from areal_jax.config import load_config, validate
+from areal_jax.errors import ConfigError
 from areal_jax.distributed import weight_transfer
 from areal_jax.distributed.slices import MeshConfig, build_slices
 from areal_jax.models import ModelConfig, create, weights
@@ -167,6 +169,18 @@ def test_slices_split_devices():
   assert not set(s.sampler.devices.flat) & set(s.learner.devices.flat)
   one = build_slices(mesh, devices=jax.devices()[:1])
   assert one.shared and one.sampler.devices.size == one.learner.devices.size == 1
+  both = build_slices(dataclasses.replace(mesh, colocated=True))  # every device to each role
+  assert both.shared and set(both.sampler.devices.flat) == set(both.learner.devices.flat) == set(jax.devices())
+  assert dict(both.learner.shape) == {"fsdp": 4, "expert": 1, "tensor": 2} and both.replicas == (both.sampler,)
+
+
+def test_colocated_runs_synchronously_only():
+  with pytest.raises(ConfigError, match=r"config.mesh.colocated=True: generates then trains \(synchronous RL\): "
+                                        r"needs rollout.max_head_offpolicyness=0, not 2"):
+    validate(load_config("configs/math.py", **{"mesh.colocated": True, "rollout.max_head_offpolicyness": 2}))
+  settings = validate(load_config("configs/math.py", **{"mesh.colocated": True, "rollout.max_head_offpolicyness": 0,
+                                                        "mesh.sampler_devices": 0.25}), num_devices=8)
+  assert settings.mesh.colocated  # sampler_devices unused: the sampler's data axis is all 8 devices
 
 
 def test_checkpoint_roundtrip_onto_shardings(tmp_path):

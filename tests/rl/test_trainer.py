@@ -123,3 +123,17 @@ def test_a_run_with_sampler_replicas_trains(tmp_path, replicas):
     assert last[f"sampler/replica{i}/answers"] > 0 and last[f"sampler/replica{i}/failed"] == 0, last
   assert sum(last[f"sampler/replica{i}/tokens"] for i in range(replicas)) > 0, last
   assert sum(last[f"sampler/replica{i}/swaps"] for i in range(replicas)) >= 1, last
+
+
+def test_a_colocated_run_generates_then_trains_on_every_device(tmp_path, caplog):
+  """`mesh.colocated`: both roles on all 8 devices, η = 0; every trained answer is of the step's own version."""
+  config = load_config(FAST, total_steps=3, **{"mesh.colocated": True, "rollout.max_head_offpolicyness": 0,
+                                                "learner.use_decoupled_loss": False})
+  with caplog.at_level("INFO"):
+    rows = trainer.run(config, str(tmp_path))
+  assert [r["step"] for r in rows] == [0, 1, 2, 3]
+  assert "colocated: sampler {'data': 8, 'expert': 1, 'tensor': 1} and learner {'fsdp': 8, 'expert': 1, " \
+         "'tensor': 1} time-share the 8 devices" in caplog.text
+  for r in read_metrics(str(tmp_path))[1:]:
+    assert r["staleness/max"] == 0 and r["version"] == r["step"], r
+  assert_every_prompt_once(str(tmp_path), config, last_step=3)
