@@ -63,6 +63,7 @@ class LocalRollout:
       raise ValueError("LocalRollout: no sampler mesh")
     self._lock = threading.Lock()
     self._bytes = 0
+    self._changed = weight_transfer.ChangedFraction()
     self.replicas: list[_Replica] = []
     for i, mesh in enumerate(meshes):
       engine = Engine(model=abstract_model, config=config, mesh=mesh)
@@ -145,6 +146,10 @@ class LocalRollout:
         m = nnx.merge_state(r.base, adapters)
       moved.append((r, m))
     self._bytes = nbytes
+    if moved:  # against what the first replica holds now (the same on every one); under LoRA, its adapters
+      r, m = moved[0]
+      old = r.sampler.scheduler.next_params
+      self._changed.count(*((m, old) if r.base is None else (lora.split(m)[0], lora.split(old)[0])))
     faults.reach("weight_update")
     for r, m in moved:
       r.sampler.update_params(m, version)
@@ -159,7 +164,9 @@ class LocalRollout:
     return out
 
   def sync_metrics(self) -> dict[str, float]:
-    return {"sync/bytes": float(self._bytes)}
+    """`sync/bytes` moved per version, `sync/changed_fraction` (the newest counted: `ChangedFraction`)."""
+    changed = self._changed.latest()
+    return {"sync/bytes": float(self._bytes), **({} if changed is None else {"sync/changed_fraction": changed})}
 
   def sampler_metrics(self) -> dict[str, float]:
     """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`

@@ -82,6 +82,37 @@ def transfer(params, shardings, *, dtype=None):
   return out
 
 
+@jax.jit
+def _changed(new, old) -> list[jax.Array]:
+  """Per leaf of two trees of equal structure, shapes and dtypes: the elements whose bit pattern differs (int32: a
+  leaf holds fewer than 2**31 elements)."""
+  def count(a, b):
+    bits = jnp.dtype(f"uint{a.dtype.itemsize * 8}")
+    return jnp.sum(jax.lax.bitcast_convert_type(a, bits) != jax.lax.bitcast_convert_type(b, bits), dtype=jnp.int32)
+
+  return [count(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
+
+
+class ChangedFraction:
+  """The share of a new version's elements whose bits differ from the version before (on the same shardings): what a
+  lossless delta of it would carry, as a fraction of a full copy. Counted on the devices as the version is handed
+  over (`count`, dispatched, never waited on) and read once done (`latest`), so the learner never waits for it."""
+
+  def __init__(self):
+    self._counts: tuple[list[jax.Array], int] | None = None
+    self.value: float | None = None
+
+  def count(self, new, old) -> None:
+    self._counts = (_changed(new, old), sum(x.size for x in jax.tree.leaves(new)))
+
+  def latest(self) -> float | None:
+    """The newest count that has finished (None before the first)."""
+    if self._counts is not None and all(c.is_ready() for c in self._counts[0]):
+      counts, total = self._counts
+      self.value, self._counts = sum(int(c) for c in jax.device_get(counts)) / max(total, 1), None
+    return self.value
+
+
 def local_ip_towards(host: str) -> str:
   """The address of this machine's interface that reaches `host` (no packet is sent)."""
   if host in ("localhost", "127.0.0.1", "::1"):

@@ -145,6 +145,12 @@ class Scheduler:
     return self._pending is not None
 
   @property
+  def next_params(self):
+    """The weights the next step generates from: a pending update's, else the current ones."""
+    with self._lock:
+      return self._pending[0] if self._pending is not None else self.params
+
+  @property
   def next_version(self) -> int:
     """The policy version the next step generates from: a pending update's, else the current one."""
     with self._lock:

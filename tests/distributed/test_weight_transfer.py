@@ -157,3 +157,18 @@ def test_under_lora_a_version_can_be_published_as_its_adapters_alone():
     for g, w in zip(jax.tree.leaves(pulled), jax.tree.leaves(want)):
       assert g.dtype == w.dtype
       np.testing.assert_array_equal(g, w)
+
+
+def test_the_changed_fraction_counts_elements_whose_bits_differ():
+  old = {"a": jnp.zeros((4, 8), jnp.bfloat16), "b": jnp.array([1.0, jnp.nan, 0.0, 2.0], jnp.float32)}
+  new = {"a": old["a"].at[0, :3].set(1e-3), "b": jnp.array([1.0, jnp.nan, -0.0, 2.0], jnp.float32)}
+  changed = weight_transfer.ChangedFraction()
+  assert changed.latest() is None  # nothing counted yet
+  changed.count(new, old)
+  # 3 of a's 32 elements, and b's 0.0 -> -0.0 (a different bit pattern; the NaN keeps its bits): 4 of 36.
+  wait = jax.block_until_ready
+  wait(changed._counts[0])  # pylint: disable=protected-access  # finished on the device
+  assert changed.latest() == pytest.approx(4 / 36)
+  changed.count(new, new)
+  wait(changed._counts[0])  # pylint: disable=protected-access
+  assert changed.latest() == 0.0

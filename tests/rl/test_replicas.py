@@ -98,6 +98,9 @@ def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
     out = [f.result(timeout=120) for f in futures]
     assert all(set(t.versions.tolist()) == {1} for t in out)
     assert rollout.stats()["weight_updates"] == 2
+    # The same weights published again: nothing changed, counted without the learner waiting for it.
+    wait_until(lambda: rollout.sync_metrics().get("sync/changed_fraction") is not None, what=rollout.sync_metrics)
+    assert rollout.sync_metrics()["sync/changed_fraction"] == 0.0
   finally:
     release.set()
     rollout.stop()
