@@ -19,6 +19,7 @@ device when slots need new pages their shard lacks; our scheduler then preempts 
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -97,7 +98,7 @@ class Draws:
                top_p=sampling.top_p, top_k=sampling.top_k)
 
 
-class EngineBase:
+class EngineBase(abc.ABC):
   """The engine's host side over any `programs` (the compiled ones, or the simulator's cost model): the KV page
   pool's `SlotTable`, prefill buckets and the batched calls the scheduler makes (see the module docstring). A
   subclass gives `init_decode_state` and `_no_draws`."""
@@ -112,13 +113,13 @@ class EngineBase:
     p = config.page_size
     self.min_bucket = -(-config.min_prefill_len // p) * p
 
+  @abc.abstractmethod
   def init_decode_state(self):
     """An empty cache, every slot free (the slot table starts over with it)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def _no_draws(self):
     """First tokens of a prefill that draws none, as `insert` takes them."""
-    raise NotImplementedError
 
   def free_resource(self, slot: int) -> None:
     """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
