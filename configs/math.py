@@ -216,7 +216,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.adam_eps = 1e-5  # Adam epsilon
   c.learner.grad_clip = 1.0  # global gradient-norm clip; 0 = off
   c.learner.warmup_steps = 10  # learner steps of linear warmup (x ppo_n_minibatches optimizer updates)
-  c.learner.eps_clip = 0.2  # PPO clip: ratios outside [1 - eps_clip, 1 + eps_clip] stop the gradient
+  # The policy objective (docs/objectives.md): ppo (decoupled PPO, paper Eq. 5) | gspo (its sequence-level ratio) |
+  # sapo (soft gates; needs use_decoupled_loss=False, as in AReaL) | cispo (MiniMax-M1's clipped IS weight).
+  c.learner.loss = "ppo"
+  c.learner.eps_clip = 0.2  # ppo/gspo/cispo clip: ratios outside [1 - eps_clip, 1 + eps_clip]; <= 1
   c.learner.eps_clip_higher = 0.0  # 0 = symmetric clip
   c.learner.c_clip = 0.0  # 0 = no dual clip
   c.learner.behav_imp_weight_cap = 0.0  # 0 = no cap; w above it weighs 0 (token-level rejection by ratio)
@@ -228,6 +231,12 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.rejection.agg = "mean"  # sequence level: mean | sum | max (the ratio in log space: geometric)
   c.learner.rejection.upper = 5.0  # upper bound of the corrected metric
   c.learner.rejection.lower = ml_collections.config_dict.placeholder(float)  # None = no lower bound
+  c.learner.importance_sampling_level = "token"  # ppo/sapo: token | sequence (GSPO's geometric-mean ratio)
+  c.learner.tau_pos = 1.0  # sapo: gate temperature where the advantage is positive
+  c.learner.tau_neg = 1.05  # sapo: gate temperature where it is negative
+  # M2PO: per minibatch, drop the tokens of largest (log pi_behav - log pi_prox)^2 until the rest's mean is below this
+  # (logged as learner/m2po_masked_fraction); 0 = off. Needs the recomputed proximal pass and token-mean.
+  c.learner.m2_threshold = 0.0
   c.learner.use_decoupled_loss = True  # the decoupled PPO objective (False: standard PPO, proximal = behaviour)
   # Proximal logprobs: recompute (a forward pass) | loglinear (interpolated by token version, one pass fewer).
   c.learner.prox_logp_method = "recompute"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from areal_jax.learner.advantages import ADV_NORMS
+from areal_jax.learner import objectives
 from areal_jax.learner.ppo import KL_ESTIMATORS, Rejection
 
 # How token losses become a minibatch's loss: token-mean (Σ ℓ / Σ tokens: AReaL, the paper), seq-mean-token-mean
@@ -31,11 +32,16 @@ class LearnerConfig:
   adam_eps: float = 1e-5
   grad_clip: float = 1.0
   warmup_steps: int = 0  # learner steps (each `ppo_n_minibatches` optimizer updates) of linear warmup
+  loss: str = "ppo"  # the policy objective (`objectives.OBJECTIVES`); its parameters are the fields below
   eps_clip: float = 0.2
   eps_clip_higher: float = 0.0
   c_clip: float = 0.0
   behav_imp_weight_cap: float = 0.0
   rejection: Rejection | None = None  # off-policy correction of the behaviour weights (`ppo.Rejection`); None = off
+  importance_sampling_level: str = "token"  # ppo / sapo: "sequence" is GSPO's sequence-level ratio
+  tau_pos: float = 1.0  # sapo: gate temperature where A > 0
+  tau_neg: float = 1.05  # sapo: gate temperature where A < 0
+  m2_threshold: float = 0.0  # M2PO: mask tokens of largest (log pi_behav - log pi_prox)^2 per minibatch; 0 = off
   use_decoupled_loss: bool = True
   prox_logp_method: str = "recompute"
   ppo_n_minibatches: int = 4
@@ -66,13 +72,30 @@ class LearnerConfig:
       if getattr(self, f) <= 0:
         bad(f, "must be positive")
     for f in ("weight_decay", "grad_clip", "warmup_steps", "eps_clip_higher", "behav_imp_weight_cap", "kl_coef",
-              "entropy_coef", "vocab_chunk"):
+              "entropy_coef", "vocab_chunk", "m2_threshold"):
       if getattr(self, f) < 0:
         bad(f, "must be >= 0")
     if self.c_clip and self.c_clip <= 1.0:
       bad("c_clip", "the dual clip must be > 1 (or 0 = off)")
-    if self.eps_clip >= 1.0:
-      bad("eps_clip", "must be < 1")
+    if self.eps_clip > 1.0:
+      bad("eps_clip", "must be <= 1 (1: no lower bound on the ratio)")
+    if self.loss not in objectives.OBJECTIVES:
+      bad("loss", f"choose one of {sorted(objectives.OBJECTIVES)}")
+    if self.importance_sampling_level not in objectives.IS_LEVELS:
+      bad("importance_sampling_level", f"choose one of {objectives.IS_LEVELS}")
+    for f in ("tau_pos", "tau_neg"):
+      if getattr(self, f) <= 0:
+        bad(f, "SAPO's gate temperatures must be positive")
+    if self.use_decoupled_loss and not objectives.OBJECTIVES[self.loss].decoupled:
+      bad("loss", "does not compose with the decoupled loss (AReaL refuses it too); set "
+          "learner.use_decoupled_loss=False")
+    if self.m2_threshold:
+      if not self.recompute_proximal:
+        bad("m2_threshold", "masks by the proximal pass's logprobs; needs learner.use_decoupled_loss=True and "
+            "learner.prox_logp_method='recompute'")
+      if self.loss_agg != "token-mean":
+        bad("m2_threshold", f"renormalises the token mean over the tokens it keeps; needs learner.loss_agg="
+            f"'token-mean', not {self.loss_agg!r}")
     if self.kl_estimator not in KL_ESTIMATORS:
       bad("kl_estimator", f"choose one of {KL_ESTIMATORS}")
     if self.adv_norm not in ADV_NORMS:
@@ -145,7 +168,17 @@ class LearnerConfig:
     return dataclasses.replace(self, **kw)
 
   @property
-  def loss_kwargs(self) -> dict:
-    """Keyword arguments of `decoupled_ppo_loss` (0 = off becomes None)."""
-    return dict(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher or None, c_clip=self.c_clip or None,
-                behav_imp_weight_cap=self.behav_imp_weight_cap or None, rejection=self.rejection)
+  def objective_params(self) -> dict:
+    """The chosen objective's parameters (`objectives.token_terms`'s keywords; 0 = off becomes None)."""
+    values = dict(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher or None, c_clip=self.c_clip or None,
+                  importance_sampling_level=self.importance_sampling_level, tau_pos=self.tau_pos,
+                  tau_neg=self.tau_neg)
+    return {k: values[k] for k in objectives.OBJECTIVES[self.loss].params}
+
+  @property
+  def rejection_rule(self) -> Rejection | None:
+    """The off-policy correction of the behaviour weights: `rejection`, or `behav_imp_weight_cap` as token-level
+    masking by ratio."""
+    if self.behav_imp_weight_cap:
+      return Rejection(upper=self.behav_imp_weight_cap)
+    return self.rejection

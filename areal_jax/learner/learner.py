@@ -2,6 +2,8 @@
 
 One `train_step` (= one policy version):
 
+The objective is `learner.loss`, by name (`objectives.py`: ppo, gspo, sapo, cispo).
+
 1. advantages on the host (shaped rewards, group/batch normalisation, uniform groups filtered);
 2. the batch is split into `ppo_n_minibatches` token-balanced minibatches, each packed into bucketed micro-batches
    (`microbatch.plan_packed`);
@@ -12,7 +14,8 @@ One `train_step` (= one policy version):
    `sampler/logprob_gap`: the mean |behaviour - proximal logprob| over them, the sampler/learner mismatch (float32
    sampler: within 1e-5; bfloat16 sampler weights: measurably more). Steps without the proximal pass (loglinear, or
    use_decoupled_loss=False) do not report it. With `routing_replay` a mixture of experts' proximal and training
-   passes route each token to the experts the sampler recorded for it (`Trajectory.routes`);
+   passes route each token to the experts the sampler recorded for it (`Trajectory.routes`). With
+   `m2_threshold` (M2PO) each minibatch's loss mask then drops the tokens `objectives.m2po_mask` chooses from them;
 4. per minibatch: gradients accumulated over its micro-batches, each weighted by 1 / (loss tokens of the minibatch),
    then one AdamW update;
 5. the step's statistics on the host (learner/step_stats.py).
@@ -40,6 +43,7 @@ from jax.sharding import Mesh
 
 from areal_jax import faults
 from areal_jax.learner import critic as critic_lib
+from areal_jax.learner import objectives
 from areal_jax.learner import flops as flops_lib
 from areal_jax.learner import step_stats
 from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
@@ -210,8 +214,11 @@ class Learner:
       batches, critic_batches, targets = critic_lib.critic_targets(
           self.critic, self.critic_params, self.critic.base_of(self.params), batches, gamma=cfg.gae_gamma,
           lam=cfg.gae_lambda, gather=fns.gather)
+    denominators, m2po_stats = plan.denominators, {}
+    if cfg.m2_threshold:
+      batches, denominators, m2po_stats = self._m2po_masks(plan.minibatches, batches, proximal)
     faults.reach("learner_step")
-    sums, grad_norms = self._apply_minibatches(batches, plan.denominators)
+    sums, grad_norms = self._apply_minibatches(batches, denominators)
     microbatches = [mb for minibatch in plan.minibatches for mb in minibatch]
     critic_stats = {}
     if self.critic is not None:
@@ -231,7 +238,30 @@ class Learner:
                                           proximal if cfg.recompute_proximal else None)
     if cfg.recompute_proximal:
       stats |= step_stats.gap_stats(gaps)
-    return stats | critic_stats
+    return stats | critic_stats | m2po_stats
+
+  def _m2po_masks(self, microbatches: Sequence[Sequence[MicroBatch]], batches: list[list[dict]],
+                  proximal: list) -> tuple[list[list[dict]], tuple[float, ...], dict[str, float]]:
+    """M2PO (`learner.m2_threshold`): each minibatch's loss tokens of largest (log π_behav - log π_prox)² leave its
+    loss mask and its token mean (`objectives.m2po_mask`). The choice is one sort over the whole minibatch, so it
+    does not depend on how the minibatch is cut into micro-batches (AReaL chooses per micro-batch). Reads the
+    proximal logprobs on the host first, so the updates wait for the proximal pass. Returns (batches with the new
+    `loss_mask`, each update's denominator: the tokens kept, `learner/m2po_masked_fraction`)."""
+    flat = lambda arrays: np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
+    host = iter(jax.device_get(proximal))
+    out, denominators, masked, total = [], [], 0.0, 0.0
+    for minibatch, minibatch_batches in zip(microbatches, batches):
+      masks = [mb.loss_mask > 0 for mb in minibatch]
+      prox = [next(host) for _ in minibatch]
+      keep = np.asarray(objectives.m2po_mask(flat(mb.behavior_logprobs for mb in minibatch), flat(prox),
+                                             flat(masks) > 0, self.config.m2_threshold))
+      parts = np.split(keep, np.cumsum([m.size for m in masks])[:-1])
+      out.append([b | {"loss_mask": jax.device_put(k.reshape(m.shape).astype(np.float32), self.fns.batch_sharding)}
+                  for b, k, m in zip(minibatch_batches, parts, masks)])
+      denominators.append(float(keep.sum()))
+      masked += sum(float(m.sum()) for m in masks) - float(keep.sum())
+      total += sum(float(m.sum()) for m in masks)
+    return out, tuple(denominators), {"learner/m2po_masked_fraction": masked / max(total, 1.0)}
 
   def _forward_passes(self, microbatches: Sequence[Sequence[MicroBatch]],
                       batches: list[list[dict]]) -> tuple[list[list[dict]], list, list]:

@@ -1,20 +1,14 @@
-"""The decoupled PPO objective (AReaL, paper Eq. 5), plus the optional KL-to-reference and entropy terms.
+"""The decoupled loss's behaviour weight and its corrections, the proximal approximation, and KL estimates.
 
-Per response token, with behaviour logprob `lb` (sampler), proximal logprob `lp` (learner, start of step) and current
-logprob `lθ`: `u = exp(lθ - lp)`, `w = exp(lp - lb)` (no gradient), and
+AReaL's decoupled PPO (paper Eq. 5) weighs each response token's objective by w = π_prox/π_behav (no gradient), the
+proximal logprob `lp` (learner, start of step) against the behaviour one `lb` (sampler); the objectives themselves
+are in `objectives.py`. Passing `proximal_logprobs = behavior_logprobs` gives w = 1, standard PPO.
 
-    L = -(1 / Σ m) Σ m · w · min(u·A, clip(u, 1 - ε, 1 + ε_high)·A)
-
-With a dual clip `c > 1`, a token with A < 0 contributes at most `-c·A` to the loss. Passing `proximal_logprobs =
-behavior_logprobs` gives standard PPO.
-
-Off-policy corrections of w (`Rejection`, AReaL's rejection sampling): tokens or whole sequences whose divergence
-between the proximal and behaviour policies (the ratio w, or a KL estimate) leaves [lower, upper] are masked (weight
-0, still in the denominator) or have w clamped to the bounds. Token-level masking by ratio with both bounds is
-IcePop's; `behav_imp_weight_cap` is token-level masking by ratio above the cap.
-
-`ppo_token_terms` returns per-token losses and statistics so a caller can sum them over micro-batches and divide by
-the token count of the whole (mini)batch; `decoupled_ppo_loss` is the token-level mean over its own arrays.
+Off-policy corrections of w (`Rejection`, AReaL's rejection sampling; verl's TIS and MIS are instances): tokens or
+whole sequences whose divergence between the proximal and behaviour policies (the ratio w, or a KL estimate) leaves
+[lower, upper] are masked (weight 0, still in the denominator) or have w clamped to the bounds (truncation, TIS).
+Token-level masking by ratio with both bounds is IcePop's; `level="sequence"` with `agg="mean"` judges a sequence by
+its geometric-mean ratio (geometric rejection); `behav_imp_weight_cap` is token-level masking by ratio above the cap.
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ class Rejection:
       raise ValueError(f"rejection by ratio needs bounds >= 0 and upper > 0; got [{self.lower}, {self.upper}]")
 
 
-def _by_sequence(x: jax.Array, segment_ids: jax.Array, reduce: str) -> jax.Array:
+def by_sequence(x: jax.Array, segment_ids: jax.Array, reduce: str) -> jax.Array:
   """Each token's sequence's sum / max of `x` over that sequence ([rows, T] -> [rows, T]); a row's segment ids name
   its sequences."""
   t = x.shape[-1]
@@ -77,7 +71,7 @@ def behavior_weights(proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
                      rejection: Rejection | None, segment_ids: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(w the loss uses, w before the correction, tokens the correction masked or clamped), each like `mask`, zero off
-  it; logprobs finite where `mask` (see `ppo_token_terms`). `segment_ids` name sequences within rows (sequence
+  it; logprobs finite where `mask` (see `objectives.token_terms`). `segment_ids` name sequences within rows (sequence
   level)."""
   log_w = jnp.where(mask, proximal_logprobs - behavior_logprobs, 0.0)
   w = jnp.exp(log_w)
@@ -92,13 +86,13 @@ def behavior_weights(proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
   if r.level == "sequence":
     if segment_ids is None:
       raise ValueError("rejection sampling by sequence needs the tokens' segment ids")
-    count = jnp.maximum(_by_sequence(mask.astype(jnp.float32), segment_ids, "sum"), 1.0)
+    count = jnp.maximum(by_sequence(mask.astype(jnp.float32), segment_ids, "sum"), 1.0)
     if r.agg == "max":
-      value = _by_sequence(jnp.where(mask, value, -jnp.inf), segment_ids, "max")
+      value = by_sequence(jnp.where(mask, value, -jnp.inf), segment_ids, "max")
     else:
-      value = _by_sequence(value, segment_ids, "sum") / (count if r.agg == "mean" else 1.0)
+      value = by_sequence(value, segment_ids, "sum") / (count if r.agg == "mean" else 1.0)
     if r.metric == "ratio":
-      raw = w = jnp.exp(_by_sequence(log_w, segment_ids, "sum") / count)
+      raw = w = jnp.exp(by_sequence(log_w, segment_ids, "sum") / count)
   if r.metric == "ratio":
     upper = jnp.log(r.upper)
     lower = None if r.lower is None else jnp.log(jnp.maximum(r.lower, 1e-30))
@@ -114,92 +108,6 @@ def behavior_weights(proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
     w = jnp.where(inside, w, jnp.clip(w, r.lower or 0.0, r.upper))
     changed = mask & (w != raw)
   return jnp.where(mask, w, 0.0), jnp.where(mask, raw, 0.0), changed
-
-
-def ppo_token_terms(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
-                    advantages: jax.Array, loss_mask: jax.Array, *, eps_clip: float,
-                    eps_clip_higher: float | None = None, behav_imp_weight_cap: float | None = None,
-                    c_clip: float | None = None, rejection: Rejection | None = None,
-                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Per-token loss `m · w · -min(...)` [..] and per-token statistics (already zero where `loss_mask` is 0).
-
-  Statistics: `clipped` (the clipped branch is the active one), `dual_clipped`, `importance_weight` (w, before any
-  correction), `capped` (w masked or clamped by the correction), `approx_kl` (k3 estimate of KL(π_prox‖π_θ)),
-  `tokens` (the mask itself), `nonfinite`. `behav_imp_weight_cap` is `Rejection(upper=cap)`; give one or the other.
-
-  Non-finite logprobs never reach the loss: a token whose behaviour logprob is -inf/NaN gets w = 1 (as AReaL does);
-  one whose proximal logprob is non-finite has no defined ratio and is left out of the loss (it stays in the
-  caller's denominator). Both are counted in `nonfinite`.
-  """
-  if c_clip is not None and c_clip <= 1.0:
-    raise ValueError(f"c_clip={c_clip}: the dual clip must be > 1 (or None to disable it)")
-  if behav_imp_weight_cap is not None:
-    if rejection is not None:
-      raise ValueError("give behav_imp_weight_cap or a rejection rule, not both")
-    rejection = Rejection(upper=behav_imp_weight_cap)
-  mask = loss_mask.astype(bool)
-  eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-  finite_prox, finite_behav = jnp.isfinite(proximal_logprobs), jnp.isfinite(behavior_logprobs)
-  nonfinite = mask & ~(finite_prox & finite_behav)
-  mask = mask & finite_prox
-  proximal_logprobs = jax.lax.stop_gradient(jnp.where(finite_prox, proximal_logprobs, 0.0))
-  behavior_logprobs = jax.lax.stop_gradient(jnp.where(finite_behav, behavior_logprobs, proximal_logprobs))
-  advantages = jax.lax.stop_gradient(advantages)
-
-  log_u = jnp.where(mask, logprobs - proximal_logprobs, 0.0)
-  u = jnp.exp(log_u)
-  loss_unclipped = -advantages * u
-  loss_clipped = -advantages * jnp.clip(u, 1.0 - eps_clip, 1.0 + eps_high)
-  clipped = loss_clipped > loss_unclipped
-  loss = jnp.maximum(loss_unclipped, loss_clipped)
-  if c_clip is not None:
-    dual_bound = -c_clip * advantages  # only binds where A < 0
-    dual_clipped = (advantages < 0) & (loss > dual_bound)
-    loss = jnp.where(dual_clipped, dual_bound, loss)
-  else:
-    dual_clipped = jnp.zeros_like(mask)
-
-  weight, w, capped = behavior_weights(proximal_logprobs, behavior_logprobs, mask, rejection, segment_ids)
-  loss = jnp.where(mask, weight * loss, 0.0)
-
-  zero = lambda x: jnp.where(mask, x, 0.0).astype(jnp.float32)
-  stats = {
-      "clipped": zero(clipped),
-      "dual_clipped": zero(dual_clipped),
-      "importance_weight": zero(w),
-      "capped": zero(capped),
-      "approx_kl": zero(kl_estimate(proximal_logprobs, jax.lax.stop_gradient(logprobs), "k3")),  # KL(prox‖θ)
-      "tokens": zero(jnp.ones_like(w)),
-      "nonfinite": nonfinite.astype(jnp.float32),
-  }
-  return loss, stats
-
-
-def decoupled_ppo_loss(logprobs: jax.Array, proximal_logprobs: jax.Array, behavior_logprobs: jax.Array,
-                       advantages: jax.Array, loss_mask: jax.Array, *, eps_clip: float,
-                       eps_clip_higher: float | None = None, behav_imp_weight_cap: float | None = None,
-                       c_clip: float | None = None, rejection: Rejection | None = None,
-                       segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Paper Eq. 5 on [batch, time] arrays: the token-level mean loss over `loss_mask`, and its statistics.
-
-  Stats (means over masked tokens unless named otherwise): `clip_fraction`, `dual_clip_fraction`,
-  `importance_weight_mean`, `importance_weight_max` (w = π_prox/π_behav), `capped_fraction`, `approx_kl`.
-  """
-  loss, terms = ppo_token_terms(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
-                                eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
-                                behav_imp_weight_cap=behav_imp_weight_cap, c_clip=c_clip, rejection=rejection,
-                                segment_ids=segment_ids)
-  n = jnp.maximum(terms["tokens"].sum(), 1.0)
-  mask = loss_mask.astype(bool)
-  stats = {
-      "clip_fraction": terms["clipped"].sum() / n,
-      "dual_clip_fraction": terms["dual_clipped"].sum() / n,
-      "importance_weight_mean": terms["importance_weight"].sum() / n,
-      "importance_weight_max": jnp.max(jnp.where(mask, terms["importance_weight"], 0.0)),
-      "capped_fraction": terms["capped"].sum() / n,
-      "approx_kl": terms["approx_kl"].sum() / n,
-  }
-  return loss.sum() / n, stats
 
 
 def loglinear_alpha(versions: np.ndarray, proximal_version: int) -> np.ndarray:

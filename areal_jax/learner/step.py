@@ -37,7 +37,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.optimizer import make_optimizer
-from areal_jax.learner.ppo import kl_estimate, loglinear_proximal, ppo_token_terms
+from areal_jax.learner import objectives
+from areal_jax.learner.ppo import kl_estimate, loglinear_proximal
 from areal_jax.models import lora, moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import logprobs_and_entropy
@@ -114,9 +115,10 @@ def batch_keys(cfg: LearnerConfig) -> tuple[str, ...]:
 
 def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, cfg: LearnerConfig,
                     temperature: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`Σ m·w·ℓ · inv_tokens` of one micro-batch (PPO + optional KL and entropy terms; w = `loss_weights`) and its
-  statistic sums. A mixture of experts adds `aux_loss_coef` x its load-balancing loss over the micro-batch's tokens,
-  weighted as one more per-token term (`Σ m·w · inv_tokens`, the micro-batch's share of the loss)."""
+  """`Σ m·w·ℓ · inv_tokens` of one micro-batch (the `learner.loss` objective + optional KL and entropy terms;
+  w = `loss_weights`) and its statistic sums. A mixture of experts adds `aux_loss_coef` x its load-balancing loss
+  over the micro-batch's tokens, weighted as one more per-token term (`Σ m·w · inv_tokens`, the micro-batch's share
+  of the loss)."""
   lp, ent, routing = packed_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
                                      temperature=temperature, chunk=cfg.vocab_chunk, with_entropy=True,
                                      with_routing=True, routes=batch.get(ROUTES_KEY))
@@ -126,8 +128,9 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
     proximal = loglinear_proximal(behavior, lp, batch["prox_alpha"])
   else:
     proximal = batch["proximal_logprobs"] if cfg.use_decoupled_loss else behavior
-  token_loss, terms = ppo_token_terms(lp, proximal, behavior, batch["advantages"], mask,
-                                      segment_ids=batch["segment_ids"], **cfg.loss_kwargs)
+  token_loss, terms = objectives.token_terms(
+      cfg.loss, logprobs=lp, proximal_logprobs=proximal, behavior_logprobs=behavior, advantages=batch["advantages"],
+      mask=mask, segment_ids=batch["segment_ids"], rejection=cfg.rejection_rule, **cfg.objective_params)
   if cfg.kl_coef:
     kl = jnp.where(mask, kl_estimate(lp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
     token_loss = token_loss + cfg.kl_coef * kl

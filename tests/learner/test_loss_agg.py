@@ -9,7 +9,7 @@ from flax import nnx
 from areal_jax.learner.config import LOSS_AGGS, LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import plan_packed
-from areal_jax.learner.ppo import ppo_token_terms
+from areal_jax.learner.objectives import token_terms
 from areal_jax.learner.step import build_step, make_learner_mesh
 from areal_jax.models.logprobs import logprobs_of
 from areal_jax.models.transformer import create
@@ -61,7 +61,8 @@ def test_packed_microbatch_gradients_equal_the_padded_reference(agg):
   def padded_loss(params):
     logits = nnx.merge(fns.graphdef, params)(tokens, segment_ids=valid)
     lp = logprobs_of(logits[:, :-1], tokens[:, 1:], 1.0)
-    token_loss, _ = ppo_token_terms(lp, jax.lax.stop_gradient(lp), behav, adv_bt, mask, eps_clip=0.2)
+    token_loss, _ = token_terms(logprobs=lp, proximal_logprobs=jax.lax.stop_gradient(lp), behavior_logprobs=behav,
+                                advantages=adv_bt, mask=mask, eps_clip=0.2)
     per_seq_sum, per_seq_len = token_loss.sum(1), mask.sum(1)
     if agg == "token-mean":
       return per_seq_sum.sum() / per_seq_len.sum()
@@ -106,7 +107,8 @@ def test_nonfinite_logprobs_never_reach_the_loss():
   mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.float32)
 
   def loss(lp):
-    token_loss, terms = ppo_token_terms(lp, prox, behav, adv, mask, eps_clip=0.2)
+    token_loss, terms = token_terms(logprobs=lp, proximal_logprobs=prox, behavior_logprobs=behav, advantages=adv, mask=mask,
+                                      eps_clip=0.2)
     return token_loss.sum(), terms
 
   (value, terms), grad = jax.value_and_grad(loss, has_aux=True)(jax.numpy.asarray(lp))

@@ -14,7 +14,8 @@ from areal_jax.config import load_config, presets
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
 from areal_jax.learner.microbatch import assemble, bucket_lengths, plan_packed
-from areal_jax.learner.ppo import Rejection, decoupled_ppo_loss, loglinear_alpha
+from areal_jax.learner import objectives
+from areal_jax.learner.ppo import Rejection, loglinear_alpha
 from areal_jax.learner.step import BATCH_INT_KEYS, build_step, make_learner_mesh, packed_logprobs
 from areal_jax.models.logprobs import logprobs_of
 from areal_jax.models.transformer import create
@@ -44,8 +45,9 @@ def test_packed_microbatch_gradients_equal_one_padded_batch():
   def padded_loss(params):
     logits = nnx.merge(fns.graphdef, params)(tokens, segment_ids=valid)
     lp = logprobs_of(logits[:, :-1], tokens[:, 1:], temperature)
-    loss, _ = decoupled_ppo_loss(lp, jax.lax.stop_gradient(lp), behav, adv_bt, mask, eps_clip=0.2,
-                                 eps_clip_higher=0.28, behav_imp_weight_cap=1.3)
+    loss, _ = objectives.loss(logprobs=lp, proximal_logprobs=jax.lax.stop_gradient(lp), behavior_logprobs=behav,
+                              advantages=adv_bt, mask=mask, eps_clip=0.2, eps_clip_higher=0.28,
+                              rejection=Rejection(upper=1.3))
     return loss
 
   loss, want = jax.jit(jax.value_and_grad(padded_loss))(params)
