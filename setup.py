@@ -53,6 +53,8 @@ setup(
                  "langchain-core==1.8.3",
                  # JetStream's own server and orchestrator serve the engine in the tests: what google-jetstream
                  # 0.2.2 imports (it is installed with --no-deps: its declared dependencies pull in TensorFlow).
+                 # areal==1.0.4 is installed the same way (its declared dependencies pull in PyTorch's CUDA stack):
+                 # the objectives' tests run its own loss functions (tests/areal_functions.py).
                  "grpcio==1.85.3", "prometheus-client==0.26.0", "shortuuid==1.0.13", "tiktoken==0.14.0",
                  # The packages' layers (.importlinter), checked by tests/test_layers.py.
                  "import-linter==2.17"],
