@@ -25,6 +25,7 @@ from areal_jax.models import hf_io
 from areal_jax.models.config import ModelConfig, ModelSource
 from areal_jax.reward.config import RewardConfig
 from areal_jax.rl.rollout_buffer import RolloutConfig
+from areal_jax.rl import workflows
 from areal_jax.rl.run_config import CheckpointConfig, EvalConfig, MetricsConfig, WarmstartConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.tokenizer import CharTokenizer
@@ -51,6 +52,11 @@ class Settings:
   seed: int = 0  # model init, sampling and data order
   total_steps: int = 0  # learner steps (policy versions) to train
   preset: str = ""  # the preset the config was built from
+
+  @property
+  def workflow(self) -> str:
+    """The episode workflow (`rollout.workflow`; by default `agent` with `agent.path`, else `rlvr`)."""
+    return self.rollout.workflow or ("agent" if self.agent.path else "rlvr")
 
 
 def _config_module(path: str):
@@ -147,6 +153,12 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, da
           f"must divide rollout.batch_size={r.batch_size} (minibatches hold whole prompt groups)")
   if r.group_size > s.num_slots:
     _fail("rollout.group_size", r.group_size, f"must fit in sampler.num_slots={s.num_slots}")
+  try:
+    workflows.resolve(settings.workflow)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  if settings.workflow == "agent" and not settings.agent.path:
+    _fail("rollout.workflow", "agent", "runs the agent at agent.path: set it")
   m = settings.mesh
   if m.colocated and r.max_head_offpolicyness != 0:
     _fail("mesh.colocated", True, f"generates then trains (synchronous RL): needs rollout.max_head_offpolicyness=0, "

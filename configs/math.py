@@ -282,6 +282,12 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.target_staleness = ml_collections.config_dict.placeholder(float)
   # A run that accepts no group for this long stops with an error (every answer scores the same: nothing to learn).
   c.rollout.stall_timeout_s = 300.0
+  # How a prompt becomes a scored group (docs/objectives.md, Workflows): rlvr (G answers, each verified), agent (G
+  # episodes of agent.path), multi_turn_math (a wrong answer gets the verifier's verdict and another try), or a
+  # module:function path; "" = agent when agent.path is set, else rlvr.
+  c.rollout.workflow = ""
+  c.rollout.max_turns = 2  # multi-turn workflows: answers per episode
+  c.rollout.turn_discount = 0.9  # multi-turn workflows: reward x turn_discount ** (turns - 1)
 
   c.reward = ml_collections.ConfigDict()
   c.reward.num_workers = 2  # reward worker processes

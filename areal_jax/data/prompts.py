@@ -25,3 +25,25 @@ def render_prompt(problem: Problem, tokenizer, template: str, *, instruct: bool)
   if template == "chat":
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
   raise ValueError(f"data.prompt_template={template!r}: choose one of {TEMPLATES}")
+
+
+def follow_up(text: str, tokenizer, template: str, *, ended: bool) -> str:
+  """What follows an answer to open a next user turn saying `text` and prompt the next answer, in `template`'s
+  format: "plain" gives `\\nQ: text\\nA: `; "chat" the chat template's end of the assistant turn, the user turn and
+  the generation prompt. `ended`: the answer's tokens end with the end-of-turn token (its text is then left out)."""
+  if template == "plain":
+    return f"\nQ: {text}\nA: "
+  if template != "chat":
+    raise ValueError(f"data.prompt_template={template!r}: choose one of {TEMPLATES}")
+  marker = "\u2063answer\u2063"  # content no template writes itself
+  chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
+  through = tokenizer.apply_chat_template(chat, add_generation_prompt=False)
+  full = tokenizer.apply_chat_template(chat + [{"role": "user", "content": text}], add_generation_prompt=True)
+  if not full.startswith(through) or marker not in through:
+    raise ValueError("data.prompt_template='chat': the tokenizer's chat template does not render a conversation as "
+                     "its earlier turns followed by the next one, so a follow-up turn cannot continue an answer")
+  end = through[through.rindex(marker) + len(marker):]  # the template's end of the assistant turn
+  eos = getattr(tokenizer, "eos_token", None)
+  if ended and eos and eos in end:
+    end = end[end.index(eos) + len(eos):]
+  return end + full[len(through):]

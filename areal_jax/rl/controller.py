@@ -1,19 +1,16 @@
 """The rollout controller: each prompt group is one coroutine, from its admission to the buffer.
 
-    admission ─(capacity > 0)─► group(record):  answers = generate G      (the sampler: one future per answer)
-                                                 rewards = score each       (the reward service, as each answer ends)
+    admission ─(capacity > 0)─► group(record):  episodes = await workflow(GroupSampler, record)
                                                  buffer.finish(group)   ─► RolloutBuffer ─► learner
 
 Everything runs on one asyncio loop in a thread of its own (`AsyncThread`): one admission task starts as many groups
 as the buffer's capacity allows and then awaits a wake-up (a group finished, or the learner stepped: `admit()`);
-each group is a task that awaits its answers and their rewards and hands the group to the buffer. The sampler's and
-the reward service's threads only complete futures; no controller code runs on them. A group's exception stops the
-controller and is raised to the learner by `check()`. Groups whose answers all score the same are dropped (they carry
-no learning signal) when `filter_uniform` is set, and then do not count as accepted (paper Eq. 3).
-
-With an agent (`agent.path`), a group is G episodes of the agent on the prompt's problem (`agents.EpisodeRunner`, on
-the same loop), and each episode's reward comes from the agent; an episode may give several trajectories (its turns,
-where they do not merge), all with the group's id. Staleness counts from an episode's first token.
+each group is a task that runs the run's episode workflow (`rl/workflows.py`, `rollout.workflow`: by default `rlvr`,
+G answers each scored by the verifier as it finishes; `agent` with an agent) and hands its scored group to the
+buffer. The sampler's and the reward service's threads only complete futures; no controller code runs on them. A
+group's exception stops the controller and is raised to the learner by `check()`. Groups whose answers all score the
+same are dropped (they carry no learning signal) when `filter_uniform` is set, and then do not count as accepted
+(paper Eq. 3). Staleness counts from a group's first token.
 
 Every group is admitted under the learner's current version and asks the sampler for weights of that version or
 newer, so a group admitted just after a learner step waits for that step's weights.
@@ -39,12 +36,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from areal_jax import cli
-from areal_jax.async_thread import AsyncThread, awaitable
+from areal_jax.async_thread import AsyncThread
 from areal_jax.data.records import PromptRecord
 from areal_jax.errors import SamplerLost
 from areal_jax.reward.service import RewardResult, RewardService
+from areal_jax.rl import workflows
 from areal_jax.rl.rollout_buffer import RolloutBuffer
-from areal_jax.sampler.requests import Request, SamplingParams
+from areal_jax.sampler.requests import SamplingParams
 from areal_jax.types import Trajectory
 
 if TYPE_CHECKING:
@@ -66,12 +64,6 @@ class Group:
     return np.array([t.reward for t in self.trajectories])
 
 
-def problem(record: PromptRecord) -> dict:
-  """What an agent is handed for a prompt record."""
-  return {"uid": record.uid, "question": record.question, "reference": record.reference, "kind": record.kind,
-          "solution": record.solution, "prompt": record.prompt}
-
-
 class Stalled(RuntimeError):
   """No prompt group was accepted for `rollout.stall_timeout_s`: the run cannot learn as configured."""
 
@@ -89,17 +81,19 @@ def _why_stalled(dropped: int, samplers: dict[str, float]) -> str:
 
 class RolloutController:
   """See the module docstring. `rollout` is a `Rollout` (`submit` returns one future per answer); `version` is the
-  policy version published to it (`admit` moves it on); `episodes`, with an agent, runs its episodes instead (on its
-  `thread`, which the controller then shares). `thread`: the loop to run on (the simulator's virtual-time loop; by
-  default a thread of the controller's own)."""
+  policy version published to it (`admit` moves it on); `workflow` makes each group (`workflows.rlvr` by default),
+  `turns` what a multi-turn one needs; `episodes`, with an agent, is its episode runner (the `agent` workflow's;
+  the controller shares its `thread`). `thread`: the loop to run on (the simulator's virtual-time loop; by default a
+  thread of the controller's own)."""
 
   def __init__(self, *, dataset, rollout, rewards: RewardService, buffer: RolloutBuffer, version: int,
                group_size: int, sampling: SamplingParams, filter_uniform: bool, next_group_id: int = 0,
-               replay: Sequence[PromptRecord] = (), episodes: EpisodeRunner | None = None,
+               replay: Sequence[PromptRecord] = (), workflow: workflows.Workflow = workflows.rlvr,
+               turns: workflows.Turns = workflows.Turns(), episodes: EpisodeRunner | None = None,
                thread: AsyncThread | None = None):
     self.dataset, self.rollout, self.rewards, self.buffer = dataset, rollout, rewards, buffer
     self.version = version  # the samplers' newest policy version: groups are admitted under it
-    self.episodes = episodes
+    self.workflow, self.turns, self.episodes = workflow, turns, episodes
     self.group_size, self.sampling, self.filter_uniform = group_size, sampling, filter_uniform
     self._next_id = next_group_id
     self._replay = collections.deque(replay)
@@ -223,25 +217,21 @@ class RolloutController:
     return gid, record
 
   async def _group(self, gid: int, record: PromptRecord, version: int) -> None:
-    """One prompt group's life: its G answers (or episodes) and their rewards, then the buffer."""
+    """One prompt group's life: the workflow's episodes and their rewards, then the buffer."""
     try:
-      if self.episodes is not None:
-        results = await asyncio.gather(*(
-            self.episodes.episode(problem(record), group_id=gid, index=i, min_version=version)
-            for i in range(self.group_size)))
-        if any(r.lost for r in results):
-          raise SamplerLost(f"group {gid}: a sampler was lost during its episodes")
+      sampler = workflows.GroupSampler(rollout=self.rollout, rewards=self.rewards, group_id=gid,
+                                       group_size=self.group_size, min_version=version, sampling=self.sampling,
+                                       turns=self.turns, agent=self.episodes, on_reward_failure=self._reward_failed)
+      out = await self.workflow(sampler, record)
+      if not isinstance(out, workflows.Episodes):
+        raise TypeError(f"workflow {getattr(self.workflow, '__name__', self.workflow)!r} returned "
+                        f"{type(out).__name__}, not workflows.Episodes")
+      if out.failures or out.retokenized:
         with self._lock:
-          self.counters["episode_failures"] += sum(r.failure is not None for r in results)
-          self.counters["retokenized_turns"] += sum(r.retokenized for r in results)
-        trajs = tuple(t for r in results for t in r.trajectories)
-        self._finish(gid, record, version, trajs, [r.reward for r in results], turns=tuple(r.turns for r in results))
-      else:
-        request = Request(group_id=gid, prompt_ids=record.prompt_ids, num_answers=self.group_size,
-                          sampling=self.sampling, min_version=version)
-        answers = self.rollout.submit(request)
-        trajs = tuple(await asyncio.gather(*(self._scored(record, i, a) for i, a in enumerate(answers))))
-        self._finish(gid, record, version, trajs, [t.reward for t in trajs])
+          self.counters["episode_failures"] += out.failures
+          self.counters["retokenized_turns"] += out.retokenized
+      trajs = tuple(t if t.group_id == gid else t.replace(group_id=gid) for t in out.trajectories)
+      self._finish(gid, record, version, trajs, list(out.rewards), turns=out.turns)
     except asyncio.CancelledError:
       raise
     except SamplerLost:
@@ -259,19 +249,14 @@ class RolloutController:
       self.counters["regenerated_groups"] += 1
     self.buffer.withdraw(gid)
 
-  async def _scored(self, record: PromptRecord, index: int, answer) -> Trajectory:
-    """One answer, scored as soon as it is generated."""
-    traj: Trajectory = await awaitable(answer)  # the sampler's error, if it failed
-    r: RewardResult = await awaitable(
-        self.rewards.submit((traj.group_id, index), record.kind, traj.response_text, record.reference))
-    if r.failure is not None and r.failure.of_worker:  # scored 0; the service replaced the worker
-      with self._lock:
-        self.counters["reward_failures"] += 1
-        n = self.counters["reward_failures"]
-      if n <= _SHOWN_REWARD_FAILURES or n % 100 == 0:
-        logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
-                        "rollout/reward_failures)", index, record.uid, r.reason, n)
-    return traj.replace(reward=float(r.reward))
+  def _reward_failed(self, record: PromptRecord, index: int, r: RewardResult) -> None:
+    """A reward worker failed on answer `index` of `record` (scored 0; the service replaced the worker)."""
+    with self._lock:
+      self.counters["reward_failures"] += 1
+      n = self.counters["reward_failures"]
+    if n <= _SHOWN_REWARD_FAILURES or n % 100 == 0:
+      logging.warning("reward of answer %d to prompt %s: %s; scored 0 (%d such answers so far: "
+                      "rollout/reward_failures)", index, record.uid, r.reason, n)
 
   def _fail(self, e: BaseException) -> None:
     if self.error is None:

@@ -40,17 +40,22 @@ class RolloutConfig:
   max_concurrent_rollouts: int = 16
   target_staleness: float | None = None  # None = eta
   stall_timeout_s: float = 300.0
+  workflow: str = ""  # rl/workflows.py: a registered name or module:function; "" = agent with agent.path, else rlvr
+  max_turns: int = 2  # multi-turn workflows: answers per episode
+  turn_discount: float = 0.9  # multi-turn workflows: a later turn's reward is scaled by this per turn before it
 
   def __post_init__(self):
     def bad(field, why):
       raise ValueError(f"rollout.{field}={getattr(self, field)!r}: {why}")
 
-    for f in ("batch_size", "group_size", "max_concurrent_rollouts", "stall_timeout_s"):
+    for f in ("batch_size", "group_size", "max_concurrent_rollouts", "stall_timeout_s", "max_turns"):
       if not getattr(self, f) > 0:
         bad(f, "must be positive")
     eta = self.max_head_offpolicyness
     if eta < 0:
       bad("max_head_offpolicyness", "must be >= 0 (0 = synchronous RL)")
+    if not 0 <= self.turn_discount <= 1:
+      bad("turn_discount", "must lie in [0, 1]")
     if self.target_staleness is not None and not 0 <= self.target_staleness <= eta:
       bad("target_staleness", f"must lie in [0, rollout.max_head_offpolicyness={eta}] (None = the bound)")
 

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 
 def agent_metrics(controller: RolloutController, groups) -> dict[str, float]:
-  """With an agent: completions per episode in the step's groups, and since the start, episodes failed and turns
-  whose history held an answer that had to be re-encoded (`agents.turns`)."""
-  if controller.episodes is None:
+  """With multi-turn episodes (an agent's, `multi_turn_math`): completions per episode in the step's groups, and since
+  the start, episodes failed and turns whose history held an answer that had to be re-encoded (`agents.turns`)."""
+  if not any(g.turns for g in groups):
     return {}
   return {"agent/turns_mean": float(np.mean([n for g in groups for n in g.turns])),
           "agent/episode_failures": controller.counters["episode_failures"],

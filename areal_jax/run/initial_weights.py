@@ -22,7 +22,7 @@ from areal_jax.learner.learner import Learner
 from areal_jax.learner.step import build_step
 from areal_jax.models import hf_io, lora, orbax_io, weights
 from areal_jax.rl import warmstart
-from areal_jax.rl.controller import problem
+from areal_jax.rl.workflows import problem
 
 
 def place(tree, shardings):

@@ -23,7 +23,9 @@ from areal_jax.distributed.weight_transfer import WeightPublisher
 from areal_jax.learner.learner import Learner
 from areal_jax.models import weights
 from areal_jax.reward.service import RewardService, score_all
-from areal_jax.rl.controller import RolloutController, problem
+from areal_jax.rl.controller import RolloutController
+from areal_jax.rl import workflows
+from areal_jax.rl.workflows import problem
 from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator
 from areal_jax.rl.metrics import MetricsWriter
 from areal_jax.rl.rollout import Rollout
@@ -83,11 +85,16 @@ def _controller(st, rollout: Rollout, rewards: RewardService, buffer: RolloutBuf
         agent=settings.agent.load(), config=settings.agent, rollout=rollout, tokenizer=st.tokenizer,
         sampling=sampling, version=lambda: controller.version,
         limits={"max_seq_len": settings.sampler.max_seq_len, "vocab_size": settings.model.vocab_size})
+  r = settings.rollout
+  turns = workflows.Turns(tokenizer=st.tokenizer, template=settings.data.prompt_template,
+                          max_prompt_len=settings.sampler.max_seq_len - 1, max_turns=r.max_turns,
+                          discount=r.turn_discount)
   controller = RolloutController(
       dataset=st.train, rollout=rollout, rewards=rewards, buffer=buffer, version=st.learner.version,
-      group_size=settings.rollout.group_size, sampling=sampling, filter_uniform=settings.learner.filter_uniform_groups,
+      group_size=r.group_size, sampling=sampling, filter_uniform=settings.learner.filter_uniform_groups,
       next_group_id=state["next_group_id"] if state else 0,
-      replay=[by_uid[u] for u in state["undone"]] if state else (), episodes=episodes)
+      replay=[by_uid[u] for u in state["undone"]] if state else (),
+      workflow=workflows.resolve(settings.workflow), turns=turns, episodes=episodes)
   return controller
 
 

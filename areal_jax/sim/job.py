@@ -225,7 +225,8 @@ class _Rewards:
     self.loop, self.latency_s, self.seed, self.success, self.replay = loop, job.reward_s, job.seed, job.success, replay
     self.free_at = [0.0] * job.reward_workers
 
-  def _reward(self, group: int, index: int) -> float:
+  def _reward(self, group: int, index: int, turn: int = 0) -> float:
+    del turn  # one turn per answer here
     if self.replay is not None:
       return self.replay.reward(group, index)
     u = int(request_key(self.seed + 1, group, index)[1]) / 2**32  # [0] is the seed itself

@@ -254,7 +254,7 @@ def test_the_calculator_written_for_the_messages_api_trains(tmp_path):
   from areal_jax.agents.calculator import ClaudeCalculator  # pylint: disable=g-import-not-at-top
   from areal_jax.data import DataConfig, build_dataset  # pylint: disable=g-import-not-at-top
   from areal_jax.models import orbax_io  # pylint: disable=g-import-not-at-top
-  from areal_jax.rl.controller import problem  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl.workflows import problem  # pylint: disable=g-import-not-at-top
 
   config = load_config(os.path.join(os.path.dirname(CONFIG), "agent.py:fast"), total_steps=2,
                        **{"agent.path": "areal_jax.agents.calculator:ClaudeCalculator"})

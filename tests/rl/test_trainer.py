@@ -137,3 +137,27 @@ def test_a_colocated_run_generates_then_trains_on_every_device(tmp_path, caplog)
   for r in read_metrics(str(tmp_path))[1:]:
     assert r["staleness/max"] == 0 and r["version"] == r["step"], r
   assert_every_prompt_once(str(tmp_path), config, last_step=3)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"learner.loss": "cispo"},
+    {"learner.loss": "sapo", "learner.use_decoupled_loss": False},
+    {"learner.loss": "gspo", "learner.m2_threshold": 0.04},
+    {"rollout.workflow": "multi_turn_math", "sampler.max_seq_len": 160},  # room for a second try
+], ids=["cispo", "sapo", "gspo+m2po", "multi_turn_math"])
+def test_a_run_with_another_objective_or_workflow_trains(tmp_path, overrides):
+  """Each objective (docs/objectives.md) and the bundled multi-turn workflow through a short run of the fast preset;
+  no learning-curve target, only that the steps complete with finite losses and their own statistics. (The fast
+  preset's policy solves almost nothing: rewards of 0 to 0.03, so a wrong first answer and a second try is the rule.)"""
+  config = load_config(FAST, total_steps=2, **{"eval.every_steps": 100, "checkpoint.every_steps": 100, **overrides})
+  rows = trainer.run(config, str(tmp_path))
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  for m in read_metrics(str(tmp_path))[1:]:
+    assert m["learner/loss"] == m["learner/loss"], m  # finite, not NaN
+    if "learner.m2_threshold" in overrides:
+      assert 0 <= m["learner/m2po_masked_fraction"] < 1, m
+    if "rollout.workflow" in overrides:
+      assert 1 < m["agent/turns_mean"] <= config.rollout.max_turns, m
+  if "rollout.workflow" in overrides:
+    trained = [r for r in rollouts(tmp_path) if not r["filtered"]]
+    assert len(trained) == 2 * config.rollout.batch_size
