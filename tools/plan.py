@@ -10,6 +10,13 @@ Devices: v4, v5e, v5p, v6e, a100, h100, h800, h200 (published peaks, `areal_jax/
 come from `--lengths` (a run's rollouts.jsonl, or a file of integers) or a log-normal of `--length_mean` cut at
 `--length_max`. See `areal_jax.sim`.
 
+`--layout` is how the code would run the sampler chips, and every row is simulated so: `replicas` (default; each
+data shard an engine of its own, `mesh.sampler_replicas`), `host` (one engine per host's sampler chips), or
+`pathways` (one engine over every sampler chip: one host, or a TPU slice under Pathways). A job larger than one host
+runs its samplers as processes, one per host, each pulling every version over the leader's host network. Colocated
+sync needs one controller, so on several GPU hosts there is no colocated row: each split's η = 0 row is its
+baseline.
+
 `--check=DIR` holds the planner to measurement instead: it calibrates the cost model on this machine's CPU (the tiny
 preset's programs in each role's layout; cached in `--calibration`), predicts every run of a
 `tools/bench_async.py --processes` workdir and prints predicted beside measured:
@@ -28,6 +35,11 @@ from areal_jax import cli
 _CONFIG = cli.define_config()
 _DEVICE = flags.DEFINE_string("device", "v5p", "Accelerator: v4, v5e, v5p, v6e, a100, h100, h800, h200.")
 _CHIPS = flags.DEFINE_integer("chips", 64, "Chips for the whole job (sampler + learner).")
+_LAYOUT = flags.DEFINE_enum("layout", "replicas", ["replicas", "host", "pathways"],
+                            "How the sampler chips run: an engine per data shard, per host, or one over all of them "
+                            "(Pathways, or one host); see the module docstring.")
+_HOST_NETWORK = flags.DEFINE_float("host_network_gbps", 0, "Gb/s a host sends over the data-centre network; 0 = the "
+                                   "device table's (needed where it has none and samplers are processes).")
 _MODEL = flags.DEFINE_string("model", "", "A preset of the --config file, or a HF config.json (or its directory); "
                              "'' = the config's model.")
 _TENSOR = flags.DEFINE_integer("tensor", 0, "Chips per sampler data shard; 0 = mesh.sampler_tensor.")
@@ -100,7 +112,8 @@ def _setup():
     passes = dict(passes=counted.total, proximal=counted.proximal)
     remat = 0.0  # in the counted passes
   return plan.Setup(model=model, device=hardware.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
-                    tensor=_TENSOR.value or settings.mesh.sampler_tensor,
+                    tensor=_TENSOR.value or settings.mesh.sampler_tensor, layout=_LAYOUT.value,
+                    host_network=_HOST_NETWORK.value * 1e9 / 8,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
                     recorded=recorded,
@@ -180,9 +193,10 @@ def main(argv):
         + (f"(counted in its programs for {_PROGRAMS.value})" if _PROGRAMS.value else "(analytic)"))
   print(plan.format_table(result))
   r = result["recommended"]
-  print(f"recommended: {r['sampler_chips']} sampler + {r['learner_chips']} learner chips at eta={r['eta']}: "
-        f"{r['speedup_vs_colocated_sync']:.2f}x colocated sync, {r['speedup_vs_split_sync']:.2f}x sync on the same "
-        f"split, staleness {r['staleness_mean']:.2f}"
+  vs = ("" if r["speedup_vs_colocated_sync"] is None else f"{r['speedup_vs_colocated_sync']:.2f}x colocated sync, ")
+  print(f"recommended: {r['sampler_chips']} sampler + {r['learner_chips']} learner chips at eta={r['eta']} "
+        f"({r['layout']}): {vs}{r['speedup_vs_split_sync']:.2f}x sync on the same split, staleness "
+        f"{r['staleness_mean']:.2f}"
         + (f"; plot: {_PLOT.value}" if _PLOT.value else ""))
 
 

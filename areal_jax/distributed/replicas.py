@@ -50,6 +50,15 @@ class _Replica:
     return sum(self.engine.slots.free_pages(s) for s in range(self.engine.num_shards))
 
 
+def summed_stats(per: Sequence[dict[str, float]]) -> dict[str, float]:
+  """Samplers' counters summed (versions: the oldest; the most answers one call advanced: the largest)."""
+  out = {k: sum(p.get(k, 0) for p in per) for k in per[0]}
+  out["version"] = min(p["version"] for p in per)
+  for k in ("max_batch_answers", "max_batch_requests"):
+    out[k] = max(p[k] for p in per)
+  return out
+
+
 class LocalRollout:
   """`Sampler`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
   construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest answers outstanding, then most
@@ -155,13 +164,7 @@ class LocalRollout:
       r.sampler.update_params(m, version)
 
   def stats(self) -> dict[str, float]:
-    """The replicas' counters summed (versions: the oldest; the most answers one call advanced: the largest)."""
-    per = [r.sampler.stats() for r in self.replicas]
-    out = {k: sum(p.get(k, 0) for p in per) for k in per[0]}
-    out["version"] = min(p["version"] for p in per)
-    for k in ("max_batch_answers", "max_batch_requests"):
-      out[k] = max(p[k] for p in per)
-    return out
+    return summed_stats([r.sampler.stats() for r in self.replicas])
 
   def sync_metrics(self) -> dict[str, float]:
     """`sync/bytes` moved per version, `sync/changed_fraction` (the newest counted: `ChangedFraction`)."""

@@ -43,15 +43,20 @@ class Efficiency:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
   """Seconds per device call for one job layout: `sampler_chips` split in `sampler_shards` data shards (on TPUs and
-  GPUs, of `mesh.sampler_tensor` chips each; emulated CPU devices may share a core), `learner_chips` training;
-  `colocated` when both roles share the same chips (weights are then resharded in HBM)."""
+  GPUs, of `mesh.sampler_tensor` chips each; emulated CPU devices may share a core) over `engines` independent
+  engines, `learner_chips` training; `colocated` when both roles share the same chips (weights are then resharded in
+  HBM); `sampler_processes` > 0 when the samplers are processes on other hosts, each pulling every version from the
+  learner's leader over the network (`host_network`, bytes/s of the leader's host)."""
 
   model: ModelConfig
   device: Device
   sampler_chips: float
   learner_chips: float
   sampler_shards: int = 1
+  engines: int = 1
   colocated: bool = False
+  sampler_processes: int = 0
+  host_network: float = 0.0
   weight_bytes: int = 2  # bytes per sampler weight (bfloat16)
   kv_bytes: int = 2  # bytes per cached key/value element
   passes: float = 4.0  # learner FLOP passes per token: forward + backward (3), the proximal forward (1)
@@ -67,6 +72,11 @@ class CostModel:
   @property
   def shard_chips(self) -> float:
     return self.sampler_chips / self.sampler_shards
+
+  @property
+  def engine_shards(self) -> int:
+    """Data shards of one engine (its prefill's rows spread over them)."""
+    return max(1, self.sampler_shards // self.engines)
 
   @property
   def kv_per_token(self) -> int:
@@ -97,10 +107,10 @@ class CostModel:
     return float(seconds.max(initial=0.0)) + e.decode_step_s
 
   def prefill(self, rows: int, length: int) -> float:
-    """One batched prefill of `rows` rows padded to `length` tokens; its rows spread over the data shards."""
+    """One batched prefill of `rows` rows padded to `length` tokens; its rows spread over the engine's data shards."""
     d, e = self.device, self.eff
     flops = rows * length * self.model.flops_per_token(length)
-    shards = max(1, min(rows, self.sampler_shards))
+    shards = max(1, min(rows, self.engine_shards))
     bytes_ = self.params * self.weight_bytes + rows * length * self.kv_per_token / shards
     t = self.shard_chips
     seconds = max(flops / (shards * t * d.flops * e.prefill_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
@@ -117,9 +127,15 @@ class CostModel:
             + micro_batches * e.micro_batch_s + e.step_s)
 
   def transfer(self) -> float:
-    """New weights from the learner to the sampler: over the links of the smaller side, or resharded in HBM when
-    both roles share the chips."""
+    """New weights from the learner to the samplers: resharded in HBM when both roles share the chips; to sampler
+    processes on other hosts, one copy each through the leader's host network (`weight_transfer`: each pulls the
+    leader's published copy); else over the chip-to-chip links of the smaller side."""
     d, e, size = self.device, self.eff, self.params * self.weight_bytes
+    if self.sampler_processes:
+      if not self.host_network:
+        raise ValueError(f"{d.name}: no host network bandwidth to price sampler processes' weight pulls over "
+                         "(tools/plan.py --host_network_gbps)")
+      return self.sampler_processes * size / (self.host_network * e.link) + e.transfer_s
     if self.colocated:
       return 2 * size / (self.sampler_chips * d.hbm_bw * e.decode_bw) + e.transfer_s
     return size / (min(self.sampler_chips, self.learner_chips) * d.link * e.link) + e.transfer_s

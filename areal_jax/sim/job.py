@@ -6,7 +6,9 @@ with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs 
 service (an answer is right with probability `success`, or a recorded group is replayed whole; scored after
 `reward_s`), and the learner, whose loop below follows `run/trainer.py:_train` (a batch from the buffer, a train
 step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
-seconds. Everything runs on one virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the
+seconds. The sampler side is `Job.engines` independent engines (replicas of one process, or sampler processes),
+each its own `Sampler` and scheduler, a group going whole to the least loaded one (`dispatch.least_loaded`, the rule
+`LocalRollout` and `SamplerHub` apply). Everything runs on one virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the
 same inputs give the same timeline.
 
     result = simulate(job, costs, lengths)
@@ -22,11 +24,14 @@ import dataclasses
 import numpy as np
 
 from areal_jax.data.records import PromptRecord
+from areal_jax.distributed.replicas import summed_stats
 from areal_jax.models.config import ModelConfig
 from areal_jax.reward.service import RewardResult
 from areal_jax.rl.controller import RolloutController, Stalled
 from areal_jax.rl.rollout_buffer import RolloutBuffer
+from areal_jax.sampler import dispatch
 from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.dispatch import Load
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sampler.sampler import Sampler
 from areal_jax.sampler.sampling import request_key
@@ -45,8 +50,8 @@ class Job:
   target staleness, and what the rewards look like."""
 
   model: ModelConfig
-  sampler: SamplerConfig  # num_slots counts the whole sampler mesh
-  num_shards: int  # the sampler's data shards
+  sampler: SamplerConfig  # one engine's: num_slots counts the slots of one engine's mesh, as in a run
+  num_shards: int  # data shards of one engine
   batch_prompts: int
   answers: int
   prompt_len: int
@@ -61,6 +66,11 @@ class Job:
   reward_workers: int = 1  # reward.num_workers
   scale: int = 1  # real tokens per simulated one (engine.SimEngine)
   seed: int = 0
+  engines: int = 1  # independent sampler engines (mesh.sampler_replicas x sampler processes)
+
+  def __post_init__(self):
+    if self.engines < 1 or self.num_shards < 1:
+      raise ValueError(f"Job: engines={self.engines} and num_shards={self.num_shards} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -76,7 +86,8 @@ class Result:
   sampler_busy: list[float] = dataclasses.field(default_factory=list)
   learner_busy: list[float] = dataclasses.field(default_factory=list)
   start: float = 0.0  # when step 1's batch was first awaited (after the starting evaluation: t = 0)
-  sampler_stats: dict = dataclasses.field(default_factory=dict)  # the driver's counters at the end
+  sampler_stats: dict = dataclasses.field(default_factory=dict)  # the driver's counters at the end, summed
+  engine_tokens: list[float] = dataclasses.field(default_factory=list)  # tokens each engine drew, at the end
 
   def _window(self, warmup: int) -> tuple[int, float]:
     w = min(warmup, len(self.step_end) - 1)
@@ -147,24 +158,41 @@ class _Buffer(RolloutBuffer):
 
 
 class _Rollout:
-  """The controller's sampler: a `Sampler` whose loop runs on the virtual clock (`_VirtualClock`), never started."""
+  """The controller's samplers: `Sampler`s whose loops run on the virtual clock (`_VirtualClock`), never started; a
+  group goes whole to the least loaded (`dispatch.least_loaded`: answers outstanding, then free pages)."""
 
-  def __init__(self, sampler: Sampler, wake: asyncio.Event, replay: _Replay | None):
-    self.sampler, self.wake, self.replay = sampler, wake, replay
+  def __init__(self, samplers: list[Sampler], replay: _Replay | None):
+    self.samplers, self.replay = samplers, replay
+    self.wakes = [asyncio.Event() for _ in samplers]
+    self.answers = [0] * len(samplers)  # outstanding per sampler
 
   def submit(self, request):
     if self.replay is not None:
       self.replay.register(request)
-    futures = self.sampler.submit(request)
-    self.wake.set()
+    loads = {i: Load(self.answers[i], sum(s.engine.slots.free_pages(k) for k in range(s.engine.num_shards)))
+             for i, s in enumerate(self.samplers)}
+    i = dispatch.least_loaded(loads)
+    futures = self.samplers[i].submit(request)
+    self.answers[i] += len(futures)
+    for f in futures:
+      f.add_done_callback(lambda _, i=i: self._done(i))
+    self.wakes[i].set()
     return futures
 
+  def _done(self, i: int) -> None:
+    self.answers[i] -= 1
+
   def publish(self, version: int) -> None:
-    self.sampler.update_params({}, version)
-    self.wake.set()
+    for sampler, wake in zip(self.samplers, self.wakes):
+      sampler.update_params({}, version)
+      wake.set()
 
   def check(self) -> None:
-    self.sampler.check()
+    for sampler in self.samplers:
+      sampler.check()
+
+  def stats(self) -> dict[str, float]:
+    return summed_stats([s.stats() for s in self.samplers])
 
 
 class _VirtualClock:
@@ -272,26 +300,28 @@ class _Busy:
 async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
   loop = asyncio.get_running_loop()
   replay = _Replay(job.recorded, job.seed) if job.recorded is not None else None
-  engine = SimEngine(model_cfg=job.model, cfg=job.sampler, num_shards=job.num_shards,
-                     pages_per_shard=costs.pages_per_shard(job.sampler.page_size, job.sampler.memory_fraction),
-                     costs=costs, lengths=replay.lengths if replay else lengths, eos_id=EOS, scale=job.scale)
-  rollout = _Rollout(Sampler(engine=engine, params={}, version=0, eos_ids=[EOS], warmup=False), asyncio.Event(),
-                     replay)
+  engines = [SimEngine(model_cfg=job.model, cfg=job.sampler, num_shards=job.num_shards,
+                       pages_per_shard=costs.pages_per_shard(job.sampler.page_size, job.sampler.memory_fraction),
+                       costs=costs, lengths=replay.lengths if replay else lengths, eos_id=EOS, scale=job.scale)
+             for _ in range(job.engines)]
+  rollout = _Rollout([Sampler(engine=e, params={}, version=0, eos_ids=[EOS], warmup=False, name=f"sampler{i}")
+                      for i, e in enumerate(engines)], replay)
   changed = asyncio.Event()
   b = job.batch_prompts
   buffer = _Buffer(changed, batch_size=b, max_offpolicyness=job.eta, target_staleness=job.target_staleness,
                    max_concurrent=job.max_concurrent or (job.eta + 1) * b)
-  sampling = SamplingParams(max_new_tokens=engine.cfg.max_new_tokens, seed=job.seed)
+  sampling = SamplingParams(max_new_tokens=engines[0].cfg.max_new_tokens, seed=job.seed)
   controller = RolloutController(dataset=_prompts(job), rollout=rollout, rewards=_Rewards(loop, job, replay),
                                  buffer=buffer, version=0, group_size=job.answers, sampling=sampling,
                                  filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
-  result, sampler_busy = Result(job=job), _Busy(loop)
-  sampler = loop.create_task(rollout.sampler.serve(_VirtualClock(loop, engine, rollout.wake, sampler_busy)))
+  result, busy = Result(job=job), [_Busy(loop) for _ in engines]
+  samplers = [loop.create_task(s.serve(_VirtualClock(loop, e, wake, b)))
+              for s, e, wake, b in zip(rollout.samplers, engines, rollout.wakes, busy)]
   controller.start()
   version, learner_busy = 0, 0.0
   try:
     for _ in range(job.steps):
-      groups = await _next_batch(controller, buffer, rollout, sampler, b)
+      groups = await _next_batch(controller, buffer, rollout, samplers, b)
       trajectories = [t for g in groups for t in g.trajectories]
       seconds = costs.train_step(np.array([(len(t.prompt_ids) + len(t.response_ids)) * job.scale
                                            for t in trajectories]))
@@ -308,19 +338,21 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
       result.step_end.append(loop.time())
       result.tokens.append(sum(len(t.response_ids) for t in trajectories) * job.scale)
       result.answers.append(len(trajectories))
-      result.sampler_busy.append(sampler_busy.now())
+      result.sampler_busy.append(sum(x.now() for x in busy) / len(busy))  # the engines' mean
       result.learner_busy.append(learner_busy)
       await asyncio.sleep(costs.after_step())  # the host's work before it awaits the next batch
-    result.sampler_stats = rollout.sampler.stats()
+    result.sampler_stats = rollout.stats()
+    result.engine_tokens = [float(x.stats()["tokens"]) for x in rollout.samplers]
   finally:
     controller.stop()
-    sampler.cancel()
+    for task in samplers:
+      task.cancel()
     await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()),
                          return_exceptions=True)
   return result
 
 
-async def _next_batch(controller, buffer: _Buffer, rollout: _Rollout, sampler: asyncio.Task, n: int) -> list:
+async def _next_batch(controller, buffer: _Buffer, rollout: _Rollout, samplers: list[asyncio.Task], n: int) -> list:
   """`RolloutController.next_batch` on the virtual clock: waits for a group to finish instead of polling; raises
   `Stalled` when `_STALL_GROUPS` x n groups in a row were dropped as uniform."""
   accepted, filtered = buffer.accepted, controller.counters["groups_filtered"]
@@ -331,8 +363,9 @@ async def _next_batch(controller, buffer: _Buffer, rollout: _Rollout, sampler: a
       return groups
     controller.check()
     rollout.check()
-    if sampler.done():
-      sampler.result()  # its error
+    for task in samplers:
+      if task.done():
+        task.result()  # its error
     if buffer.accepted != accepted:
       accepted, filtered = buffer.accepted, controller.counters["groups_filtered"]
     elif controller.counters["groups_filtered"] - filtered > _STALL_GROUPS * n:

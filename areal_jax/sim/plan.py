@@ -1,7 +1,8 @@
 """Sizing a job: how many chips should sample, how many learn, and at which η, by simulating each choice
 (`job.simulate`: the run's own orchestration in virtual time) against colocated synchronous RL on all the chips.
 
-    setup = Setup(model=..., device=devices.device("v5p"), chips=64, sampler=..., batch_prompts=512, answers=16, ...)
+    setup = Setup(model=..., device=hardware.device("v5p"), chips=64, sampler=..., batch_prompts=512, answers=16,
+                  layout="replicas", ...)
     result = plan(setup, etas=(0, 1, 2, 4, 8))   # {"rows": [...], "sync": {...}, "recommended": {...}}
 """
 
@@ -47,12 +48,61 @@ class Setup:
   eff: Efficiency = Efficiency()
   scale: int = 0  # real tokens per simulated one; 0 = chosen from the lengths (a mean answer of ~8-16)
   seed: int = 0
+  layout: str = "replicas"  # LAYOUTS
+  host_network: float = 0.0  # bytes/s per host; 0 = the device table's
 
   @property
   def token_scale(self) -> int:
     if self.scale:
       return self.scale
     return max(1, 1 << int(math.log2(max(1.0, self.lengths.mean / 8))))
+
+
+LAYOUTS = ("replicas", "host", "pathways")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How the code runs `sampler_chips` sampling chips: `engines` independent engines of `engine_shards` data shards
+  each, in `processes` sampler processes on hosts of their own (0: in the learner's process, one host or one
+  controller)."""
+
+  name: str
+  engines: int
+  engine_shards: int
+  processes: int
+
+  def describe(self) -> str:
+    where = f"{self.processes} sampler processes" if self.processes else "one process"
+    return f"{self.name}: {self.engines} engine(s) of {self.engine_shards} data shard(s), {where}"
+
+
+def layout(setup: Setup, sampler_chips: int, *, colocated: bool = False) -> Layout:
+  """The layout `setup.layout` names for `sampler_chips`, as the launcher would run it; a ValueError for one the
+  code cannot run on this hardware.
+
+  - `replicas`: every data shard (`tensor` chips) its own engine (`mesh.sampler_replicas`); a job larger than one
+    host runs its samplers as one process per host of sampler chips, behind the hub (`launch/local.py`'s roles);
+  - `host`: one engine per sampler process, its host's chips in lockstep (`mesh.sampler_replicas=1`);
+  - `pathways`: one engine over every sampler chip, in one controller: one host, or a TPU slice under Pathways.
+  Colocated (both roles on every chip) needs one controller too, so it takes `pathways`'s rule."""
+  d, shards = setup.device, sampler_chips // setup.tensor
+  one_host = setup.chips <= d.chips_per_host
+  if colocated or setup.layout == "pathways":
+    if not one_host and not d.name.startswith("v"):
+      what = "colocated sync" if colocated else "--layout=pathways"
+      raise ValueError(f"{what} on {setup.chips} {d.name} chips: one controller over several GPU hosts is not a "
+                       f"layout the code runs ({d.chips_per_host} per host); sampler processes are")
+    return Layout("colocated" if colocated else "pathways", 1, shards, 0)
+  processes = 0 if one_host else -(-sampler_chips // d.chips_per_host)
+  if setup.layout == "replicas":
+    return Layout("replicas", shards, 1, processes)
+  if setup.layout == "host":
+    engines = max(1, processes)
+    if shards % engines:
+      raise ValueError(f"--layout=host: {shards} data shards do not split over {engines} hosts")
+    return Layout("host", engines, shards // engines, processes)
+  raise ValueError(f"--layout={setup.layout!r}: choose one of {LAYOUTS}")
 
 
 def splits(chips: int, tensor: int) -> list[int]:
@@ -65,15 +115,17 @@ def splits(chips: int, tensor: int) -> list[int]:
 def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:
   """One layout: `sampler_chips` sampling and the rest learning (all of them doing both when `colocated`)."""
   learner_chips = setup.chips if colocated else setup.chips - sampler_chips
+  lay = layout(setup, sampler_chips, colocated=colocated)
   costs = CostModel(model=setup.model, device=setup.device, sampler_chips=sampler_chips, learner_chips=learner_chips,
-                    sampler_shards=sampler_chips // setup.tensor, colocated=colocated,
+                    sampler_shards=sampler_chips // setup.tensor, engines=lay.engines, colocated=colocated,
+                    sampler_processes=lay.processes,
+                    host_network=setup.host_network or setup.device.host_network or 0.0,
                     weight_bytes=_bytes(setup.sampler.param_dtype),
                     kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
                     remat=setup.remat,
                     max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches, eff=setup.eff)
-  shards = sampler_chips // setup.tensor
-  job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=setup.sampler.num_slots * shards),
-            num_shards=shards, batch_prompts=setup.batch_prompts, answers=setup.answers, prompt_len=setup.prompt_len,
+  job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=setup.sampler.num_slots * lay.engine_shards),
+            num_shards=lay.engine_shards, engines=lay.engines, batch_prompts=setup.batch_prompts, answers=setup.answers, prompt_len=setup.prompt_len,
             eta=eta, steps=setup.steps, target_staleness=setup.target_staleness if eta else None,
             max_concurrent=setup.max_concurrent, success=setup.success, recorded=setup.recorded,
             scale=setup.token_scale, seed=setup.seed)
@@ -93,21 +145,27 @@ def _figures(setup: Setup, r: Result) -> dict:
 
 
 def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
-  """Every split x η, and colocated sync on all the chips; `recommended` is the row that trains the most tokens/s
-  (the least staleness among equals)."""
+  """Every split x η in `setup.layout`, and colocated sync on all the chips where the code runs it (one host, or a
+  TPU slice under one controller; else `sync` is None); `recommended` is the row that trains the most tokens/s (the
+  least staleness among equals)."""
   if setup.chips < 2 * setup.tensor:
     raise ValueError(f"--chips={setup.chips}: a split needs at least two sampler data shards' worth "
                      f"({2 * setup.tensor} chips at --tensor={setup.tensor})")
-  sync = {"sampler_chips": setup.chips, "learner_chips": setup.chips, "eta": 0,
-          **_figures(setup, simulate_split(setup, setup.chips, 0, colocated=True))}
+  try:
+    sync_layout = layout(setup, setup.chips, colocated=True)
+  except ValueError:
+    sync_layout = None  # the code cannot colocate over these hosts: each split's own sync row is the baseline
+  sync = None if sync_layout is None else {
+      "sampler_chips": setup.chips, "learner_chips": setup.chips, "eta": 0, "layout": sync_layout.describe(),
+      **_figures(setup, simulate_split(setup, setup.chips, 0, colocated=True))}
   rows = []
   for s in sampler_chips or splits(setup.chips, setup.tensor):
     split_sync = None
     for eta in sorted(set(etas) | {0}):  # each split's own sync row, for its speed-up
       row = {"sampler_chips": s, "learner_chips": setup.chips - s, "eta": eta,
-             **_figures(setup, simulate_split(setup, s, eta))}
+             "layout": layout(setup, s).describe(), **_figures(setup, simulate_split(setup, s, eta))}
       split_sync = split_sync or row
-      row["speedup_vs_colocated_sync"] = row["tokens_per_s"] / sync["tokens_per_s"]
+      row["speedup_vs_colocated_sync"] = None if sync is None else row["tokens_per_s"] / sync["tokens_per_s"]
       row["speedup_vs_split_sync"] = row["tokens_per_s"] / split_sync["tokens_per_s"]
       if eta in etas:
         rows.append(row)
@@ -118,18 +176,19 @@ def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
 
 
 def format_table(result: dict) -> str:
-  head = ("split (sampler+learner)", "eta", "tokens/s", "step s", "sampler busy", "learner busy", "staleness mean",
-          "staleness p99", "x colocated sync", "x split sync")
+  head = ("split (sampler+learner)", "eta", "layout", "tokens/s", "step s", "sampler busy", "learner busy",
+          "staleness mean", "staleness p99", "x colocated sync", "x split sync")
   s = result["sync"]
-  lines = [" | ".join(head), " | ".join("---" for _ in head),
-           f"colocated sync ({s['sampler_chips']}) | 0 | {s['tokens_per_s']:,.0f} | {s['step_s']:.1f} | "
-           f"{s['sampler_busy']:.0%} | {s['learner_busy']:.0%} | 0.00 | 0 | 1.00x | -"]
+  lines = [" | ".join(head), " | ".join("---" for _ in head)]
+  if s is not None:
+    lines.append(f"colocated sync ({s['sampler_chips']}) | 0 | {s['layout']} | {s['tokens_per_s']:,.0f} | "
+                 f"{s['step_s']:.1f} | {s['sampler_busy']:.0%} | {s['learner_busy']:.0%} | 0.00 | 0 | 1.00x | -")
   for r in result["rows"]:
     mark = " *" if r is result["recommended"] else ""
-    lines.append(f"{r['sampler_chips']}+{r['learner_chips']}{mark} | {r['eta']} | {r['tokens_per_s']:,.0f} | "
-                 f"{r['step_s']:.1f} | {r['sampler_busy']:.0%} | {r['learner_busy']:.0%} | "
-                 f"{r['staleness_mean']:.2f} | {r['staleness_p99']:.0f} | {r['speedup_vs_colocated_sync']:.2f}x | "
-                 f"{r['speedup_vs_split_sync']:.2f}x")
+    vs = "-" if r["speedup_vs_colocated_sync"] is None else f"{r['speedup_vs_colocated_sync']:.2f}x"
+    lines.append(f"{r['sampler_chips']}+{r['learner_chips']}{mark} | {r['eta']} | {r['layout']} | "
+                 f"{r['tokens_per_s']:,.0f} | {r['step_s']:.1f} | {r['sampler_busy']:.0%} | {r['learner_busy']:.0%} | "
+                 f"{r['staleness_mean']:.2f} | {r['staleness_p99']:.0f} | {vs} | {r['speedup_vs_split_sync']:.2f}x")
   return "\n".join(lines)
 
 
@@ -143,7 +202,8 @@ def plot(result: dict, path: str) -> None:
   for eta in sorted({r["eta"] for r in result["rows"]}):
     rows = [r for r in result["rows"] if r["eta"] == eta]
     ax.plot([r["sampler_chips"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=f"split, η={eta}")
-  ax.axhline(result["sync"]["tokens_per_s"], color="k", linestyle="--", label="colocated sync, all chips")
+  if result["sync"] is not None:
+    ax.axhline(result["sync"]["tokens_per_s"], color="k", linestyle="--", label="colocated sync, all chips")
   ax.set_xlabel("sampler chips (the rest learn)")
   ax.set_ylabel("trained tokens/s (predicted)")
   ax.legend()

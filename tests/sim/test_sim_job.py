@@ -118,3 +118,42 @@ def test_a_plan_from_a_runs_rollouts_replays_its_groups_whole(tmp_path):
   r = plan.simulate_split(setup, sampler_chips=2, eta=1)
   assert len(r.tokens) == 6 and all((t - 128) % 128 == 0 for t in r.tokens), r.tokens
   assert len(set(r.tokens)) > 1
+
+
+def test_independent_engines_share_the_groups_and_train_each_once():
+  """`--layout=replicas`: each data shard an engine of its own behind the run's dispatch rule; every group trained
+  once, every engine given work, staleness within η."""
+  r = plan.simulate_split(_setup(), sampler_chips=2, eta=2)
+  assert plan.layout(_setup(), 2) == plan.Layout("replicas", engines=2, engine_shards=1, processes=0)
+  ids = [g for step in r.group_ids for g in step]
+  assert len(set(ids)) * 4 == len(ids)  # 4 answers per group, no group twice
+  assert len(r.engine_tokens) == 2 and min(r.engine_tokens) > 0
+  assert max(max(s) for s in r.staleness) <= 2
+
+
+def test_layouts_are_the_ones_the_code_runs():
+  gpus = _setup(device=device("h100"), chips=32)  # 4 hosts of 8
+  assert plan.layout(gpus, 16) == plan.Layout("replicas", engines=16, engine_shards=1, processes=2)
+  assert plan.layout(dataclasses.replace(gpus, layout="host"), 16) == plan.Layout("host", 2, 8, 2)
+  with pytest.raises(ValueError, match="one controller over several GPU hosts"):
+    plan.layout(dataclasses.replace(gpus, layout="pathways"), 16)
+  with pytest.raises(ValueError, match="colocated sync on 32 h100 chips"):
+    plan.layout(gpus, 32, colocated=True)
+  tpus = _setup(device=device("v5p"), chips=64)  # a slice under Pathways may span its hosts
+  assert plan.layout(dataclasses.replace(tpus, layout="pathways"), 32) == plan.Layout("pathways", 1, 32, 0)
+  assert plan.layout(tpus, 64, colocated=True).name == "colocated"
+  one_host = _setup(device=device("h800"), chips=8)
+  assert plan.layout(one_host, 4).processes == 0 and plan.layout(one_host, 8, colocated=True).engines == 1
+
+
+def test_weights_to_sampler_processes_cross_the_leaders_host_network():
+  """Each sampler process pulls every version from the leader: N copies through its host's NIC."""
+  model = _setup().model
+  kw = dict(model=model, device=device("h100"), sampler_chips=16, learner_chips=16, sampler_shards=16, engines=16)
+  one = CostModel(**kw, sampler_processes=1, host_network=400e9)
+  two = CostModel(**kw, sampler_processes=2, host_network=400e9)
+  size = model.num_params() * 2
+  assert one.transfer() == pytest.approx(size / (400e9 * one.eff.link) + one.eff.transfer_s)
+  assert two.transfer() - two.eff.transfer_s == pytest.approx(2 * (one.transfer() - one.eff.transfer_s))
+  with pytest.raises(ValueError, match="host_network_gbps"):
+    CostModel(**kw, sampler_processes=2).transfer()
