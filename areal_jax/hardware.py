@@ -24,15 +24,19 @@ class Device:
   hbm_bw: float  # HBM bytes/s per chip
   hbm: float  # HBM bytes per chip
   link: float  # bytes/s one chip sends to another, one direction
-  kinds: tuple[str, ...] = ()
+  kinds: tuple[str, ...] = ()  # JAX's `device_kind` for it, or the start of it (before a space or a hyphen)
   chips_per_host: int = 8
-  host_network: float | None = None  # bytes/s per host over the data-centre network, one direction  # JAX's `device_kind` for it, or the start of it (before a space or a hyphen)
+  host_network: float | None = None  # bytes/s per host over the data-centre network, one direction
+
+  @property
+  def tpu(self) -> bool:
+    """A Cloud TPU: a slice over several hosts may run under one controller (Pathways)."""
+    return any(k.startswith("TPU") for k in self.kinds)
 
 
 DEVICES = {d.name: d for d in (
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; all-reduce 1.1 PB/s per 4096-chip pod
-    # (268 GB/s per chip).
-    # cloud.google.com/tpu/docs/v4: 4 chips per TPU VM host; its DCN bandwidth is not given there.
+    # (268 GB/s per chip); 4 chips per TPU VM host; its DCN bandwidth is not given there.
     Device("v4", 275e12, 1200 * GB, 32 * GIB, 268 * GB, ("TPU v4",), chips_per_host=4),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB at 819 GB/s, ICI 400 GB/s per chip bidirectional.
     # Same page: 8 chips per host, "per-host NIC configuration 2 x 100 Gbps NIC" (25 GB/s).

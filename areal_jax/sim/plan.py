@@ -89,7 +89,7 @@ def layout(setup: Setup, sampler_chips: int, *, colocated: bool = False) -> Layo
   d, shards = setup.device, sampler_chips // setup.tensor
   one_host = setup.chips <= d.chips_per_host
   if colocated or setup.layout == "pathways":
-    if not one_host and not d.name.startswith("v"):
+    if not one_host and not d.tpu:
       what = "colocated sync" if colocated else "--layout=pathways"
       raise ValueError(f"{what} on {setup.chips} {d.name} chips: one controller over several GPU hosts is not a "
                        f"layout the code runs ({d.chips_per_host} per host); sampler processes are")
