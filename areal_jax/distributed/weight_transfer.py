@@ -20,6 +20,10 @@ pulled once).
 Under LoRA a published version is either `part="all"` (the whole model: the first) or `part="adapters"` (the
 adapters alone, which the sampler joins to the base it keeps); each part has its own layout on both ends.
 
+With `sync.delta`, a puller that holds the version before (`WeightPuller(keep=True)`) is offered
+`pub.delta(staged, previous)` instead: only the elements whose bits changed (`weight_delta.py`), rebuilt on its
+devices into a copy bit-identical to the full one; one that joins or missed a version is offered the full copy.
+
 Pulls run under a watchdog (a pull whose peer is gone can hang past its own timeout), and every pull is checked
 against the publisher's fingerprint (a position-weighted sum per leaf), so a layout mismatch that would copy the
 wrong bytes fails loudly instead of training on garbage.
@@ -27,6 +31,7 @@ wrong bytes fails loudly instead of training on garbage.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import socket
 import threading
@@ -38,6 +43,7 @@ import numpy as np
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from areal_jax.distributed import weight_delta
 from areal_jax.models import lora, weights
 from areal_jax.models.weights import cast, fingerprint
 from areal_jax.sharding import SAMPLER_RULES, make_mesh, state_shardings
@@ -65,12 +71,13 @@ def _stage(x: jax.Array, dst: NamedSharding) -> jax.Array:
   return jax.device_put(replicated, NamedSharding(dst.mesh, P()))
 
 
-def transfer(params, shardings, *, dtype=None):
+def transfer(params, shardings, *, dtype=None, block: bool = True):
   """Puts `params` (e.g. fsdp-sharded on the learner slice) onto `shardings` (the sampler slice), with floating leaves
   cast to `dtype` first (None = as they are) where they live, so a narrower copy is what crosses over.
 
   Shards are copied device-to-device onto the sampler's devices, then resharded there by one compiled program.
-  Host↔device copies raise here (explicit or implicit), so a host round-trip cannot slip in.
+  Host↔device copies raise here (explicit or implicit), so a host round-trip cannot slip in. With `block=False` the
+  copy is only dispatched: `params` may then be donated at once (the copy is ordered before it).
   """
   with jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"), \
       jax.transfer_guard_device_to_host("disallow_explicit"):
@@ -78,7 +85,8 @@ def transfer(params, shardings, *, dtype=None):
       params = cast(params, dtype)
     staged = jax.tree.map(_stage, params, shardings)
     out = jax.jit(_identity, out_shardings=shardings)(staged)
-    jax.block_until_ready(out)
+    if block:
+      jax.block_until_ready(out)
   return out
 
 
@@ -179,6 +187,17 @@ def part_of(params, part: str):
   return lora.split(params)[0] if part == "adapters" else params
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Delta:
+  """A version as the elements that changed since the one before (`weight_delta`): offered to pullers holding that
+  one; `nbytes` is what each such pull moves."""
+
+  codes: tuple[int, ...]  # per leaf, as `weight_delta.plan`
+  payload: list
+  changed_fraction: float  # of the version's elements
+  nbytes: int
+
+
 class WeightPublisher:
   """The learner leader's transfer server: offers each policy version to the sampler processes."""
 
@@ -206,22 +225,36 @@ class WeightPublisher:
   def nbytes(self, part: str = "all") -> int:
     return lora.nbytes(self.parts[part])
 
-  def stage(self, params, part: str = "all"):
+  def stage(self, params, part: str = "all", *, block: bool = True):
     """A fresh copy of `params`' `part` (any device of this process) in the pull layout, floating leaves cast to the
     dtype of `abstract_params` (the sampler's `param_dtype`: a bfloat16 sampler pulls half the bytes), checked against
-    the sampler's tree first (never the learner's live buffers: the train step donates those)."""
+    the sampler's tree first (never the learner's live buffers: the train step donates those). `block=False`: only
+    dispatched (the learner may train on at once; `offer` and `delta` wait for it)."""
     params = part_of(params, part)
     if self._dtype is not None:
       params = weights.cast(params, self._dtype)
     what = "published weights" if part == "all" else f"published {part}"
     weights.check_compatible(params, self.parts[part], what=what)
-    return transfer(params, self.shardings[part])
+    return transfer(params, self.shardings[part], block=block)
 
-  def offer(self, staged, version: int, pullers: Sequence[int]) -> tuple[dict[int, int], np.ndarray]:
-    """Registers `staged` once per puller; returns ({puller: uuid}, fingerprint)."""
-    leaves = jax.tree.leaves(staged)
-    fp = fingerprint(leaves)
+  def delta(self, staged, base) -> Delta:
+    """`staged` as a lossless delta against `base` (both from `stage`, of the same part): what a puller holding
+    `base` needs to rebuild `staged` bit for bit."""
+    new, old = jax.tree.leaves(staged), jax.tree.leaves(base)
+    codes, changed = weight_delta.plan(new, old)
+    payload = weight_delta.encode(new, old, codes)
+    return Delta(codes=tuple(codes), payload=payload, changed_fraction=changed / max(sum(x.size for x in new), 1),
+                 nbytes=weight_delta.nbytes(payload))
+
+  def offer(self, staged, version: int, pullers: Sequence[int], *,
+            delta: Delta | None = None) -> tuple[dict[int, int], np.ndarray]:
+    """Registers `staged` (or its `delta`) once per puller; returns ({puller: uuid}, the fingerprint of `staged`:
+    what a puller checks its rebuilt copy against either way)."""
+    fp = fingerprint(staged)
+    leaves = delta.payload if delta is not None else jax.tree.leaves(staged)
     uuids = {i: next(self._uuids) for i in pullers}
+    if not leaves:  # a delta of a version that changed nothing: there is nothing to pull
+      return uuids, fp
     for uuid in uuids.values():
       self.server.await_pull(uuid, leaves)
     if uuids:
@@ -265,17 +298,22 @@ class WeightPublisher:
       self._cond.notify_all()
 
   def wait_live_below(self, n: int, timeout: float | None = None) -> bool:
-    """Waits until fewer than `n` published copies are live; False if `timeout` passed first."""
+    """Waits until fewer than `n` published versions are live (a version's full copy and its delta count once);
+    False if `timeout` passed first."""
     with self._cond:
-      return self._cond.wait_for(lambda: len(self._live) < n, timeout)
+      return self._cond.wait_for(lambda: len({v for v, _, _ in self._live.values()}) < n, timeout)
 
 
 class WeightPuller:
   """A sampler process's end: pulls a published version onto its own devices."""
 
   def __init__(self, *, address: str, abstract_params, tensor: int, devices: Sequence[jax.Device], host: str,
-               expert: int = 1):
+               expert: int = 1, keep: bool = False):
+    """`keep`: hold the latest pulled version of each part, the base a delta (`sync.delta`) is applied to (a copy of
+    the weights on the pull mesh, unless a replica shares it)."""
     self.mesh = transfer_mesh(devices, tensor, expert)
+    self.keep, self._held = keep, {}  # part -> the latest pulled leaves
+    self.last_nbytes = 0  # what the latest pull moved
     self.paths, self._targets = {}, {}
     for part, tree in parts(abstract_params).items():
       shardings = state_shardings(tree, self.mesh, SAMPLER_RULES)
@@ -286,10 +324,26 @@ class WeightPuller:
     self.server = _server(devices, host)
     self._conn = self.server.connect(address)
 
-  def pull(self, uuid: int, *, part: str = "all", timeout_s: float):
-    """(`part`'s tree on the pull mesh, its fingerprint); TimeoutError when the pull does not finish in time."""
-    box: dict = {}
+  def pull(self, uuid: int, *, part: str = "all", timeout_s: float, codes: Sequence[int] | None = None):
+    """(`part`'s tree on the pull mesh, its fingerprint); TimeoutError when the pull does not finish in time. With
+    `codes` the offer is a delta (`WeightPublisher.delta`) against the latest version pulled, rebuilt here."""
     targets, treedef = self._targets[part]
+    if codes is None:
+      leaves = self._pull(uuid, targets, timeout_s)
+      self.last_nbytes = weight_delta.nbytes(targets)
+    else:
+      if part not in self._held:
+        raise RuntimeError(f"weight pull {uuid}: a delta of {part!r}, but this puller holds no earlier version")
+      payload_targets = weight_delta.targets(targets, list(codes))
+      payload = self._pull(uuid, payload_targets, timeout_s) if payload_targets else []  # [] = nothing changed
+      self.last_nbytes = weight_delta.nbytes(payload_targets)
+      leaves = weight_delta.apply(self._held[part], payload, list(codes))
+    if self.keep:
+      self._held[part] = leaves
+    return jax.tree.unflatten(treedef, leaves), fingerprint(leaves)
+
+  def _pull(self, uuid: int, targets: list, timeout_s: float) -> list[jax.Array]:
+    box: dict = {}
 
     def work():
       try:
@@ -307,5 +361,4 @@ class WeightPuller:
                          "(is the learner alive?)")
     if "error" in box:
       raise RuntimeError(f"weight pull {uuid} from {self.address} failed: {box['error']}") from box["error"]
-    leaves = box["leaves"]
-    return jax.tree.unflatten(treedef, leaves), fingerprint(leaves)
+    return box["leaves"]
