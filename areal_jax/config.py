@@ -26,7 +26,7 @@ from areal_jax.models.config import ModelConfig, ModelSource
 from areal_jax.reward.config import RewardConfig
 from areal_jax.rl.rollout_buffer import RolloutConfig
 from areal_jax.rl import workflows
-from areal_jax.rl.run_config import CheckpointConfig, EvalConfig, MetricsConfig, WarmstartConfig
+from areal_jax.rl.run_config import CheckpointConfig, EvalConfig, MetricsConfig, SyncConfig, WarmstartConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.tokenizer import CharTokenizer
 
@@ -49,6 +49,7 @@ class Settings:
   checkpoint: CheckpointConfig
   metrics: MetricsConfig
   warmstart: WarmstartConfig
+  sync: SyncConfig
   seed: int = 0  # model init, sampling and data order
   total_steps: int = 0  # learner steps (policy versions) to train
   preset: str = ""  # the preset the config was built from
@@ -113,6 +114,7 @@ def _records(c: ml_collections.ConfigDict, data: bool) -> Settings:
       reward=RewardConfig.from_config(c.reward), mesh=MeshConfig.from_config(c.mesh),
       eval=EvalConfig.from_config(c.eval), checkpoint=CheckpointConfig.from_config(c.checkpoint),
       metrics=MetricsConfig.from_config(c.metrics), warmstart=WarmstartConfig.from_config(c.warmstart),
+      sync=SyncConfig.from_config(c.sync),
       seed=int(c.seed), total_steps=int(c.total_steps), preset=str(c.get("preset", "")))
 
 

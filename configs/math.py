@@ -353,6 +353,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.eval.num_samples = 4  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
   c.eval.temperature = 1.0  # the training temperature
 
+  c.sync = ml_collections.ConfigDict()  # weight updates to sampler processes (a multi-process run)
+  # True: a sampler that holds the version before is sent only the elements whose bits changed (indices and values,
+  # rebuilt on its devices bit for bit, checked by the fingerprint); one that joins or restarts gets the whole copy.
+  c.sync.delta = False
+  # True: the learner trains on while the new version is copied, diffed and offered (one version in flight; the bound
+  # on versions live holds as without); False: the learner waits until it is offered.
+  c.sync.overlap = True
+
   c.metrics = ml_collections.ConfigDict()
   c.metrics.tensorboard = True  # TensorBoard event files beside metrics.jsonl
   c.metrics.save_batches = False  # every trained batch to <workdir>/batches/step_N.npz (to replay a step)

@@ -74,8 +74,10 @@ class Weights:
   version: int
   uuid: int
   address: str
-  fingerprint: np.ndarray  # per leaf, as `weight_transfer.fingerprint`
+  fingerprint: np.ndarray  # per leaf, as `weight_transfer.fingerprint`, of the whole version
   part: str = "all"  # "all", or under LoRA (after the first) "adapters"
+  base: int = -1  # >= 0: a delta against this version of `part` (the sampler's latest), with `codes`; -1: whole
+  codes: tuple[int, ...] = ()  # per leaf, as `weight_delta.plan`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Answer:
 class Pulled:
   version: int
   seconds: float
+  nbytes: int = 0  # what the pull moved
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,11 @@ decided in one place for all sampler processes. A group goes whole to the live s
 outstanding (with none live it waits here for one); `submit` returns one future per answer, completed when the
 answer arrives. `publish` offers a version with `jax.experimental.transfer` and
 tells every live sampler to pull it; the notice carries the published fingerprint, and the sampler checks its pull
-against it before the swap. The messages each way are the typed records of `messages.py` (its diagram).
+against it before the swap. With `delta` a sampler that holds the version before is offered only what changed
+(`weight_delta.py`; one that joined or restarted gets the full copy). With `overlap` the learner only dispatches the
+copy: the rest (the copy itself, the delta, the offer) runs on the `hub-publish` thread while the learner trains, one
+version at a time (the next publish waits for it), under the same bound on versions live as before. The messages each
+way are the typed records of `messages.py` (its diagram).
 
 Samplers are elastic; learners are not:
 
@@ -38,13 +42,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import jax
 import numpy as np
 
 from areal_jax import faults
 from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import (SAMPLER, Answer, Bye, Dropped, Failed, Generate, Leaving, Pulled, Stats,
                                             Stop, Weights)
-from areal_jax.distributed.weight_transfer import WeightPublisher
+from areal_jax.distributed.weight_transfer import Delta, WeightPublisher
 from areal_jax.errors import SamplerLost
 from areal_jax.sampler.sampler import end_futures
 from areal_jax.sampler import dispatch
@@ -70,6 +75,7 @@ class RemoteSampler:
   # Joined while the job ran: the version it was sent then, until its loop runs (`_catch_up`). Until then it is not
   # offered new versions, so a sampler still starting (process start, first pull, loop) never holds the learner back.
   catching_up: int | None = None
+  held: dict[str, int] = dataclasses.field(default_factory=dict)  # part -> the latest version offered to it
 
   @property
   def key(self) -> str:  # "sampler0": the metrics' name for it
@@ -79,8 +85,9 @@ class RemoteSampler:
 class SamplerHub:
   """See the module docstring. `peers`: the sampler processes connected at the start (process id -> peer)."""
 
-  def __init__(self, *, peers: dict[int, Peer], publisher: WeightPublisher | None, heartbeat_s: float = 30.0):
-    self.publisher, self.heartbeat_s = publisher, heartbeat_s
+  def __init__(self, *, peers: dict[int, Peer], publisher: WeightPublisher | None, heartbeat_s: float = 30.0,
+               delta: bool = False, overlap: bool = False):
+    self.publisher, self.heartbeat_s, self.delta, self.overlap = publisher, heartbeat_s, delta, overlap
     now = time.monotonic()
     # The loop's state: nothing else reads or writes it.
     self._live = {pid: RemoteSampler(peer, now) for pid, peer in peers.items()}
@@ -90,7 +97,9 @@ class SamplerHub:
     # LoRA the latest adapters (the learner's own arrays cannot be kept: its train step donates them).
     self._kept: dict[str, tuple[int, object]] = {}
     self._publish_s = 0.0  # the latest publish: staged and offered
-    self._part = "all"  # what the latest publish held: "all", or under LoRA (after the first) "adapters"
+    self._learner_s = 0.0  # the latest publish: what the learner waited for (all of it, without `overlap`)
+    self._changed: float | None = None  # the latest delta's share of changed elements
+    self._nbytes: int | None = None  # what a pull of the latest version moves (its delta's, where one was sent)
     self._retired = dict.fromkeys(CUMULATIVE, 0.0)  # the counters of samplers that left
     self._none_since: float | None = None  # since when no sampler has been live
     self._none_s = 0.0  # seconds without a live sampler before that
@@ -103,6 +112,8 @@ class SamplerHub:
     self._stopping = threading.Event()
     self._loop = threading.Thread(target=self._run, name="hub", daemon=True)
     self._readers: list[threading.Thread] = []
+    self._publishing: threading.Thread | None = None  # the version in flight (`overlap`)
+    self._base: dict[str, tuple[int, object]] = {}  # the publishing side's latest staged copy of each part
 
   def start(self) -> SamplerHub:
     self._loop.start()
@@ -120,17 +131,51 @@ class SamplerHub:
 
   def publish(self, params, version: int) -> None:
     """Offers the learner's local copy `params` as `version`; samplers pull it and swap it in between two decode
-    steps. Staged here; offered by the hub's loop once fewer than `MAX_LIVE_VERSIONS` earlier copies are still being
-    pulled (each holds a copy of the weights on the learner's device, so a sampler that pulls slower than the learner
-    steps must not pile them up; one that hangs is dropped by the heartbeat, and its pulls released)."""
+    steps. Staged here; offered by the hub's loop once fewer than `MAX_LIVE_VERSIONS` earlier versions are still
+    being pulled (each holds a copy of the weights on the learner's device, so a sampler that pulls slower than the
+    learner steps must not pile them up; one that hangs is dropped by the heartbeat, and its pulls released). With
+    `overlap` this returns once the copy is dispatched, after the previous version was offered."""
     start = time.perf_counter()
+    self._wait_published()
     part = "adapters" if self.version >= 0 and "adapters" in self.publisher.parts else "all"
-    staged = self.publisher.stage(params, part)
+    staged = self.publisher.stage(params, part, block=not self.overlap)
     faults.reach("weight_update")
     self.check()
+    if self.overlap:
+      self._publishing = threading.Thread(target=self._publish_in_background, args=(staged, version, part, start),
+                                          name="hub-publish", daemon=True)
+      self._publishing.start()
+    else:
+      self._finish_publish(staged, version, part, start)
+    self._learner_s = time.perf_counter() - start
+
+  def _wait_published(self, timeout_s: float | None = None) -> None:
+    """Waits for the version in flight to be offered (or to fail: `check` raises its error)."""
+    if self._publishing is not None:
+      self._publishing.join(timeout_s)
+      self._publishing = None
+    self.check()
+
+  def _publish_in_background(self, staged, version: int, part: str, start: float) -> None:
+    try:
+      self._finish_publish(staged, version, part, start)
+    except BaseException as e:  # pylint: disable=broad-except  # the learner's next call raises it (check)
+      logging.exception("sampler hub: publishing version %d failed", version)
+      self.error = e
+
+  def _finish_publish(self, staged, version: int, part: str, start: float) -> None:
+    """The copy in the pull layout (and under `delta` the change since the previous one), offered once fewer than
+    `MAX_LIVE_VERSIONS` versions are live."""
+    jax.block_until_ready(staged)
+    delta = None
+    if self.delta and part in self._base:
+      base_version, base = self._base[part]
+      delta = (base_version, self.publisher.delta(staged, base))
+    if self.delta:
+      self._base[part] = (version, staged)  # the same copy as `_kept`'s once offered: nothing more is held
     while not self.publisher.wait_live_below(MAX_LIVE_VERSIONS, timeout=1.0):
       self.check()
-    self._call(self._offer, staged, version, part, start)
+    self._call(self._offer, staged, version, part, start, delta)
 
   def check(self) -> None:
     if self.error is not None:
@@ -147,14 +192,18 @@ class SamplerHub:
     return self._call(self._sampler_metrics)
 
   def sync_metrics(self) -> dict[str, float]:
-    """`sync/publish_seconds` of the latest publish; `sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the
-    live samplers' latest pulls, and the same per sampler."""
+    """Of the latest publish: `sync/publish_seconds` (staged and offered), `sync/learner_seconds` (what the learner
+    waited for), `sync/bytes` (what a pull of it moves: its delta's where samplers were sent one) and under `delta`
+    `sync/changed_fraction`; `sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the live samplers' latest
+    pulls, and the same per sampler."""
     return self._call(self._sync_metrics)
 
   def stop(self, timeout_s: float = 120.0) -> None:
     """Tells every sampler to stop and waits for its goodbye (it first finishes a pull in flight, which needs this
     process's transfer server alive); answers still owed are cancelled."""
     deadline = time.monotonic() + timeout_s
+    if self._publishing is not None:  # the version in flight is offered first (the samplers finish its pull)
+      self._publishing.join(timeout_s)
     if self._loop.is_alive():
       self._call(self._tell_stop)
     for t in list(self._readers):
@@ -258,27 +307,44 @@ class SamplerHub:
 
   # --- on the loop: weights -----------------------------------------------------------------------------------------
 
-  def _offer(self, staged, version: int, part: str, start: float) -> None:
-    """Offers `staged` (from `publisher.stage`) as `version` to the live samplers that run."""
+  def _offer(self, staged, version: int, part: str, start: float, delta: tuple[int, Delta] | None = None) -> None:
+    """Offers `staged` (from `publisher.stage`) as `version` to the live samplers that run: `delta` (base version,
+    its delta) to those that hold that base, the full copy to the others."""
     live = {pid: s for pid, s in self._live.items() if s.catching_up is None}
-    uuids, fp = self.publisher.offer(staged, version, list(live))
-    for pid, s in live.items():
-      self._send_weights(pid, s, version, uuids[pid], fp, part)
+    if delta is not None:
+      base, change = delta
+      small = {pid: s for pid, s in live.items() if s.held.get(part) == base}
+      if small:
+        uuids, fp = self.publisher.offer(staged, version, list(small), delta=change)
+        for pid, s in small.items():
+          self._send_weights(pid, s, version, uuids[pid], fp, part, delta=delta)
+      live = {pid: s for pid, s in live.items() if pid not in small}
+      self._changed = change.changed_fraction
+      self._nbytes = change.nbytes if small else self.publisher.nbytes(part)
+    else:
+      self._nbytes = self.publisher.nbytes(part)
+    if live or delta is None:
+      uuids, fp = self.publisher.offer(staged, version, list(live))
+      for pid, s in live.items():
+        self._send_weights(pid, s, version, uuids[pid], fp, part)
     self.version = version
     self._kept[part] = (version, staged)
-    self._publish_s, self._part = time.perf_counter() - start, part
+    self._publish_s = time.perf_counter() - start
 
   def _offer_kept(self, pid: int, s: RemoteSampler, part: str) -> int:
-    """Offers sampler `s` the kept copy of `part`; returns its version."""
+    """Offers sampler `s` the kept copy of `part` (whole); returns its version."""
     version, staged = self._kept[part]
     uuids, fp = self.publisher.offer(staged, version, [pid])
     self._send_weights(pid, s, version, uuids[pid], fp, part)
     return version
 
-  def _send_weights(self, pid: int, s: RemoteSampler, version: int, uuid, fingerprint, part: str) -> None:
+  def _send_weights(self, pid: int, s: RemoteSampler, version: int, uuid, fingerprint, part: str,
+                    delta: tuple[int, Delta] | None = None) -> None:
+    base, codes = (delta[0], delta[1].codes) if delta is not None else (-1, ())
+    s.held[part] = version
     try:
       s.peer.send(SAMPLER, Weights(version=version, uuid=uuid, address=self.publisher.address,
-                                   fingerprint=fingerprint, part=part))
+                                   fingerprint=fingerprint, part=part, base=base, codes=codes))
     except OSError as e:
       self._drop(pid, s, f"{s.peer.name} cannot be reached ({e})")
 
@@ -403,17 +469,18 @@ class SamplerHub:
 
   def _sync_metrics(self) -> dict[str, float]:
     pulls = {s.key: s.pull for s in self._live.values() if s.pull is not None}
-    nbytes = self.publisher.nbytes(self._part)
-    out = {"sync/publish_seconds": self._publish_s, "sync/bytes": float(nbytes)}
+    out = {"sync/publish_seconds": self._publish_s, "sync/learner_seconds": self._learner_s,
+           "sync/bytes": float(self.publisher.nbytes() if self._nbytes is None else self._nbytes)}
+    if self._changed is not None:
+      out["sync/changed_fraction"] = self._changed
     if not pulls:
       return out
-    mb = nbytes / 1e6
     out |= {"sync/seconds": max(p.seconds for p in pulls.values()),
-            "sync/mb_per_s": float(np.mean([mb / max(p.seconds, 1e-9) for p in pulls.values()])),
+            "sync/mb_per_s": float(np.mean([p.nbytes / 1e6 / max(p.seconds, 1e-9) for p in pulls.values()])),
             "sync/version_lag": float(self.version - min(p.version for p in pulls.values()))}
     for key, p in pulls.items():
       out[f"sync/{key}/seconds"] = p.seconds
-      out[f"sync/{key}/mb_per_s"] = mb / max(p.seconds, 1e-9)
+      out[f"sync/{key}/mb_per_s"] = p.nbytes / 1e6 / max(p.seconds, 1e-9)
     return out
 
   # --- one reader thread per sampler process: it only fills the inbox -----------------------------------------------

@@ -65,7 +65,7 @@ def run_sampler(settings, layout: ProcessLayout) -> None:
     leader = connect(layout, authkey(), timeout_s=timeout_s, devices=mesh.devices.size)
     sampler = SamplerWorker(leader, abstract_model, config, meshes, abstract_params, layout=layout,
                             mesh=settings.mesh, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
-                            puller=puller)
+                            puller=puller, delta=settings.sync.delta)
     try:
       sampler.run()
       return
@@ -86,14 +86,17 @@ class SamplerWorker:
   main thread reads why (`Dropped`, or the connection's end) in order."""
 
   def __init__(self, leader: Peer, abstract_model, config: SamplerConfig, meshes, abstract_params, *,
-               layout: ProcessLayout, mesh: MeshConfig, eos_ids, detokenize, puller: WeightPuller | None = None):
-    self.leader, self.layout = leader, layout
+               layout: ProcessLayout, mesh: MeshConfig, eos_ids, detokenize, puller: WeightPuller | None = None,
+               delta: bool = False):
+    """`delta`: the leader sends deltas (`sync.delta`): the puller keeps the latest version to apply them to."""
+    self.leader, self.layout, self.delta = leader, layout, delta
     self.abstract_model, self.config, self.meshes = abstract_model, config, meshes
     self.abstract_params, self.mesh = abstract_params, mesh
     self.eos_ids, self.detokenize = eos_ids, detokenize
     self.rollout: LocalRollout | None = None
     self.version = -1  # the newest version handed to the replicas
     self.puller = puller  # kept across a rejoin
+    self.held: dict[str, int] = {}  # part -> the version pulled last (a delta's base)
     self.threads: dict[str, threading.Thread] = {}
     self.notices: queue.Queue = queue.Queue()  # weight notices, pulled in order by the pull thread
     self.error: BaseException | None = None
@@ -151,7 +154,8 @@ class SamplerWorker:
     if self.puller is None or self.puller.address != notice.address:
       self.puller = WeightPuller(address=notice.address, abstract_params=self.abstract_params,
                                  tensor=self.mesh.sampler_tensor, expert=self.mesh.sampler_expert,
-                                 devices=jax.local_devices(), host=local_ip_towards(self.layout.host))
+                                 devices=jax.local_devices(), host=local_ip_towards(self.layout.host),
+                                 keep=self.delta)
     params = self._pull(notice)
     self.rollout = LocalRollout(abstract_model=self.abstract_model, config=self.config, meshes=self.meshes,
                                 params=params, version=notice.version, eos_ids=self.eos_ids,
@@ -210,12 +214,17 @@ class SamplerWorker:
     reports it and returns it (on the puller's devices: `LocalRollout` moves it onto each replica; under LoRA, after
     the first version, the adapters only, which each replica joins to its copy of the base)."""
     start = time.perf_counter()
-    part = notice.part
-    pulled, fp = self.puller.pull(notice.uuid, part=part, timeout_s=PULL_TIMEOUT_S)
+    part, delta = notice.part, notice.base >= 0
+    if delta and self.held.get(part) != notice.base:
+      raise RuntimeError(f"{self.layout.name}: version {notice.version} of {part!r} came as a delta against version "
+                         f"{notice.base}, but the latest it pulled is {self.held.get(part)}")
+    pulled, fp = self.puller.pull(notice.uuid, part=part, timeout_s=PULL_TIMEOUT_S,
+                                  codes=notice.codes if delta else None)
     seconds = time.perf_counter() - start
     check_fingerprint(fp, notice.fingerprint, paths=self.puller.paths[part],
                       what=f"weights of version {notice.version} on {self.layout.name}")
-    self._send(Pulled(version=notice.version, seconds=seconds))
+    self.held[part] = notice.version
+    self._send(Pulled(version=notice.version, seconds=seconds, nbytes=self.puller.last_nbytes))
     return pulled
 
   def _pull_loop(self) -> None:

@@ -1,5 +1,5 @@
-"""The run's own config groups as frozen, validated records: evaluation, checkpoints, metrics and the supervised
-warm-start (field meanings as in configs/math.py). Each `from_config` takes its group of an ml_collections config;
+"""The run's own config groups as frozen, validated records: evaluation, checkpoints, metrics, weight updates and the
+supervised warm-start (field meanings as in configs/math.py). Each `from_config` takes its group of an ml_collections config;
 unknown keys raise."""
 
 from __future__ import annotations
@@ -55,6 +55,15 @@ class MetricsConfig(_Group):
   GROUP = "metrics"
   tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl
   save_batches: bool = False  # every trained batch to <workdir>/batches/step_N.npz
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncConfig(_Group):
+  """Weight updates from the learner to sampler processes (a multi-process run: `distributed/sampler_hub.py`)."""
+
+  GROUP = "sync"
+  delta: bool = False  # a sampler holding the version before gets only the elements whose bits changed (lossless)
+  overlap: bool = True  # the learner trains on while the copy is staged and offered (one version in flight)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ from areal_jax.rl.evaluation import EpisodeEvaluator, Evaluator
 from areal_jax.rl.metrics import MetricsWriter
 from areal_jax.rl.rollout import Rollout
 from areal_jax.rl.rollout_buffer import RolloutBuffer
+from areal_jax.rl.run_config import SyncConfig
 from areal_jax.sampler.config import SamplerConfig
 from areal_jax.sharding import make_mesh
 
@@ -63,7 +64,7 @@ def leader_parts(workdir: str, st, layout: ProcessLayout, control: ControlServer
   settings = st.settings
   learner_local = [d for d in learner_mesh.devices.flat if d.process_index == jax.process_index()]
   sampler_cfg = settings.sampler.for_tokenizer(st.tokenizer.vocab_size)
-  rollout = _start_rollout(settings.mesh, layout, control, sampler_cfg, st.learner, local,
+  rollout = _start_rollout(settings.mesh, settings.sync, layout, control, sampler_cfg, st.learner, local,
                            sampler_meshes, learner_local, st.tokenizer)
   rewards = RewardService.from_config(settings.reward)
   buffer = RolloutBuffer.from_config(settings.rollout, version=st.learner.version)
@@ -114,7 +115,7 @@ def _evaluator(st, controller: RolloutController, sampler_cfg: SamplerConfig, le
                    num_samples=settings.eval.num_samples, temperature=settings.eval.temperature, seed=settings.seed)
 
 
-def _start_rollout(mesh: MeshConfig, layout: ProcessLayout, control: ControlServer | None,
+def _start_rollout(mesh: MeshConfig, sync: SyncConfig, layout: ProcessLayout, control: ControlServer | None,
                    sampler_cfg: SamplerConfig, learner: Learner, local, sampler_meshes, learner_local,
                    tokenizer) -> Rollout:
   """The samplers, holding the learner's current weights: a `SamplerHub` over the sampler processes of a
@@ -127,7 +128,8 @@ def _start_rollout(mesh: MeshConfig, layout: ProcessLayout, control: ControlServ
                               tensor=mesh.sampler_tensor, expert=mesh.sampler_expert, devices=learner_local,
                               host=layout.host)
   peers = control.wait(range(layout.num_learners, layout.num_processes), timeout_s=CONNECT_TIMEOUT_S)
-  hub = SamplerHub(peers=peers, publisher=publisher, heartbeat_s=mesh.sampler_heartbeat_s).start()
+  hub = SamplerHub(peers=peers, publisher=publisher, heartbeat_s=mesh.sampler_heartbeat_s, delta=sync.delta,
+                   overlap=sync.overlap).start()
   hub.publish(local, learner.version)
   control.on_sampler(hub.join)  # samplers that restart, or more of them, join the running job
   return hub

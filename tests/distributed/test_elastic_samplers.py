@@ -22,8 +22,10 @@ pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the 
 
 HEARTBEAT_S = 5
 STEPS = 60
+# Delta weight sync on, with bfloat16 sampler weights (a float32 copy changes nearly everywhere every step): every
+# pull after a sampler's first is rebuilt from its delta and checked against the version's fingerprint.
 OVERRIDES = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 2, "mesh.sampler_heartbeat_s": HEARTBEAT_S,
-             "total_steps": STEPS}
+             "total_steps": STEPS, "sync.delta": True, "sampler.param_dtype": "bfloat16"}
 
 
 class Log:
@@ -121,7 +123,11 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
   assert "local: sampler 1 (pid" not in text  # the stopped one rejoined without exiting
   config = load_config(FAST, **OVERRIDES)
   assert_every_prompt_once(workdir, config, last_step=STEPS)
-  last = read_metrics(workdir)[-1]
+  metrics = read_metrics(workdir)
+  last = metrics[-1]
+  # Deltas moved: fewer bytes than the whole copy on some version, and every pull checked (a mismatch fails the job).
+  assert all(0 <= m["sync/changed_fraction"] <= 1 for m in metrics[2:]), metrics[2]
+  assert min(m["sync/bytes"] for m in metrics[2:]) < metrics[1]["sync/bytes"]
   assert last["samplers/lost"] >= 2 and last["samplers/joined"] >= 3 and last["samplers/live"] == 3
   assert lost >= 1 and last["rollout/regenerated_groups"] >= lost, (lost, last["rollout/regenerated_groups"])
   eta = config.rollout.max_head_offpolicyness

@@ -13,6 +13,7 @@ import pytest
 from areal_jax.distributed.control import Peer
 from areal_jax.distributed.messages import (SAMPLER, Answer, Dropped, Generate, Leaving, Pulled, Stats, Weights)
 from areal_jax.distributed.sampler_hub import SamplerHub
+from areal_jax.distributed.weight_transfer import Delta
 from areal_jax.errors import SamplerLost
 from areal_jax.sampler.requests import Request, SamplingParams
 from areal_jax.types import Trajectory
@@ -27,16 +28,21 @@ class FakePublisher:
 
   def __init__(self):
     self.offers, self.forgotten, self.pulls = [], [], []
+    self.room = threading.Event()  # cleared: as if MAX_LIVE_VERSIONS versions were still being pulled
+    self.room.set()
 
-  def stage(self, params, part="all"):
+  def stage(self, params, part="all", block=True):
     return ("staged", params, part)
 
-  def offer(self, staged, version, pullers):
-    self.offers.append((staged, version, list(pullers)))
+  def offer(self, staged, version, pullers, delta=None):
+    self.offers.append((staged, version, list(pullers)) + ((delta,) if delta is not None else ()))
     return {p: 100 + p for p in pullers}, np.zeros((1, 2), np.float32)
 
+  def delta(self, staged, base):
+    return Delta(codes=(1,), payload=[("from", base[1], "to", staged[1])], changed_fraction=0.25, nbytes=2)
+
   def wait_live_below(self, n, timeout=None):
-    return True
+    return self.room.wait(timeout)
 
   def pulled(self, version, puller):
     self.pulls.append((version, puller))
@@ -182,3 +188,76 @@ def test_pulls_are_reported_to_the_publisher(hub_of_two):
   wait_until(lambda: pub.pulls == [(0, 1)])
   wait_until(lambda: "sync/sampler0/seconds" in hub.sync_metrics())
   assert hub.sync_metrics()["sync/sampler0/seconds"] == 0.5
+
+
+def test_deltas_go_to_samplers_that_hold_their_base_and_whole_copies_to_the_rest():
+  a, b = Sampler(1), Sampler(2)
+  pub = FakePublisher()
+  hub = SamplerHub(peers={1: a.hub_end, 2: b.hub_end}, publisher=pub, heartbeat_s=30, delta=True).start()
+  try:
+    hub.publish({"w": 0}, 0)
+    assert [(w.version, w.base) for w in (a.next(), b.next())] == [(0, -1), (0, -1)]  # nothing to diff against
+    hub.publish({"w": 1}, 1)
+    for s in (a, b):
+      w = s.next()
+      assert (w.version, w.base, w.codes) == (1, 0, (1,))
+    assert pub.offers[-1][2] == [1, 2] and pub.offers[-1][3].payload == [("from", {"w": 0}, "to", {"w": 1})]
+    c = Sampler(3)  # joins: the whole copy of the latest version
+    hub.join(c.hub_end)
+    assert (c.next().base, pub.offers[-1][2]) == (-1, [3])
+    restarted = Sampler(1)  # sampler 0's process again: it holds nothing
+    hub.join(restarted.hub_end)
+    assert restarted.next().base == -1
+    for s in (c, restarted):
+      s.peer.send(SAMPLER, Stats({"version": 1.0}))
+    wait_until(lambda: all(s.catching_up is None for s in hub._live.values()))  # pylint: disable=protected-access
+    hub.publish({"w": 2}, 2)
+    assert [s.next().base for s in (b, c, restarted)] == [1, 1, 1]
+    assert hub.sync_metrics()["sync/changed_fraction"] == 0.25
+  finally:
+    hub.stop(timeout_s=1)
+
+
+def test_with_overlap_the_learner_goes_on_while_the_version_waits_for_room():
+  """The learner's publish returns once the copy is dispatched; the version is offered when fewer than
+  MAX_LIVE_VERSIONS are live; the next publish waits for that (one version in flight)."""
+  a = Sampler(1)
+  pub = FakePublisher()
+  hub = SamplerHub(peers={1: a.hub_end}, publisher=pub, heartbeat_s=30, overlap=True).start()
+  try:
+    hub.publish({"w": 0}, 0)
+    assert a.next().version == 0
+    pub.room.clear()
+    hub.publish({"w": 1}, 1)  # returns: the offer waits on the hub-publish thread
+    assert not a.peer.poll(0.3)
+    second = threading.Thread(target=hub.publish, args=({"w": 2}, 2))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # waits for version 1 to be offered
+    pub.room.set()
+    assert [a.next().version, a.next().version] == [1, 2]
+    second.join(5)
+    assert not second.is_alive()
+    assert hub.sync_metrics()["sync/learner_seconds"] < hub.sync_metrics()["sync/publish_seconds"] + 1
+  finally:
+    hub.stop(timeout_s=1)
+
+
+def test_a_publish_that_fails_in_the_background_fails_the_learners_next_call():
+  a = Sampler(1)
+  pub = FakePublisher()
+  hub = SamplerHub(peers={1: a.hub_end}, publisher=pub, heartbeat_s=30, overlap=True, delta=True).start()
+  try:
+    hub.publish({"w": 0}, 0)
+    a.next()
+
+    def broken(staged, base):
+      raise RuntimeError("device lost while diffing")
+
+    pub.delta = broken
+    hub.publish({"w": 1}, 1)
+    wait_until(lambda: hub.error is not None)
+    with pytest.raises(RuntimeError, match="device lost while diffing"):
+      hub.publish({"w": 2}, 2)
+  finally:
+    hub.stop(timeout_s=1)
