@@ -40,6 +40,9 @@ _LAYOUT = flags.DEFINE_enum("layout", "replicas", ["replicas", "host", "pathways
                             "(Pathways, or one host); see the module docstring.")
 _HOST_NETWORK = flags.DEFINE_float("host_network_gbps", 0, "Gb/s a host sends over the data-centre network; 0 = the "
                                    "device table's (needed where it has none and samplers are processes).")
+_SYNC_DELTA = flags.DEFINE_float("sync_delta", 0.0, "Price sync.delta: the share of bf16 elements a version changes "
+                                  "(docs/results.md: tools/bench_delta_sync.py); 0 = every version whole. Sampler "
+                                  "processes pull beside the learner's next step when the config's sync.overlap is on.")
 _MODEL = flags.DEFINE_string("model", "", "A preset of the --config file, or a HF config.json (or its directory); "
                              "'' = the config's model.")
 _TENSOR = flags.DEFINE_integer("tensor", 0, "Chips per sampler data shard; 0 = mesh.sampler_tensor.")
@@ -113,7 +116,8 @@ def _setup():
     remat = 0.0  # in the counted passes
   return plan.Setup(model=model, device=hardware.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor, layout=_LAYOUT.value,
-                    host_network=_HOST_NETWORK.value * 1e9 / 8,
+                    host_network=_HOST_NETWORK.value * 1e9 / 8, sync_delta=_SYNC_DELTA.value,
+                    sync_overlap=settings.sync.overlap,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
                     recorded=recorded,

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from areal_jax.distributed.weight_delta import INDEX_BYTES
 from areal_jax.models.config import ModelConfig
 from areal_jax.hardware import Device
 
@@ -46,7 +47,9 @@ class CostModel:
   GPUs, of `mesh.sampler_tensor` chips each; emulated CPU devices may share a core) over `engines` independent
   engines, `learner_chips` training; `colocated` when both roles share the same chips (weights are then resharded in
   HBM); `sampler_processes` > 0 when the samplers are processes on other hosts, each pulling every version from the
-  learner's leader over the network (`host_network`, bytes/s of the leader's host)."""
+  learner's leader over the network (`host_network`, bytes/s of the leader's host): the whole copy, or with
+  `sync_delta` > 0 (`sync.delta`: that share of the elements changed a version) the indices and values of what
+  changed; with `sync_overlap` (`sync.overlap`) that pull runs beside the learner's next step."""
 
   model: ModelConfig
   device: Device
@@ -57,6 +60,8 @@ class CostModel:
   colocated: bool = False
   sampler_processes: int = 0
   host_network: float = 0.0
+  sync_delta: float = 0.0
+  sync_overlap: bool = False
   weight_bytes: int = 2  # bytes per sampler weight (bfloat16)
   kv_bytes: int = 2  # bytes per cached key/value element
   passes: float = 4.0  # learner FLOP passes per token: forward + backward (3), the proximal forward (1)
@@ -135,10 +140,25 @@ class CostModel:
       if not self.host_network:
         raise ValueError(f"{d.name}: no host network bandwidth to price sampler processes' weight pulls over "
                          "(tools/plan.py --host_network_gbps)")
-      return self.sampler_processes * size / (self.host_network * e.link) + e.transfer_s
+      diff = 0.0
+      if self.sync_delta:  # on the published copy's chips (one sampler's tensor group): read both copies, write once
+        diff = 3 * size / (self.sampler_chips / self.sampler_shards * d.hbm_bw * e.learner_bw)
+        size *= self.delta_share
+      return self.sampler_processes * size / (self.host_network * e.link) + diff + e.transfer_s
     if self.colocated:
       return 2 * size / (self.sampler_chips * d.hbm_bw * e.decode_bw) + e.transfer_s
     return size / (min(self.sampler_chips, self.learner_chips) * d.link * e.link) + e.transfer_s
+
+  @property
+  def delta_share(self) -> float:
+    """A version's pull as a share of the whole copy under `sync_delta`: each changed element's index and value, or
+    the whole leaf where that costs less (`weight_delta`)."""
+    return min(1.0, self.sync_delta * (INDEX_BYTES + self.weight_bytes) / self.weight_bytes)
+
+  @property
+  def transfer_overlaps(self) -> bool:
+    """Whether the learner trains on while the samplers pull (`sync.overlap` applies to sampler processes)."""
+    return self.sync_overlap and self.sampler_processes > 0
 
   def after_step(self) -> float:
     """The learner host's work between a step's publication and awaiting the next batch (metrics, checkpoints):

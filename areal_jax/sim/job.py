@@ -85,6 +85,7 @@ class Result:
   group_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per trajectory, its group's id
   sampler_busy: list[float] = dataclasses.field(default_factory=list)
   learner_busy: list[float] = dataclasses.field(default_factory=list)
+  sync_s: list[float] = dataclasses.field(default_factory=list)  # per step: what the learner waited for its publish
   start: float = 0.0  # when step 1's batch was first awaited (after the starting evaluation: t = 0)
   sampler_stats: dict = dataclasses.field(default_factory=dict)  # the driver's counters at the end, summed
   engine_tokens: list[float] = dataclasses.field(default_factory=list)  # tokens each engine drew, at the end
@@ -111,6 +112,11 @@ class Result:
     before = lambda xs: xs[w - 1] if w else 0.0
     return ((self.sampler_busy[-1] - before(self.sampler_busy)) / seconds,
             (self.learner_busy[-1] - before(self.learner_busy)) / seconds)
+
+  def sync_share(self, warmup: int = 2) -> float:
+    """The share of the timed window the learner spent waiting on its weight publishes."""
+    w, seconds = self._window(warmup)
+    return sum(self.sync_s[w:]) / seconds
 
   def staleness_of(self, warmup: int = 2) -> np.ndarray:
     w = min(warmup, len(self.staleness) - 1)
@@ -318,7 +324,7 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
   samplers = [loop.create_task(s.serve(_VirtualClock(loop, e, wake, b)))
               for s, e, wake, b in zip(rollout.samplers, engines, rollout.wakes, busy)]
   controller.start()
-  version, learner_busy = 0, 0.0
+  version, learner_busy, in_flight = 0, 0.0, None
   try:
     for _ in range(job.steps):
       groups = await _next_batch(controller, buffer, rollout, samplers, b)
@@ -330,11 +336,20 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
       await asyncio.sleep(seconds)
       controller.mark_trained(groups)
       transfer = costs.transfer()
-      await asyncio.sleep(transfer)  # the learner's publish: the sampler swaps at its next step
       version += 1
-      rollout.publish(version)
+      if costs.transfer_overlaps:  # sync.overlap: the pull runs beside the next step, one version in flight
+        waited = loop.time()
+        if in_flight is not None:
+          await in_flight
+        waited = loop.time() - waited
+        in_flight = loop.create_task(_publish_after(transfer, rollout, version))
+      else:
+        await asyncio.sleep(transfer)  # the learner's publish: the sampler swaps at its next step
+        rollout.publish(version)
+        waited = transfer
       controller.admit(version)
-      learner_busy += seconds + transfer
+      learner_busy += seconds + waited
+      result.sync_s.append(waited)
       result.step_end.append(loop.time())
       result.tokens.append(sum(len(t.response_ids) for t in trajectories) * job.scale)
       result.answers.append(len(trajectories))
@@ -350,6 +365,11 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
     await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()),
                          return_exceptions=True)
   return result
+
+
+async def _publish_after(seconds: float, rollout, version: int) -> None:
+  await asyncio.sleep(seconds)
+  rollout.publish(version)
 
 
 async def _next_batch(controller, buffer: _Buffer, rollout: _Rollout, samplers: list[asyncio.Task], n: int) -> list:

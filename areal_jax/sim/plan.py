@@ -50,6 +50,8 @@ class Setup:
   seed: int = 0
   layout: str = "replicas"  # LAYOUTS
   host_network: float = 0.0  # bytes/s per host; 0 = the device table's
+  sync_delta: float = 0.0  # sync.delta: the share of elements a version changes (docs/results); 0 = whole copies
+  sync_overlap: bool = True  # sync.overlap
 
   @property
   def token_scale(self) -> int:
@@ -120,6 +122,7 @@ def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: boo
                     sampler_shards=sampler_chips // setup.tensor, engines=lay.engines, colocated=colocated,
                     sampler_processes=lay.processes,
                     host_network=setup.host_network or setup.device.host_network or 0.0,
+                    sync_delta=setup.sync_delta, sync_overlap=setup.sync_overlap,
                     weight_bytes=_bytes(setup.sampler.param_dtype),
                     kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
                     remat=setup.remat,
@@ -141,6 +144,7 @@ def _figures(setup: Setup, r: Result) -> dict:
   stale = r.staleness_of(setup.warmup)
   return {"tokens_per_s": r.tokens_per_s(setup.warmup), "answers_per_s": r.answers_per_s(setup.warmup),
           "step_s": r.step_s(setup.warmup), "sampler_busy": sampler_busy, "learner_busy": learner_busy,
+          "sync_share": r.sync_share(setup.warmup),
           "staleness_mean": float(stale.mean()), "staleness_p99": float(np.percentile(stale, 99))}
 
 
@@ -177,18 +181,19 @@ def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
 
 def format_table(result: dict) -> str:
   head = ("split (sampler+learner)", "eta", "layout", "tokens/s", "step s", "sampler busy", "learner busy",
-          "staleness mean", "staleness p99", "x colocated sync", "x split sync")
+          "weight sync", "staleness mean", "staleness p99", "x colocated sync", "x split sync")
   s = result["sync"]
   lines = [" | ".join(head), " | ".join("---" for _ in head)]
   if s is not None:
     lines.append(f"colocated sync ({s['sampler_chips']}) | 0 | {s['layout']} | {s['tokens_per_s']:,.0f} | "
-                 f"{s['step_s']:.1f} | {s['sampler_busy']:.0%} | {s['learner_busy']:.0%} | 0.00 | 0 | 1.00x | -")
+                 f"{s['step_s']:.1f} | {s['sampler_busy']:.0%} | {s['learner_busy']:.0%} | {s['sync_share']:.1%} | "
+                 "0.00 | 0 | 1.00x | -")
   for r in result["rows"]:
     mark = " *" if r is result["recommended"] else ""
     vs = "-" if r["speedup_vs_colocated_sync"] is None else f"{r['speedup_vs_colocated_sync']:.2f}x"
     lines.append(f"{r['sampler_chips']}+{r['learner_chips']}{mark} | {r['eta']} | {r['layout']} | "
                  f"{r['tokens_per_s']:,.0f} | {r['step_s']:.1f} | {r['sampler_busy']:.0%} | {r['learner_busy']:.0%} | "
-                 f"{r['staleness_mean']:.2f} | {r['staleness_p99']:.0f} | {vs} | {r['speedup_vs_split_sync']:.2f}x")
+                 f"{r['sync_share']:.1%} | {r['staleness_mean']:.2f} | {r['staleness_p99']:.0f} | {vs} | {r['speedup_vs_split_sync']:.2f}x")
   return "\n".join(lines)
 
 

@@ -157,3 +157,30 @@ def test_weights_to_sampler_processes_cross_the_leaders_host_network():
   assert two.transfer() - two.eff.transfer_s == pytest.approx(2 * (one.transfer() - one.eff.transfer_s))
   with pytest.raises(ValueError, match="host_network_gbps"):
     CostModel(**kw, sampler_processes=2).transfer()
+
+
+def test_delta_sync_prices_what_changed_and_overlap_takes_the_pull_off_the_learners_path():
+  """`sync.delta`: a pull moves each changed element's int32 index and bf16 value (3x its share), and the diff reads
+  both copies in HBM; `sync.overlap`: the learner waits only for the version before, so its sync share drops."""
+  model = _setup().model
+  kw = dict(model=model, device=device("h100"), sampler_chips=16, learner_chips=16, sampler_shards=16, engines=16,
+            sampler_processes=2, host_network=50e9)
+  full, delta = CostModel(**kw), CostModel(**kw, sync_delta=0.02)
+  size, d = model.num_params() * 2, device("h100")
+  assert delta.delta_share == pytest.approx(0.06) and CostModel(**kw, sync_delta=0.5).delta_share == 1.0
+  assert delta.transfer() == pytest.approx(2 * 0.06 * size / (50e9 * delta.eff.link) + 3 * size / (
+      d.hbm_bw * delta.eff.learner_bw) + delta.eff.transfer_s)
+  assert delta.transfer() < full.transfer()
+  assert not full.transfer_overlaps and CostModel(**kw, sync_overlap=True).transfer_overlaps
+  assert not CostModel(**(kw | {"sampler_processes": 0}), sync_overlap=True).transfer_overlaps  # in-process: as is
+
+  slow = dataclasses.replace(_setup(), eff=_setup().eff.replace(transfer_s=2.0), chips=16, device=device("h100"),
+                             host_network=50e9)
+  # 16 chips on 8-chip hosts: sampler processes behind the hub.
+  waits, shares = {}, {}
+  for overlap in (False, True):
+    r = plan.simulate_split(dataclasses.replace(slow, sync_overlap=overlap), sampler_chips=8, eta=2)
+    waits[overlap], shares[overlap] = r.sync_s, r.sync_share()
+    ids = [g for step in r.group_ids for g in step]
+    assert len(set(ids)) * 4 == len(ids) and max(max(s) for s in r.staleness) <= 2
+  assert min(waits[False]) >= 2.0 and shares[True] < shares[False]
