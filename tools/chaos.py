@@ -25,6 +25,7 @@ Prints a table of attempts and one of checks; exits 1 on any violation, on an at
 the run completed before all kills were made. Logs of each attempt: <workdir>/chaos/.
 
     python tools/chaos.py --workdir=/tmp/chaos --processes=3 --target=sampler --kills=20 --seed=0
+    python tools/chaos.py ... --set=sync.delta=True --set=sampler.param_dtype=bfloat16   # any config override
 
 `--target=sampler` is the other kind of fault: samplers that come and go while the learner runs on. The job (a learner
 and processes - 1 sampler processes, `launch/local.py --restart_samplers`, a short heartbeat) runs once, start to end;
@@ -38,6 +39,7 @@ run first (`<workdir>/fault_free`), which must be at least `--min-ratio`.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
 import json
@@ -89,7 +91,12 @@ def parse_args():
   p.add_argument("--heartbeat", type=float, default=5.0, help="--target=sampler: mesh.sampler_heartbeat_s")
   p.add_argument("--min-ratio", type=float, default=0.8,
                  help="--target=sampler: trained answers/s under faults over the fault-free run's, at least")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="a config override for the job (and the fault-free run), e.g. --set=sync.delta=True; repeatable")
   args = p.parse_args()
+  for item in args.set:
+    if "=" not in item:
+      p.error(f"--set={item!r}: expected KEY=VALUE (a config field, e.g. sync.delta=True)")
   if args.processes == 1 or args.processes < 0:
     p.error(f"--processes={args.processes}: 0 (one process) or at least 2")
   if args.target == "sampler" and args.processes < 3:
@@ -97,6 +104,14 @@ def parse_args():
   if args.steps is None:
     args.steps = 1200 if args.target == "sampler" else 150
   return args
+
+
+def _literal(text: str):
+  """A --set value as the config field takes it: a Python literal (True, 1e-5), else the string."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
 
 
 def _overrides(args) -> dict:
@@ -107,6 +122,7 @@ def _overrides(args) -> dict:
     # Enough prompts that the run stays in its first epoch (the prompt check reads the epoch's order once).
     extra |= {"mesh.sampler_processes": args.processes - 1, "mesh.sampler_heartbeat_s": args.heartbeat,
               "data.synthetic_size": 8 * args.steps}
+  extra |= {k: _literal(v) for k, v in (item.split("=", 1) for item in getattr(args, "set", []))}
   return {"total_steps": args.steps, "seed": args.seed, "eval.every_steps": 4, **extra}
 
 
