@@ -68,8 +68,10 @@ _JSON = flags.DEFINE_bool("json", False, "Print the result as one JSON object in
 _PLOT = flags.DEFINE_string("plot", "plan.png", "PNG of throughput against split per η ('' = none).")
 _CHECK = flags.DEFINE_string("check", "", "A tools/bench_async.py --processes workdir: predict its runs from this "
                              "machine's calibrated costs, beside the measured figures.")
-_CALIBRATION = flags.DEFINE_string("calibration", "", "Calibration JSON for --check: read if it exists, else "
-                                   "measured and written; '' = <--check>/calibration.json.")
+_CALIBRATION = flags.DEFINE_string("calibration", "", "A tools/device_check.py device_check.json: its measured decode "
+                                   "share of the HBM roofline and learner MFU replace --device's default efficiencies. "
+                                   "With --check: this machine's CPU calibration JSON, read if it exists, else "
+                                   "measured and written ('' = <--check>/calibration.json).")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -83,7 +85,7 @@ def _setup():
   from areal_jax import config as config_lib  # pylint: disable=g-import-not-at-top  # after the flags
   from areal_jax.models import hf_io  # pylint: disable=g-import-not-at-top
   from areal_jax import hardware  # pylint: disable=g-import-not-at-top
-  from areal_jax.sim import lengths, plan  # pylint: disable=g-import-not-at-top
+  from areal_jax.sim import costs, lengths, plan  # pylint: disable=g-import-not-at-top
 
   settings = config_lib.validate(_CONFIG.value, data=False)
   model = settings.model
@@ -114,7 +116,12 @@ def _setup():
     counted = programs.learner_passes(settings, _PROGRAMS.value, int(prompt_len + dist.mean), model)
     passes = dict(passes=counted.total, proximal=counted.proximal)
     remat = 0.0  # in the counted passes
-  return plan.Setup(model=model, device=hardware.device(_DEVICE.value), chips=_CHIPS.value, sampler=s,
+  device = hardware.device(_DEVICE.value)
+  eff = costs.Efficiency()
+  if _CALIBRATION.value:
+    with open(_CALIBRATION.value) as f:
+      eff = costs.from_device_check(json.load(f), device, eff, where=f"--calibration={_CALIBRATION.value}")
+  return plan.Setup(model=model, device=device, chips=_CHIPS.value, sampler=s, eff=eff,
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor, layout=_LAYOUT.value,
                     host_network=_HOST_NETWORK.value * 1e9 / 8, sync_delta=_SYNC_DELTA.value,
                     sync_overlap=settings.sync.overlap,

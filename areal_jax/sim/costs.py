@@ -41,6 +41,28 @@ class Efficiency:
     return dataclasses.replace(self, **kw)
 
 
+def from_device_check(report: dict, device: Device, eff: Efficiency = Efficiency(), *,
+                      where: str = "device_check.json") -> Efficiency:
+  """`eff` with what `tools/device_check.py` measured on `device` (`report`: its device_check.json): decode's share
+  of the datasheet's HBM roofline at the most slots it ran becomes `decode_bw`, and the per-call and per-step decode
+  overheads 0 (the measured share already carries them at that batch); the learner's MFU against the datasheet peak
+  becomes `learner_mfu`. A dry run (tiny shapes) or a report of another device is refused, naming it."""
+  if report.get("dry_run"):
+    raise ValueError(f"{where}: a dry run (tiny shapes, interpreted kernels) measures no device's efficiencies")
+  if report.get("device") != device.name:
+    raise ValueError(f"{where}: measured on {report.get('device')!r}, not on {device.name!r} (--device)")
+  cal = report.get("calibration") or {}
+  decode = {int(k.rsplit("_", 1)[1]): v for k, v in cal.items() if k.startswith("decode_of_spec_roofline_")}
+  updates = {}
+  if decode:
+    updates |= {"decode_bw": float(decode[max(decode)]), "decode_call_s": 0.0, "decode_step_s": 0.0}
+  if "learner_mfu" in cal:
+    updates["learner_mfu"] = float(cal["learner_mfu"])
+  if not updates:
+    raise ValueError(f"{where}: no decode or learner figures in its calibration ({sorted(cal)})")
+  return eff.replace(**updates)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
   """Seconds per device call for one job layout: `sampler_chips` split in `sampler_shards` data shards (on TPUs and

@@ -184,3 +184,27 @@ def test_delta_sync_prices_what_changed_and_overlap_takes_the_pull_off_the_learn
     ids = [g for step in r.group_ids for g in step]
     assert len(set(ids)) * 4 == len(ids) and max(max(s) for s in r.staleness) <= 2
   assert min(waits[False]) >= 2.0 and shares[True] < shares[False]
+
+
+def test_a_device_checks_figures_replace_the_devices_default_efficiencies():
+  """`tools/plan.py --calibration=device_check.json`: the measured decode share of the datasheet roofline (at the
+  most slots) and learner MFU replace the defaults; a dry run or another device's report is refused."""
+  from areal_jax.sim import costs
+
+  report = {"header": "# device check: 1 x NVIDIA H100", "device": "h100", "dry_run": False, "thresholds": {},
+            "calibration": {"decode_of_spec_roofline_64": 0.41, "decode_of_spec_roofline_256": 0.55,
+                            "hbm_bw": 2.9e12, "learner_mfu": 0.31}, "rows": []}
+  h100 = device("h100")
+  eff = costs.from_device_check(report, h100)
+  assert (eff.decode_bw, eff.learner_mfu, eff.decode_call_s, eff.decode_step_s) == (0.55, 0.31, 0.0, 0.0)
+  assert eff.prefill_flops == costs.Efficiency().prefill_flops  # what it did not measure stays
+  model = _setup().model
+  kw = dict(model=model, device=h100, sampler_chips=1, learner_chips=1)
+  batch, context = np.array([64]), np.array([4096 * 64])
+  slow = CostModel(**kw, eff=costs.Efficiency().replace(decode_call_s=0.0, decode_step_s=0.0, decode_bw=0.7))
+  assert CostModel(**kw, eff=eff).decode_step(batch, context) == pytest.approx(
+      slow.decode_step(batch, context) * 0.7 / 0.55)
+  with pytest.raises(ValueError, match="a dry run"):
+    costs.from_device_check(report | {"dry_run": True}, h100)
+  with pytest.raises(ValueError, match="measured on 'h100', not on 'h200'"):
+    costs.from_device_check(report, device("h200"))

@@ -55,3 +55,8 @@ def test_a_figure_past_its_threshold_fails_the_check(tmp_path, monkeypatch):
   assert tool.main() == 1
   rows = json.loads((tmp_path / "device_check.json").read_text())["rows"]
   assert [r["verdict"] for r in rows] == ["FAIL", "FAIL"], rows
+  # The planner refuses a dry run's figures as a device's calibration, naming the file.
+  plan = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--device=h100", "--chips=16",
+                         f"--calibration={tmp_path}/device_check.json", "--plot="], capture_output=True, text=True,
+                        timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert plan.returncode != 0 and "a dry run" in plan.stderr and "device_check.json" in plan.stderr, plan.stderr[-2000:]
