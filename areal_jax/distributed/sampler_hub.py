@@ -149,10 +149,10 @@ class SamplerHub:
       self._finish_publish(staged, version, part, start)
     self._learner_s = time.perf_counter() - start
 
-  def _wait_published(self, timeout_s: float | None = None) -> None:
+  def _wait_published(self) -> None:
     """Waits for the version in flight to be offered (or to fail: `check` raises its error)."""
     if self._publishing is not None:
-      self._publishing.join(timeout_s)
+      self._publishing.join()
       self._publishing = None
     self.check()
 
