@@ -97,6 +97,7 @@ def main(args) -> None:
   import optax
   from flax import nnx
 
+  from areal_jax.distributed import weight_transfer
   from areal_jax.distributed.weight_transfer import WeightPublisher, _leaf_paths
   from areal_jax.learner.optimizer import make_optimizer
   from areal_jax.models import create
@@ -163,10 +164,7 @@ def main(args) -> None:
       delta = pub.delta(staged, previous)
       jax.block_until_ready(delta.payload)
       t2 = time.perf_counter()
-      changed = [int(jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint16) != jax.lax.bitcast_convert_type(b,
-                                                                                                       jnp.uint16)))
-                 if a.dtype.itemsize == 2 else int(jnp.sum(a != b))
-                 for a, b in zip(jax.tree.leaves(staged), jax.tree.leaves(previous))]
+      changed = [int(c) for c in jax.device_get(weight_transfer._changed(staged, previous))]  # per leaf
       share = {g: sum(c for c, gg in zip(changed, groups) if gg == g) / max(1, sum(n for n, gg in zip(sizes, groups)
                                                                                 if gg == g))
                for g in ("embeddings", "head", "layers")}

@@ -1,11 +1,13 @@
-"""tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py, bench_lora.py and
-bench_prefix_cache.py end to end on small workloads, peers included."""
+"""tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py, bench_lora.py, bench_prefix_cache.py
+and bench_delta_sync.py end to end on small workloads, peers included."""
 
-import pytest
+import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
@@ -86,3 +88,17 @@ def test_bench_prefix_cache_draws_the_same_answers_with_fewer_tokens_prefilled()
   # full page of 16 for each episode.
   assert off == (8, 4 * 20 + 4 * 36, 0) and on == (8, off[1] - 4 * 16, 4 * 16), out
   assert "ratio off / on (best rounds)" in out, out
+
+
+def test_bench_delta_sync_pulls_whole_and_delta_copies_that_match(tmp_path):
+  """The tiny preset in one version after another, pulled by a second process whole and as a delta; the tool fails
+  unless both rebuild the published fingerprint. A float32 copy under Adam changes nearly everywhere: its delta goes
+  whole."""
+  out = _run("bench_delta_sync.py", "--preset=tiny", "--layers=0", "--lrs=1e-3", "--steps=2",
+             f"--json={tmp_path}/rows.json")
+  rows = json.load(open(tmp_path / "rows.json"))
+  assert [r["step"] for r in rows] == [1, 2], out
+  for r in rows:
+    assert 0.99 < r["changed_fraction"] <= 1 and r["delta_bytes"] <= r["full_bytes"], r
+    assert r["full_pull_s"] > 0 and r["delta_pull_s"] > 0
+  assert "delta 1.000x the full copy's bytes" in out, out
