@@ -33,7 +33,8 @@ UNCHANGED, DENSE = -1, 0
 INDEX_BYTES = 4  # int32 indices: a shard holds fewer than 2**31 elements
 
 
-def _bits(x: jax.Array) -> jax.Array:
+def bit_pattern(x: jax.Array) -> jax.Array:
+  """`x` as unsigned integers of its width (bools as they are): equal exactly where the bits are (NaN, -0.0)."""
   if x.dtype == jnp.bool_:
     return x
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
@@ -62,7 +63,7 @@ def _shard_map(fn, sharding: NamedSharding, in_specs, out_specs):
 def _count(new, old, *, sharding):
   """Per shard (laid end to end over the leaf's sharded axes): the elements whose bits differ."""
   def local(a, b):
-    return jnp.sum(_bits(a) != _bits(b), dtype=jnp.int32)[None]
+    return jnp.sum(bit_pattern(a) != bit_pattern(b), dtype=jnp.int32)[None]
 
   return _shard_map(local, sharding, (sharding.spec, sharding.spec), _flat_spec(sharding.spec))(new, old)
 
@@ -71,7 +72,7 @@ def _count(new, old, *, sharding):
 def _encode(new, old, *, sharding, bucket: int):
   def local(a, b):
     a_flat = a.reshape(-1)
-    (index,) = jnp.nonzero(_bits(a_flat) != _bits(b.reshape(-1)), size=bucket, fill_value=a_flat.size)
+    (index,) = jnp.nonzero(bit_pattern(a_flat) != bit_pattern(b.reshape(-1)), size=bucket, fill_value=a_flat.size)
     return index.astype(jnp.int32), jnp.take(a_flat, index, mode="fill", fill_value=0)
 
   flat = _flat_spec(sharding.spec)

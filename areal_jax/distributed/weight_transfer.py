@@ -94,11 +94,8 @@ def transfer(params, shardings, *, dtype=None, block: bool = True):
 def _changed(new, old) -> list[jax.Array]:
   """Per leaf of two trees of equal structure, shapes and dtypes: the elements whose bit pattern differs (int32: a
   leaf holds fewer than 2**31 elements)."""
-  def count(a, b):
-    bits = jnp.dtype(f"uint{a.dtype.itemsize * 8}")
-    return jnp.sum(jax.lax.bitcast_convert_type(a, bits) != jax.lax.bitcast_convert_type(b, bits), dtype=jnp.int32)
-
-  return [count(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
+  bits = weight_delta.bit_pattern
+  return [jnp.sum(bits(a) != bits(b), dtype=jnp.int32) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
 
 
 class ChangedFraction:
