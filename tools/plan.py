@@ -46,7 +46,8 @@ _SYNC_DELTA = flags.DEFINE_float("sync_delta", 0.0, "Price sync.delta: the share
 _MODEL = flags.DEFINE_string("model", "", "A preset of the --config file, or a HF config.json (or its directory); "
                              "'' = the config's model.")
 _TENSOR = flags.DEFINE_integer("tensor", 0, "Chips per sampler data shard; 0 = mesh.sampler_tensor.")
-_SLOTS = flags.DEFINE_integer("slots_per_shard", 0, "Decode slots per sampler data shard; 0 = sampler.num_slots.")
+_SLOTS = flags.DEFINE_integer("slots_per_shard", 0, "Decode slots per sampler data shard, in every engine of every "
+                              "split; 0 = the config's sampler.num_slots per engine (one replica's, as in a run).")
 _BATCH = flags.DEFINE_integer("batch_prompts", 0, "Prompts per learner step; 0 = rollout.batch_size.")
 _ANSWERS = flags.DEFINE_integer("answers", 0, "Answers per prompt; 0 = rollout.group_size.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "Prompt tokens; 0 = data.max_prompt_len / 2.")
@@ -96,7 +97,7 @@ def _setup():
   elif _MODEL.value:
     path = flags.FLAGS["config"].config_filename
     model = config_lib.validate(config_lib.load_config(f"{path}:{_MODEL.value}"), data=False).model
-  s = settings.sampler.replace(num_slots=_SLOTS.value or settings.sampler.num_slots)
+  s = settings.sampler
   max_len = _MAX.value or s.max_new_tokens
   recorded = None
   if _LENGTHS.value.endswith(".jsonl"):  # a run's groups, replayed whole
@@ -121,7 +122,7 @@ def _setup():
   if _CALIBRATION.value:
     with open(_CALIBRATION.value) as f:
       eff = costs.from_device_check(json.load(f), device, eff, where=f"--calibration={_CALIBRATION.value}")
-  return plan.Setup(model=model, device=device, chips=_CHIPS.value, sampler=s, eff=eff,
+  return plan.Setup(model=model, device=device, chips=_CHIPS.value, sampler=s, slots_per_shard=_SLOTS.value, eff=eff,
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor, layout=_LAYOUT.value,
                     host_network=_HOST_NETWORK.value * 1e9 / 8, sync_delta=_SYNC_DELTA.value,
                     sync_overlap=settings.sync.overlap,

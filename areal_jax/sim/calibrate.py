@@ -180,7 +180,7 @@ def fit(samples: dict, model_cfg, sampler_cfg, learner_cfg) -> Calibration:
     return sum(costs(eff).decode_step(live, ctx + live * j) for j in range(s["steps"])) + eff.decode_call_s
 
   def prefill(s, eff):
-    return costs(eff).prefill(s["rows"], s["length"])
+    return costs(eff).prefill(s["rows"], s["length"], sharded=False)  # measured without shards: every shard all rows
 
   def learner(s, eff):
     return costs(eff).train_step(np.array(s["lengths"]))

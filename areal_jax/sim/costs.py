@@ -133,14 +133,16 @@ class CostModel:
     seconds = np.maximum(flops / (t * d.flops * e.decode_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
     return float(seconds.max(initial=0.0)) + e.decode_step_s
 
-  def prefill(self, rows: int, length: int) -> float:
-    """One batched prefill of `rows` rows padded to `length` tokens; its rows spread over the engine's data shards."""
-    d, e = self.device, self.eff
-    flops = rows * length * self.model.flops_per_token(length)
-    shards = max(1, min(rows, self.engine_shards))
-    bytes_ = self.params * self.weight_bytes + rows * length * self.kv_per_token / shards
-    t = self.shard_chips
-    seconds = max(flops / (shards * t * d.flops * e.prefill_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
+  def prefill(self, rows: int, length: int, *, sharded: bool = True) -> float:
+    """One batched prefill of `rows` rows padded to `length` tokens, as the sampler compiles it
+    (`Engine.prefill_batch`): sharded, each of the engine's data shards computes and keeps its own rows (the code
+    pads them to the same count on every shard: `rows` is a multiple of the shards, else rounded up); replicated
+    (JetStream's prefill, no shard given), every shard computes all of them. The shards run at once."""
+    d, e, t = self.device, self.eff, self.shard_chips
+    per_shard = -(-rows // self.engine_shards) if sharded else rows
+    flops = per_shard * length * self.model.flops_per_token(length)
+    bytes_ = self.params * self.weight_bytes + per_shard * length * self.kv_per_token
+    seconds = max(flops / (t * d.flops * e.prefill_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
     return seconds + e.prefill_call_s
 
   def train_step(self, lengths: np.ndarray) -> float:

@@ -82,7 +82,7 @@ class SimEngine(EngineBase):
   def prefill(self, params, tokens, lengths, rows, sharded=False):
     del params, rows
     b, t = tokens.shape
-    self.spent_s += self.costs.prefill(rows=b, length=t * self.scale)
+    self.spent_s += self.costs.prefill(rows=b, length=t * self.scale, sharded=sharded)
     return PrefixArrays(k=None, v=None, rows_per_shard=b // self.num_shards if sharded else 0), None
 
   def prefill_after(self, params, k_pool, v_pool, page_rows, start, tokens, lengths, rows):

@@ -28,8 +28,9 @@ class Setup:
   model: ModelConfig
   device: Device
   chips: int
-  sampler: SamplerConfig  # per data shard: num_slots is the slots of one shard
+  sampler: SamplerConfig  # the config's: num_slots counts one engine's slots (one replica's), as in a run
   tensor: int = 1  # chips per sampler data shard
+  slots_per_shard: int = 0  # > 0: every engine holds this many slots per data shard instead of sampler.num_slots
   batch_prompts: int
   answers: int
   prompt_len: int
@@ -87,7 +88,8 @@ def layout(setup: Setup, sampler_chips: int, *, colocated: bool = False) -> Layo
     host runs its samplers as one process per host of sampler chips, behind the hub (`launch/local.py`'s roles);
   - `host`: one engine per sampler process, its host's chips in lockstep (`mesh.sampler_replicas=1`);
   - `pathways`: one engine over every sampler chip, in one controller: one host, or a TPU slice under Pathways.
-  Colocated (both roles on every chip) needs one controller too, so it takes `pathways`'s rule."""
+  Colocated (both roles on every chip, `mesh.colocated`) needs one controller (one host, or a TPU slice), and splits
+  its sampler the way the layout names (`mesh.sampler_replicas`), in the learner's process."""
   d, shards = setup.device, sampler_chips // setup.tensor
   one_host = setup.chips <= d.chips_per_host
   if colocated or setup.layout == "pathways":
@@ -95,16 +97,30 @@ def layout(setup: Setup, sampler_chips: int, *, colocated: bool = False) -> Layo
       what = "colocated sync" if colocated else "--layout=pathways"
       raise ValueError(f"{what} on {setup.chips} {d.name} chips: one controller over several GPU hosts is not a "
                        f"layout the code runs ({d.chips_per_host} per host); sampler processes are")
+  if setup.layout == "pathways":
     return Layout("colocated" if colocated else "pathways", 1, shards, 0)
-  processes = 0 if one_host else -(-sampler_chips // d.chips_per_host)
+  processes = 0 if one_host or colocated else -(-sampler_chips // d.chips_per_host)
   if setup.layout == "replicas":
-    return Layout("replicas", shards, 1, processes)
+    return Layout("colocated" if colocated else "replicas", shards, 1, processes)
   if setup.layout == "host":
-    engines = max(1, processes)
-    if shards % engines:
-      raise ValueError(f"--layout=host: {shards} data shards do not split over {engines} hosts")
-    return Layout("host", engines, shards // engines, processes)
+    hosts = max(1, -(-sampler_chips // d.chips_per_host))
+    if shards % hosts:
+      raise ValueError(f"--layout=host: {shards} data shards do not split over {hosts} hosts")
+    return Layout("colocated" if colocated else "host", hosts, shards // hosts, processes)
   raise ValueError(f"--layout={setup.layout!r}: choose one of {LAYOUTS}")
+
+
+def slots_per_engine(setup: Setup, lay: Layout) -> int:
+  """One engine's decode slots: `sampler.num_slots` (per engine, as the code counts them), or `slots_per_shard`
+  times its data shards; a ValueError, as the run's config check would give, when they do not divide its shards."""
+  if setup.slots_per_shard:
+    return setup.slots_per_shard * lay.engine_shards
+  n = setup.sampler.num_slots
+  if n % lay.engine_shards:
+    raise ValueError(f"sampler.num_slots={n} (one engine's) over {lay.describe()}: not divisible by its "
+                     f"{lay.engine_shards} data shards (the run's config check refuses it too); pass "
+                     "--slots_per_shard")
+  return n
 
 
 def splits(chips: int, tensor: int) -> list[int]:
@@ -127,8 +143,9 @@ def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: boo
                     kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
                     remat=setup.remat,
                     max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches, eff=setup.eff)
-  job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=setup.sampler.num_slots * lay.engine_shards),
-            num_shards=lay.engine_shards, engines=lay.engines, batch_prompts=setup.batch_prompts, answers=setup.answers, prompt_len=setup.prompt_len,
+  job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=slots_per_engine(setup, lay)),
+            num_shards=lay.engine_shards, engines=lay.engines, batch_prompts=setup.batch_prompts,
+            answers=setup.answers, prompt_len=setup.prompt_len,
             eta=eta, steps=setup.steps, target_staleness=setup.target_staleness if eta else None,
             max_concurrent=setup.max_concurrent, success=setup.success, recorded=setup.recorded,
             scale=setup.token_scale, seed=setup.seed)

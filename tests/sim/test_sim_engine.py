@@ -3,6 +3,7 @@ tiny model's programs and once over `SimEngine` told each answer's length (by it
 at the same lengths in the same scheduler steps, with the same preemptions and weight-swap recomputes."""
 
 import numpy as np
+import pytest
 
 from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
 from areal_jax.sampler.sampling import request_key
@@ -59,3 +60,32 @@ def test_the_simulated_engine_steps_as_the_real_one():
   for key in ("preemptions", "recomputed", "decode_calls", "prefill_rows", "tokens"):
     assert sim.counters[key] == real.counters[key], key
   assert real.counters["preemptions"] > 0 and real.counters["recomputed"] > 0
+
+
+def test_a_prefill_costs_the_rows_each_data_shard_computes_as_the_code_compiles_it():
+  """Two rows on a 4-way data axis: sharded (the scheduler names their shards), each shard computes and keeps one
+  row, so the prefill costs one row's; replicated (JetStream's prefill, no shard), every shard computes both. What
+  each device holds is read from the real engine's output; the simulated engine is priced the same."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.sampler.engine import Draws  # pylint: disable=g-import-not-at-top
+  from areal_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
+
+  cfg = SamplerConfig(num_slots=8, page_size=4, num_pages=64, max_seq_len=40, decode_steps=4)
+  mesh = make_mesh(jax.devices()[:4], {"data": 4, "tensor": 1})
+  engine = Engine(model=tiny_model(TINY, seed=1), config=cfg, mesh=mesh)
+  params = engine.load_params(tiny_model(TINY, seed=1))
+  device = Device("any", flops=1e12, hbm_bw=1e11, hbm=1e9, link=1e10)
+  costs = CostModel(model=TINY, device=device, sampler_chips=4, learner_chips=1, sampler_shards=4)
+  one_chip = CostModel(model=TINY, device=device, sampler_chips=1, learner_chips=1)
+  sim = SimEngine(model_cfg=TINY, cfg=cfg, num_shards=4, pages_per_shard=16, costs=costs,
+                  lengths=lambda keys: np.full(np.shape(keys)[:-1], 4), eos_id=0)
+  rows = [np.arange(2, 12, dtype=np.int32)] * 2
+  draws = [Draws(keys=np.zeros((1, 2), np.uint32))] * 2
+  for shards, per_device in (([0, 1], 1), (None, 2)):
+    prefix, _ = engine.prefill_batch(params, rows, draws, shards=shards)
+    held = {s.data.shape[1] for s in prefix.arrays.k.addressable_shards}  # rows each device computed and keeps
+    assert held == {per_device}, shards
+    sim.prefill_batch({}, rows, draws, shards=shards)
+    bucket = engine.bucket(len(rows[0]))
+    assert sim.take_spent() == pytest.approx(one_chip.prefill(per_device, bucket)), shards

@@ -141,9 +141,36 @@ def test_layouts_are_the_ones_the_code_runs():
     plan.layout(gpus, 32, colocated=True)
   tpus = _setup(device=device("v5p"), chips=64)  # a slice under Pathways may span its hosts
   assert plan.layout(dataclasses.replace(tpus, layout="pathways"), 32) == plan.Layout("pathways", 1, 32, 0)
-  assert plan.layout(tpus, 64, colocated=True).name == "colocated"
+  # Colocated: every chip does both, in the learner's process, its sampler split as the layout says.
+  assert plan.layout(tpus, 64, colocated=True) == plan.Layout("colocated", 64, 1, 0)
+  assert plan.layout(dataclasses.replace(tpus, layout="pathways"), 64, colocated=True) == plan.Layout(
+      "colocated", 1, 64, 0)
   one_host = _setup(device=device("h800"), chips=8)
-  assert plan.layout(one_host, 4).processes == 0 and plan.layout(one_host, 8, colocated=True).engines == 1
+  assert plan.layout(one_host, 4).processes == 0
+  assert plan.layout(dataclasses.replace(one_host, layout="host"), 8, colocated=True) == plan.Layout(
+      "colocated", 1, 8, 0)
+
+
+def test_num_slots_counts_one_engines_slots_as_in_a_run():
+  """`sampler.num_slots` is one engine's (one replica's) in the engine, the config and the planner: an engine of 4
+  data shards holds num_slots in all; `slots_per_shard` sets every shard's instead; slots that do not divide an
+  engine's shards are refused, as the run's config check refuses them."""
+  from areal_jax.distributed.slices import MeshConfig, build_slices  # the run's own meshes
+
+  s = _setup(chips=8)
+  host = dataclasses.replace(s, layout="pathways")
+  for setup, engines, per_engine in ((s, 4, 16), (host, 1, 16), (dataclasses.replace(host, slots_per_shard=16), 1, 64)):
+    lay = plan.layout(setup, 4)
+    assert (lay.engines, plan.slots_per_engine(setup, lay)) == (engines, per_engine)
+    r = plan.simulate_split(setup, sampler_chips=4, eta=1)
+    assert r.job.sampler.num_slots == per_engine and r.job.num_shards == 4 // engines
+  # The run: 4 sampler devices as 4 replicas or as 1, sampler.num_slots=16 per replica mesh either way.
+  import jax  # pylint: disable=g-import-not-at-top
+  for replicas, data in ((4, 1), (1, 4)):
+    meshes = build_slices(MeshConfig(sampler_devices=4, sampler_replicas=replicas), jax.devices()[:8]).replicas
+    assert [m.shape["data"] for m in meshes] == [data] * replicas
+  with pytest.raises(ValueError, match=r"sampler.num_slots=6 \(one engine's\).*4 data shards.*--slots_per_shard"):
+    plan.simulate_split(dataclasses.replace(host, sampler=s.sampler.replace(num_slots=6)), sampler_chips=4, eta=1)
 
 
 def test_weights_to_sampler_processes_cross_the_leaders_host_network():
