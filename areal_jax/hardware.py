@@ -27,25 +27,32 @@ class Device:
   kinds: tuple[str, ...] = ()  # JAX's `device_kind` for it, or the start of it (before a space or a hyphen)
   chips_per_host: int = 8
   host_network: float | None = None  # bytes/s per host over the data-centre network, one direction
+  cores_per_chip: int = 1  # TensorCores per TPU chip, which Google's slice names count (v4, v5p: 2)
 
   @property
   def tpu(self) -> bool:
     """A Cloud TPU: a slice over several hosts may run under one controller (Pathways)."""
     return any(k.startswith("TPU") for k in self.kinds)
 
+  def describe(self, chips: int) -> str:
+    """`chips` of it as people name them: "64 x v5p (v5p-128)" (Google's slice names count TensorCores), "8 x h100"."""
+    return f"{chips} x {self.name}" + (f" ({self.name}-{chips * self.cores_per_chip})" if self.tpu else "")
+
 
 DEVICES = {d.name: d for d in (
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; all-reduce 1.1 PB/s per 4096-chip pod
     # (268 GB/s per chip); 4 chips per TPU VM host; its DCN bandwidth is not given there.
-    Device("v4", 275e12, 1200 * GB, 32 * GIB, 268 * GB, ("TPU v4",), chips_per_host=4),
+    # Same page: two TensorCores per chip, which slice names count (v4-8 = 4 chips).
+    Device("v4", 275e12, 1200 * GB, 32 * GIB, 268 * GB, ("TPU v4",), chips_per_host=4, cores_per_chip=2),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB at 819 GB/s, ICI 400 GB/s per chip bidirectional.
     # Same page: 8 chips per host, "per-host NIC configuration 2 x 100 Gbps NIC" (25 GB/s).
     Device("v5e", 197e12, 819 * GB, 16 * GB, 200 * GB, ("TPU v5 lite", "TPU v5e"), chips_per_host=8,
            host_network=25 * GB),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB at 2765 GB/s, ICI 4800 Gbps per chip.
     # Same page: 4-chip VMs, "data center network (DCN) bandwidth per chip 50 Gbps" (200 Gbps = 25 GB/s per host).
+    # Same page: two TensorCores per chip, which slice names count (v5p-8 = 4 chips).
     Device("v5p", 459e12, 2765 * GB, 95 * GB, 600 * GB, ("TPU v5", "TPU v5p"), chips_per_host=4,
-           host_network=25 * GB),
+           host_network=25 * GB, cores_per_chip=2),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB at 1640 GB/s, ICI 3584 Gbps per chip.
     # Same page: 8 chips per host; its NICs are not given there.
     Device("v6e", 918e12, 1640 * GB, 32 * GB, 448 * GB, ("TPU v6 lite", "TPU v6e"), chips_per_host=8),
@@ -61,6 +68,10 @@ DEVICES = {d.name: d for d in (
     # NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 141 GB at 4.8 TB/s, NVLink 900 GB/s (both directions).
     # DGX H200 user guide: 8 GPUs and 8 x 400 Gb/s ConnectX-7 compute ports per system (400 GB/s).
     Device("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB, ("NVIDIA H200",), chips_per_host=8, host_network=400 * GB),
+    # NVIDIA DGX B200 datasheet: 8 B200 GPUs with 1,440 GB of HBM3e at 64 TB/s in all (180 GB at 8 TB/s each), NVLink
+    # 14.4 TB/s in all (1.8 TB/s per GPU, both directions), 8 x 400 Gb/s ConnectX-7 (400 GB/s). HGX B200 datasheet:
+    # FP16/BF16 tensor core 36 PFLOPS for 8 GPUs with sparsity, i.e. 2.25 PFLOP/s dense per GPU.
+    Device("b200", 2250e12, 8000 * GB, 180 * GB, 900 * GB, ("NVIDIA B200",), chips_per_host=8, host_network=400 * GB),
 )}
 
 

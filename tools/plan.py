@@ -6,7 +6,7 @@ against colocated synchronous RL on all the chips; names the recommended split a
   python tools/plan.py --config=configs/math.py:qwen2.5-1.5b --device=h800 --chips=8 --eta=0,1,4,8 \
       --lengths=run/rollouts.jsonl --json > plan.json
 
-Devices: v4, v5e, v5p, v6e, a100, h100, h800, h200 (published peaks, `areal_jax/hardware.py`). Answer lengths
+Devices: v4, v5e, v5p, v6e, a100, h100, h800, h200, b200 (published peaks, `areal_jax/hardware.py`). Answer lengths
 come from `--lengths` (a run's rollouts.jsonl, or a file of integers) or a log-normal of `--length_mean` cut at
 `--length_max`. See `areal_jax.sim`.
 
@@ -33,7 +33,7 @@ from absl import flags
 from areal_jax import cli
 
 _CONFIG = cli.define_config()
-_DEVICE = flags.DEFINE_string("device", "v5p", "Accelerator: v4, v5e, v5p, v6e, a100, h100, h800, h200.")
+_DEVICE = flags.DEFINE_string("device", "v5p", "Accelerator: v4, v5e, v5p, v6e, a100, h100, h800, h200, b200.")
 _CHIPS = flags.DEFINE_integer("chips", 64, "Chips for the whole job (sampler + learner).")
 _LAYOUT = flags.DEFINE_enum("layout", "replicas", ["replicas", "host", "pathways"],
                             "How the sampler chips run: an engine per data shard, per host, or one over all of them "
@@ -83,6 +83,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _setup():
+  """(where each efficiency not at its default came from, the plan's `Setup`) from the flags and the config."""
   from areal_jax import config as config_lib  # pylint: disable=g-import-not-at-top  # after the flags
   from areal_jax.models import hf_io  # pylint: disable=g-import-not-at-top
   from areal_jax import hardware  # pylint: disable=g-import-not-at-top
@@ -118,11 +119,14 @@ def _setup():
     passes = dict(passes=counted.total, proximal=counted.proximal)
     remat = 0.0  # in the counted passes
   device = hardware.device(_DEVICE.value)
-  eff = costs.Efficiency()
+  eff, sources = costs.published(device)
   if _CALIBRATION.value:
     with open(_CALIBRATION.value) as f:
-      eff = costs.from_device_check(json.load(f), device, eff, where=f"--calibration={_CALIBRATION.value}")
-  return plan.Setup(model=model, device=device, chips=_CHIPS.value, sampler=s, slots_per_shard=_SLOTS.value, eff=eff,
+      measured = costs.from_device_check(json.load(f), device, eff, where=f"--calibration={_CALIBRATION.value}")
+    sources |= {k: f"measured, {_CALIBRATION.value}" for k in ("decode_bw", "learner_mfu")
+                if getattr(measured, k) != getattr(eff, k)}
+    eff = measured
+  return sources, plan.Setup(model=model, device=device, chips=_CHIPS.value, sampler=s, slots_per_shard=_SLOTS.value, eff=eff,
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor, layout=_LAYOUT.value,
                     host_network=_HOST_NETWORK.value * 1e9 / 8, sync_delta=_SYNC_DELTA.value,
                     sync_overlap=settings.sync.overlap,
@@ -189,7 +193,7 @@ def main(argv):
     return
 
   try:
-    setup = _setup()
+    sources, setup = _setup()
     result = plan.plan(setup, etas=_ints(_ETA.value, "eta"), sampler_chips=_ints(_SPLITS.value, "sampler_chips"))
   except ValueError as e:
     raise SystemExit(f"FATAL {e}") from None
@@ -198,11 +202,15 @@ def main(argv):
   if _JSON.value:
     print(json.dumps(result))
     return
-  print(f"{setup.model.num_params() / 1e9:.2f}B parameters on {setup.chips} x {setup.device.name}; "
+  print(f"{setup.model.num_params() / 1e9:.2f}B parameters on {setup.device.describe(setup.chips)}; "
         f"{setup.batch_prompts} x {setup.answers} answers per step, lengths {result['lengths']['source']} "
         f"(mean {result['lengths']['mean']:.0f}); {setup.steps} steps per layout, 1 simulated token = "
         f"{result['token_scale']} real; learner {setup.passes + setup.remat:.2f} forward passes' FLOPs per token "
         + (f"(counted in its programs for {_PROGRAMS.value})" if _PROGRAMS.value else "(analytic)"))
+  eff = setup.eff
+  print("efficiencies: " + ", ".join(
+      f"{k} {getattr(eff, k):g} ({sources.get(k, 'default: no published figure for this device')})"
+      for k in ("learner_mfu", "decode_bw", "prefill_flops")))
   print(plan.format_table(result))
   r = result["recommended"]
   vs = ("" if r["speedup_vs_colocated_sync"] is None else f"{r['speedup_vs_colocated_sync']:.2f}x colocated sync, ")

@@ -28,6 +28,13 @@ class Efficiency:
   decode_bw: float = 0.7
   decode_call_s: float = 2e-3  # per decode call: dispatch, the host's read of the tokens, admission
   decode_step_s: float = 1e-4  # per decode step within a call (the device loop's own cost beyond the model)
+  # The scheduler's host work per decode call (recording tokens, growing pages, admission's bookkeeping): a fixed part
+  # and a part per slot of the engine. Source: `tools/bench_sampler.py --host_slots` (docs/results.md, "Host work per
+  # decode call", commit f5d7381): 0.6 / 4.3 / 12.4 ms at 256 / 2048 / 8192 slots; the line of least relative error
+  # through them, within 17% of each.
+  # On the critical path unless `sampler.overlap` hides it behind the device call (then the longer of the two).
+  host_call_s: float = 1.9e-4
+  host_slot_s: float = 1.66e-6
   prefill_flops: float = 0.5
   prefill_call_s: float = 2e-3
   learner_mfu: float = 0.4
@@ -39,6 +46,28 @@ class Efficiency:
 
   def replace(self, **kw) -> Efficiency:
     return dataclasses.replace(self, **kw)
+
+
+# What training engines published on each device family, as shares of `hardware.py`'s datasheet peaks; the fields
+# a family does not list keep `Efficiency`'s defaults, and `published` says which. Each figure is a training engine's
+# on a larger model than the presets (5-20x), so an upper bound for them; `tools/device_check.py` measures ours.
+PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
+    # MaxText MaxText/configs/2xv4-128.sh: "158TFLOP/s, 22B params" per chip on 2 x v4-128 (of 275).
+    "v4": {"learner_mfu": (0.57, "MaxText, 22B on 2 x v4-128: 158 of 275 TFLOP/s")},
+    # MaxText MaxText/configs/v5e/README.md: 16B on 1 x v5e-256, 120 TFLOP/s per chip, 61.10% MFU.
+    "v5e": {"learner_mfu": (0.611, "MaxText, 16B on v5e-256: 61.10% MFU")},
+    # MaxText's runtime performance results (MaxText/configs/README.md): 32B on v5p-128, 328 TFLOP/s, 71.47% MFU.
+    "v5p": {"learner_mfu": (0.715, "MaxText, 32B on v5p-128: 71.47% MFU")},
+    # MaxText docs/reference/models/tiering.md (Trillium, Gold): Llama 3.1 8B on 256 chips, BF16, SL 8192, 45.46% MFU.
+    "v6e": {"learner_mfu": (0.455, "MaxText, Llama 3.1 8B on 256 v6e chips: 45.46% MFU")},
+}
+
+
+def published(device: Device, eff: Efficiency = Efficiency()) -> tuple[Efficiency, dict[str, str]]:
+  """`eff` with `device`'s published figures (`PUBLISHED`), and the source of each field replaced (the rest are
+  `Efficiency`'s defaults: no published figure found for that family)."""
+  figures = PUBLISHED.get(device.name, {})
+  return (eff.replace(**{k: v for k, (v, _) in figures.items()}), {k: src for k, (_, src) in figures.items()})
 
 
 def from_device_check(report: dict, device: Device, eff: Efficiency = Efficiency(), *,
@@ -132,6 +161,13 @@ class CostModel:
     bytes_ = np.where(batch > 0, self.decode_weight_bytes(batch) + context * self.kv_per_token, 0)
     seconds = np.maximum(flops / (t * d.flops * e.decode_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
     return float(seconds.max(initial=0.0)) + e.decode_step_s
+
+  def decode_call(self, device_s: float, slots: int, *, overlap: bool) -> float:
+    """One decode call of an engine of `slots` slots whose device part takes `device_s`: the scheduler's host work
+    (`host_call_s` + `host_slot_s` per slot) beside it with `sampler.overlap` (the longer decides), after it
+    without; plus the fixed dispatch cost."""
+    host = self.eff.host_call_s + self.eff.host_slot_s * slots
+    return (max(device_s, host) if overlap else device_s + host) + self.eff.decode_call_s
 
   def prefill(self, rows: int, length: int, *, sharded: bool = True) -> float:
     """One batched prefill of `rows` rows padded to `length` tokens, as the sampler compiles it

@@ -142,5 +142,5 @@ class SimEngine(EngineBase):
       batch = np.bincount(shard[live], minlength=self.num_shards)
       tokens = np.bincount(shard[live], weights=context[live], minlength=self.num_shards) + batch * j * self.scale
       seconds += self.scale * self.costs.decode_step(batch, tokens)
-    calls = math.ceil(steps * self.scale / self.real_cfg.decode_steps)
-    return seconds + calls * self.costs.eff.decode_call_s
+    calls = math.ceil(steps * self.scale / self.real_cfg.decode_steps)  # real calls this simulated one stands for
+    return calls * self.costs.decode_call(seconds / calls, self.real_cfg.num_slots, overlap=self.real_cfg.overlap)

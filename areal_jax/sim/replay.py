@@ -75,8 +75,12 @@ class ReplayCosts:
     del context
     return self._step(self.published).decode_step_s if np.any(batch) else 0.0
 
-  def prefill(self, rows: int, length: int) -> float:
-    del rows, length
+  def decode_call(self, device_s: float, slots: int, *, overlap: bool) -> float:
+    del slots, overlap  # the recorded step's seconds hold its host work
+    return device_s
+
+  def prefill(self, rows: int, length: int, *, sharded: bool = True) -> float:
+    del rows, length, sharded
     return 0.0
 
   def train_step(self, lengths: np.ndarray) -> float:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from areal_jax import config as config_lib
-from areal_jax.sim.costs import CostModel, Efficiency
+from areal_jax.sim.costs import PUBLISHED, CostModel, Efficiency, published
 from areal_jax.hardware import DEVICES, device
 
 
@@ -39,7 +39,7 @@ def test_colocated_weights_move_in_hbm_and_split_ones_over_links():
 
 
 def test_every_device_has_positive_peaks_and_an_unknown_one_is_named():
-  assert sorted(DEVICES) == ["a100", "h100", "h200", "h800", "v4", "v5e", "v5p", "v6e"]
+  assert sorted(DEVICES) == ["a100", "b200", "h100", "h200", "h800", "v4", "v5e", "v5p", "v6e"]
   assert all(d.flops > 0 and d.hbm_bw > 0 and d.hbm > 0 and d.link > 0 for d in DEVICES.values())
   with pytest.raises(ValueError, match="--device='tpu9'"):
     device("tpu9")
@@ -67,3 +67,34 @@ def test_a_mixture_of_experts_decodes_with_its_active_flops_and_reads_the_expert
   # A dense model of the same weights reads them all at any batch.
   dense = CostModel(model=_model(), device=d, sampler_chips=1, learner_chips=1)
   assert dense.decode_weight_bytes(np.array([1]))[0] == dense.params * 2
+
+
+def test_the_schedulers_host_work_per_call_hides_behind_the_device_only_with_overlap():
+  """`sampler.overlap`: the longer of host and device decides a decode call; without it they add. The host part
+  grows with the engine's slots (the bench's 0.6 / 4.3 / 12.4 ms at 256 / 2048 / 8192 slots)."""
+  c = CostModel(model=_model(), device=device("h100"), sampler_chips=1, learner_chips=1)
+  e = c.eff
+  for slots, measured in ((256, 0.6e-3), (2048, 4.3e-3), (8192, 12.4e-3)):
+    assert c.decode_call(0.0, slots, overlap=True) - e.decode_call_s == pytest.approx(measured, rel=0.2)
+  host = e.host_call_s + e.host_slot_s * 2048
+  assert c.decode_call(0.05, 2048, overlap=True) == pytest.approx(0.05 + e.decode_call_s)
+  assert c.decode_call(0.05, 2048, overlap=False) == pytest.approx(0.05 + host + e.decode_call_s)
+  assert c.decode_call(0.001, 2048, overlap=True) == pytest.approx(host + e.decode_call_s)
+
+
+def test_published_figures_replace_the_defaults_with_their_sources_and_only_those():
+  """Each family's published figures (MaxText's MFUs on TPUs) replace the default, each naming its source; a
+  family with none keeps the defaults and says so by naming nothing."""
+  for name, figures in PUBLISHED.items():
+    eff, sources = published(device(name))
+    assert set(sources) == set(figures) and all(sources.values())
+    assert all(getattr(eff, k) == v for k, (v, _) in figures.items())
+    assert all(0 < v < 1 for v, _ in figures.values())
+  eff, sources = published(device("h100"))
+  assert eff == Efficiency() and sources == {}
+
+
+def test_tpu_slices_are_named_as_google_names_them():
+  assert device("v5p").describe(4) == "4 x v5p (v5p-8)" and device("v4").describe(64) == "64 x v4 (v4-128)"
+  assert device("v5e").describe(8) == "8 x v5e (v5e-8)" and device("v6e").describe(8) == "8 x v6e (v6e-8)"
+  assert device("h100").describe(64) == "64 x h100"
