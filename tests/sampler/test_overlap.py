@@ -1,7 +1,7 @@
 """`sampler.overlap`: reading a decode call after the next one is dispatched changes no answer. The same requests
 through the real engine with and without overlap give the same tokens, logprobs, versions, finish reasons and
 routes, answer by answer (logprobs to float rounding where an answer was preempted, and so resumed from a
-re-prefilled cache, in either run, or prefilled after the prefix cache's pages): with EOS ids, stop sequences and per-request lengths, a pool tight enough to preempt, two
+re-prefilled cache, in either run, or with the prefix cache, whose prefills the two runs batch differently): with EOS ids, stop sequences and per-request lengths, a pool tight enough to preempt, two
 data shards, the prefix cache, and a mixture of experts recording its routing."""
 
 import jax
@@ -68,8 +68,10 @@ def test_overlap_changes_no_answer(case):
   for key, (a, preempted_a) in serial.items():
     b, preempted_b = overlapped[key]
     np.testing.assert_array_equal(a.response_ids, b.response_ids, err_msg=str(key))
-    # Resumed by a re-prefill (at different tokens), or after cached pages (found at other times): float rounding.
-    if preempted_a or preempted_b or key[0] >= 100:
+    # Resumed by a re-prefill (at different tokens), or with the prefix cache (every prefill then runs the program
+    # that reads cached pages, and the two runs batch the prompts differently: another row count and bucket, so
+    # the CPU's matmuls may round differently): float rounding.
+    if preempted_a or preempted_b or case == "prefix_cache":
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, err_msg=str(key))
     else:
       np.testing.assert_array_equal(a.logprobs, b.logprobs, err_msg=str(key))
@@ -79,5 +81,5 @@ def test_overlap_changes_no_answer(case):
     if case == "moe_routes":
       np.testing.assert_array_equal(a.routes, b.routes, err_msg=str(key))
     reasons.add(a.finish_reason)
-  assert reasons == {"eos", "stop", "length"} and exact > 0
+  assert reasons == {"eos", "stop", "length"} and (exact > 0) == (case != "prefix_cache")
   assert sched.counters["tokens"] == plain.counters["tokens"] == sum(len(t.response_ids) for t, _ in serial.values())
