@@ -3,6 +3,8 @@ or run as processes) trained every prompt exactly once."""
 
 import json
 import os
+import subprocess
+import sys
 
 from areal_jax.checkpoint.store import Checkpointer
 from areal_jax.data import DataConfig, build_dataset
@@ -12,6 +14,21 @@ from areal_jax.tokenizer import load_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
 FAST = CONFIG + ":fast"  # a small, quick run with every mechanism on
+
+
+def local_job_command(workdir, num_processes, overrides):
+  """`launch/local.py` running FAST in `workdir` as `num_processes` processes, with `--config.K=V` overrides."""
+  args = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={FAST}", f"--workdir={workdir}",
+          f"--num_processes={num_processes}"]
+  return args + [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def run_local_job(workdir, num_processes, overrides, timeout=400):
+  """`local_job_command` run to its end on CPU, tests/ importable (agent_examples); its CompletedProcess."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")])))
+  return subprocess.run(local_job_command(workdir, num_processes, overrides), env=env, capture_output=True, text=True,
+                        timeout=timeout)
 
 
 def rollouts(workdir):

@@ -20,25 +20,13 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.rl.batches import load_batch
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
-from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
+from run_checks import FAST, ROOT, assert_every_prompt_once, local_job_command as _command, rollouts, \
+    run_local_job as _run
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
 PROCESS_OVERRIDES = {"mesh.cpu_devices": 1}
-
-
-def _command(workdir, num_processes, overrides):
-  args = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={FAST}", f"--workdir={workdir}",
-          f"--num_processes={num_processes}"]
-  return args + [f"--config.{k}={v}" for k, v in overrides.items()]
-
-
-def _run(workdir, num_processes, overrides, timeout=400):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",  # tests/ importable: agent_examples
-             PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")])))
-  return subprocess.run(_command(workdir, num_processes, overrides), env=env, capture_output=True, text=True,
-                         timeout=timeout)
 
 
 def test_two_process_job_respects_staleness_and_checks_every_weight_pull(tmp_path):
