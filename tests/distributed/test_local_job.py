@@ -5,7 +5,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +19,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.rl.batches import load_batch
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.sharding import make_mesh
-from run_checks import FAST, ROOT, assert_every_prompt_once, local_job_command as _command, rollouts, \
+from run_checks import FAST, assert_every_prompt_once, local_job_command as _command, rollouts, \
     run_local_job as _run
 from waiting import wait_until
 
