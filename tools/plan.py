@@ -130,6 +130,8 @@ def _setup():
                     tensor=_TENSOR.value or settings.mesh.sampler_tensor, layout=_LAYOUT.value,
                     host_network=_HOST_NETWORK.value * 1e9 / 8, sync_delta=_SYNC_DELTA.value,
                     sync_overlap=settings.sync.overlap,
+                    eval_answers=settings.data.eval_size * settings.eval.num_samples,
+                    eval_every=settings.eval.every_steps,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
                     recorded=recorded,

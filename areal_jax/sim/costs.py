@@ -119,6 +119,15 @@ class CostModel:
   remat: float = 1.0  # extra forwards for rematerialisation: "full" = 1, "dots" ~ 0.3, "none" = 0
   max_tokens_per_mb: int = 32768
   minibatches: int = 4  # optimizer updates per learner step
+  # Held-out evaluation (`rl.evaluation.Evaluator`, between learner steps, on the leader host's learner chips):
+  # `eval_answers` = data.eval_size x eval.num_samples answers of `eval_len` tokens after `eval_prompt` ones, with
+  # `eval_slots` decode slots drawing `eval_decode_steps` tokens a call, every `eval_every` steps (0 = none).
+  eval_answers: int = 0
+  eval_every: int = 0
+  eval_len: float = 0.0
+  eval_prompt: int = 0
+  eval_slots: int = 64
+  eval_decode_steps: int = 8
   eff: Efficiency = Efficiency()
 
   @property
@@ -221,9 +230,29 @@ class CostModel:
     return self.sync_overlap and self.sampler_processes > 0
 
   def after_step(self) -> float:
-    """The learner host's work between a step's publication and awaiting the next batch (metrics, checkpoints):
-    counted in `train_step`'s `step_s` here."""
-    return 0.0
+    """The learner host's work between a step's publication and awaiting the next batch: the held-out evaluation
+    spread over the steps between two (`evaluation() / eval_every`); metrics are in `train_step`'s `step_s`.
+    Checkpoints are not priced: Orbax writes them asynchronously, and the device-to-host copy that blocks has no
+    datasheet bandwidth here."""
+    return self.evaluation() / self.eval_every if self.eval_every and self.eval_answers else 0.0
+
+  def evaluation(self) -> float:
+    """One evaluation as `Evaluator` runs it: one data-parallel engine over the leader host's learner chips
+    (`chips_per_host` of them at most), its prompts prefilled a slot's worth at a time, then continuous batching at
+    full occupancy: answers x length / live decode steps, each at `live` answers holding the prompt and half an
+    answer of context, plus the scheduler's host work per call (`decode_call`)."""
+    chips = min(self.learner_chips, self.device.chips_per_host)
+    engine = dataclasses.replace(self, sampler_chips=chips, sampler_shards=max(1, int(chips)), engines=1,
+                                 colocated=False)
+    shards, n, length = engine.sampler_shards, self.eval_answers, max(1.0, self.eval_len)
+    live = min(n, self.eval_slots)
+    per_shard = np.full(shards, live / shards)
+    step = engine.decode_step(per_shard, per_shard * (self.eval_prompt + length / 2))
+    k = self.eval_decode_steps
+    calls = n * length / live / k
+    decode = calls * engine.decode_call(k * step, self.eval_slots, overlap=True)
+    prefill = -(-n // live) * engine.prefill(live, max(1, self.eval_prompt))
+    return decode + prefill
 
   def pages_per_shard(self, page_size: int, memory_fraction: float = 0.8) -> int:
     """KV-cache pages one data shard holds: what is left of its chips' HBM beside the weights (and, colocated, beside

@@ -53,6 +53,8 @@ class Setup:
   host_network: float = 0.0  # bytes/s per host; 0 = the device table's
   sync_delta: float = 0.0  # sync.delta: the share of elements a version changes (docs/results); 0 = whole copies
   sync_overlap: bool = True  # sync.overlap
+  eval_answers: int = 0  # data.eval_size x eval.num_samples (0 = no evaluation priced)
+  eval_every: int = 0  # eval.every_steps
 
   @property
   def token_scale(self) -> int:
@@ -142,7 +144,10 @@ def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: boo
                     weight_bytes=_bytes(setup.sampler.param_dtype),
                     kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
                     remat=setup.remat,
-                    max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches, eff=setup.eff)
+                    max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches,
+                    eval_answers=setup.eval_answers, eval_every=setup.eval_every, eval_len=setup.lengths.mean,
+                    eval_prompt=setup.prompt_len, eval_slots=setup.sampler.num_slots,
+                    eval_decode_steps=setup.sampler.decode_steps, eff=setup.eff)
   job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=slots_per_engine(setup, lay)),
             num_shards=lay.engine_shards, engines=lay.engines, batch_prompts=setup.batch_prompts,
             answers=setup.answers, prompt_len=setup.prompt_len,

@@ -89,3 +89,28 @@ def test_a_prefill_costs_the_rows_each_data_shard_computes_as_the_code_compiles_
     sim.prefill_batch({}, rows, draws, shards=shards)
     bucket = engine.bucket(len(rows[0]))
     assert sim.take_spent() == pytest.approx(one_chip.prefill(per_device, bucket)), shards
+
+
+def test_an_evaluations_price_is_what_the_simulated_engine_takes_to_answer_it():
+  """`CostModel.evaluation`: the held-out answers through the real `Scheduler` over `SimEngine` (one engine on the
+  leader host's learner chips, every answer 64 tokens) take what the closed form says, and the learner pays it
+  spread over `eval.every_steps`."""
+  device = Device("any", flops=1e12, hbm_bw=1e11, hbm=1e9, link=1e10, chips_per_host=2)
+  costs = CostModel(model=TINY, device=device, sampler_chips=2, learner_chips=4, eval_answers=64, eval_every=10,
+                    eval_len=64, eval_prompt=8, eval_slots=16, eval_decode_steps=8)
+  cfg = SamplerConfig(num_slots=16, page_size=8, num_pages=2 * 16 * 10, max_seq_len=80, max_new_tokens=64,
+                      decode_steps=8, max_prefill_tokens=16 * 8)
+  engine_costs = CostModel(model=TINY, device=device, sampler_chips=2, learner_chips=4, sampler_shards=2)
+  sim = SimEngine(model_cfg=TINY, cfg=cfg, num_shards=2, pages_per_shard=16 * 10, costs=engine_costs,
+                  lengths=lambda keys: np.full(np.shape(keys)[:-1], 64), eos_id=0)
+  sched = Scheduler(engine=sim, params={}, eos_ids=[0])
+  sp = SamplingParams(max_new_tokens=64, temperature=0.0, seed=1)
+  for g in range(64):
+    sched.submit(Request(group_id=g, prompt_ids=np.arange(2, 10, dtype=np.int32), num_answers=1, sampling=sp))
+  seconds = 0.0
+  while not sched.idle:
+    sched.step()
+    seconds += sim.take_spent()
+  assert costs.evaluation() == pytest.approx(seconds, rel=0.15)
+  assert costs.after_step() == pytest.approx(costs.evaluation() / 10)
+  assert CostModel(model=TINY, device=device, sampler_chips=2, learner_chips=4).after_step() == 0.0
