@@ -238,10 +238,11 @@ def _compile(lowered, **fields) -> ProgramReport:
 
 
 def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
-                  flop_seq_len: int | None = 4096) -> list[ProgramReport]:
+                  flop_seq_len: int | None = 4096, held_bytes: int = 0) -> list[ProgramReport]:
   """`logprobs`, `accumulate`, `apply` of the run's learner on `topology` (mesh fsdp × mesh.learner_expert × mesh.learner_tensor).
   Model FLOPs are for rows packed with sequences of `flop_seq_len` tokens (at most the row and `max_seq_len`), and
-  the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest)."""
+  the executed FLOPs are measured for them too (`learner_flops`; None: not measured, model FLOPs at the longest).
+  `held_bytes`: per device, another role's state resident beside every program (colocated)."""
   devices = topology_devices(topology)
   mesh = make_mesh(devices, settings.mesh.learner_axes())
   cfg, model_cfg, max_seq_len = settings.learner, settings.model, settings.sampler.max_seq_len
@@ -269,24 +270,43 @@ def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
                  "critic_apply": policy}
     flops |= {"critic_values": forward, "critic_accumulate": 3 * forward, "critic_apply": 0.0}
   return [_compile(lowered[name], role="learner", program=name, topology=topology, mesh=dict(mesh.shape),
-                   hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
+                   hbm_bytes=hbm, resident_bytes=resident[name] + held_bytes, flops=flops[name],
                    flop_ratio=executed[name] / flops[name] if name in executed else 0.0,
                    note=note if not name.endswith("apply") else "")
           for name in lowered]
 
 
-def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0) -> list[ProgramReport]:
+def learner_state_bytes(settings: Settings, topology: str) -> int:
+  """Per device, what the learner keeps in HBM between its programs: parameters, optimizer state, the reference
+  policy (with a KL term) and a critic's state."""
+  mesh = make_mesh(topology_devices(topology), settings.mesh.learner_axes())
+  cfg, model_cfg = settings.learner, settings.model
+  fns = build_step(model_cfg, cfg, mesh, temperature=settings.sampler.temperature)
+  params, opt = fns.abstract_state()
+  held = device_bytes((params, opt)) + (device_bytes(params) if cfg.kl_coef else 0)
+  if cfg.critic:
+    critic = build_critic(model_cfg, cfg, mesh, batch_sharding=fns.batch_sharding, replicated=fns.replicated,
+                          rules=LEARNER_RULES)
+    held += device_bytes(critic.abstract_state()) - device_bytes(critic.abstract_shared())
+  return held
+
+
+def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
+                  held_bytes: int = 0) -> list[ProgramReport]:
   """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_expert × mesh.sampler_tensor), and
   `prefill_after` with `sampler.prefix_cache`. With `mesh.sampler_replicas` the programs of one replica, on its
-  share of the topology's devices (every replica's are the same)."""
+  share of the topology's devices (every replica's are the same). `held_bytes`: per device, another role's state
+  resident beside every program (colocated); the KV pool is sized from what it leaves, as a run sizes it from the
+  device's free memory."""
   devices = topology_devices(topology)
   mesh = replica_meshes(make_mesh(devices, settings.mesh.sampler_axes()), settings.mesh)[0]
   devices = list(mesh.devices.flat)
   model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
-  state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm)
-  resident = {"prefill": device_bytes(state), "prefill_after": 0, "decode": 0, "insert": device_bytes(params)}
+  state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm - held_bytes)
+  resident = {k: v + held_bytes for k, v in
+              {"prefill": device_bytes(state), "prefill_after": 0, "decode": 0, "insert": device_bytes(params)}.items()}
   note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"
           f" (max {cfg.pages_per_seq} per sequence)")
   # Prefill: one row on every data shard, split over tensor; decode: one token per slot at the full context.
@@ -294,11 +314,23 @@ def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0) ->
   flops = {"prefill": _model_flops(model_cfg, cfg.max_seq_len, cfg.max_seq_len, tensor),
            "decode": _model_flops(model_cfg, cfg.num_slots, cfg.max_seq_len, data * tensor), "insert": 0.0}
   flops["prefill_after"] = flops["prefill"]  # the same row, after pages of the prefix cache
-  lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm)
+  lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm - held_bytes)
   return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
                    note=note if name == "decode" else "")
           for name in ("prefill", "decode", "insert") + ("prefill_after",) * cfg.prefix_cache]
+
+
+def check_colocated(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
+                    flop_seq_len: int | None = 4096) -> list[ProgramReport]:
+  """Both roles on every device of `topology` (`mesh.colocated`): the sampler's KV pool sized from what the
+  learner's resident state leaves, each role's programs counted with the other's state resident beside them."""
+  learner_held = learner_state_bytes(settings, topology)
+  sampler = check_sampler(settings, topology, hbm_gib=hbm_gib, held_bytes=learner_held)
+  decode = next(r for r in sampler if r.program == "decode")
+  sampler_held = decode.argument_bytes  # its weights and decode state (the pool), what stays while the learner runs
+  learner = check_learner(settings, topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len, held_bytes=sampler_held)
+  return learner + sampler
 
 
 def check(settings: Settings, *, sampler_topology: str | None, learner_topology: str | None,

@@ -172,3 +172,27 @@ def test_qlora_and_critic_programs_compile_with_each_others_state_resident():
   assert by_name["accumulate"].resident_bytes > by_name["apply"].resident_bytes > 0
   assert by_name["critic_accumulate"].flops == 3 * by_name["critic_values"].flops > 0
   assert by_name["critic_accumulate"].resident_bytes > 0
+
+
+def test_colocated_roles_compile_on_the_same_chips_each_beside_the_others_state():
+  """`mesh.colocated`: both roles' programs on every device of one topology; the sampler's pool is sized from what
+  the learner's resident state leaves (fewer pages than on a slice of its own), and every learner program counts
+  the sampler's weights and pool as resident."""
+  settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL,
+                                  **{"sampler.num_pages": 0, "mesh.colocated": True,
+                                     "rollout.max_head_offpolicyness": 0}), data=False)
+  hbm_gib = 7.5e6 / aot_check.GIB  # the tiny model in 7.5 MB: the learner's 2.4 MB of state takes a visible share
+  alone = aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology="v5e:2x2", hbm_gib=hbm_gib,
+                          flop_seq_len=None)
+  both = aot_check.check_colocated(settings, "v5e:2x2", hbm_gib=hbm_gib, flop_seq_len=None)
+  assert [(r.role, r.program) for r in both] == [(r.role, r.program) for r in alone]
+  pages = lambda reports: int(next(r for r in reports if r.program == "decode").note.split(" pages")[0].split()[-1])
+  held = aot_check.learner_state_bytes(settings, "v5e:2x2")
+  assert 0 < pages(both) < pages(alone) and held > 0
+  sampler_state = next(r for r in both if r.program == "decode").argument_bytes
+  for a, b in zip(alone, both):
+    extra = sampler_state if a.role == "learner" else held
+    if a.program == "prefill":  # the pool, resident while it runs: smaller beside the learner's state
+      assert b.resident_bytes - extra < a.resident_bytes
+    else:
+      assert b.resident_bytes == a.resident_bytes + extra, (a.program, a.resident_bytes, b.resident_bytes)
