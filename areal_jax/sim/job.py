@@ -347,6 +347,9 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
         await asyncio.sleep(transfer)  # the learner's publish: the sampler swaps at its next step
         rollout.publish(version)
         waited = transfer
+      after = costs.after_step()  # the host's work before it awaits the next batch (the evaluation)
+      if costs.colocated:  # on the sampler's chips too: they would share them, so it goes before generation resumes
+        await asyncio.sleep(after)
       controller.admit(version)
       learner_busy += seconds + waited
       result.sync_s.append(waited)
@@ -355,7 +358,8 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
       result.answers.append(len(trajectories))
       result.sampler_busy.append(sum(x.now() for x in busy) / len(busy))  # the engines' mean
       result.learner_busy.append(learner_busy)
-      await asyncio.sleep(costs.after_step())  # the host's work before it awaits the next batch
+      if not costs.colocated:
+        await asyncio.sleep(after)
     result.sampler_stats = rollout.stats()
     result.engine_tokens = [float(x.stats()["tokens"]) for x in rollout.samplers]
   finally:

@@ -132,22 +132,28 @@ def splits(chips: int, tensor: int) -> list[int]:
   return sorted(c for c in counts if 0 < c < chips)
 
 
-def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:
-  """One layout: `sampler_chips` sampling and the rest learning (all of them doing both when `colocated`)."""
+def cost_model(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> CostModel:
+  """The cost model of one layout (see `simulate_split`)."""
   learner_chips = setup.chips if colocated else setup.chips - sampler_chips
   lay = layout(setup, sampler_chips, colocated=colocated)
-  costs = CostModel(model=setup.model, device=setup.device, sampler_chips=sampler_chips, learner_chips=learner_chips,
-                    sampler_shards=sampler_chips // setup.tensor, engines=lay.engines, colocated=colocated,
-                    sampler_processes=lay.processes,
-                    host_network=setup.host_network or setup.device.host_network or 0.0,
-                    sync_delta=setup.sync_delta, sync_overlap=setup.sync_overlap,
-                    weight_bytes=_bytes(setup.sampler.param_dtype),
-                    kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
-                    remat=setup.remat,
-                    max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches,
-                    eval_answers=setup.eval_answers, eval_every=setup.eval_every, eval_len=setup.lengths.mean,
-                    eval_prompt=setup.prompt_len, eval_slots=setup.sampler.num_slots,
-                    eval_decode_steps=setup.sampler.decode_steps, eff=setup.eff)
+  return CostModel(model=setup.model, device=setup.device, sampler_chips=sampler_chips, learner_chips=learner_chips,
+                   sampler_shards=sampler_chips // setup.tensor, engines=lay.engines, colocated=colocated,
+                   sampler_processes=lay.processes,
+                   host_network=setup.host_network or setup.device.host_network or 0.0,
+                   sync_delta=setup.sync_delta, sync_overlap=setup.sync_overlap,
+                   weight_bytes=_bytes(setup.sampler.param_dtype),
+                   kv_bytes=_bytes(setup.model.dtype), passes=setup.passes if eta else setup.passes - setup.proximal,
+                   remat=setup.remat,
+                   max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches,
+                   eval_answers=setup.eval_answers, eval_every=setup.eval_every, eval_len=setup.lengths.mean,
+                   eval_prompt=setup.prompt_len, eval_slots=setup.sampler.num_slots,
+                   eval_decode_steps=setup.sampler.decode_steps, eff=setup.eff)
+
+
+def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:
+  """One layout: `sampler_chips` sampling and the rest learning (all of them doing both when `colocated`)."""
+  lay = layout(setup, sampler_chips, colocated=colocated)
+  costs = cost_model(setup, sampler_chips, eta, colocated=colocated)
   job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=slots_per_engine(setup, lay)),
             num_shards=lay.engine_shards, engines=lay.engines, batch_prompts=setup.batch_prompts,
             answers=setup.answers, prompt_len=setup.prompt_len,

@@ -235,3 +235,14 @@ def test_a_device_checks_figures_replace_the_devices_default_efficiencies():
     costs.from_device_check(report | {"dry_run": True}, h100)
   with pytest.raises(ValueError, match="measured on 'h100', not on 'h200'"):
     costs.from_device_check(report, device("h200"))
+
+
+def test_colocated_sync_evaluates_on_the_sampler_chips_before_generating_again():
+  """Colocated, the held-out evaluation runs on the chips the sampler uses: each step takes its share of it on top;
+  on a split it runs on the learner's chips beside the sampler."""
+  base = _setup(chips=8, device=device("h800"))
+  evals = dataclasses.replace(base, eval_answers=64, eval_every=2)
+  share = plan.cost_model(evals, 8, 0, colocated=True).after_step()
+  assert share > 0
+  plain, with_eval = (plan.simulate_split(s, 8, 0, colocated=True) for s in (base, evals))
+  assert with_eval.step_s() == pytest.approx(plain.step_s() + share, rel=0.02)
