@@ -14,8 +14,10 @@ come from `--lengths` (a run's rollouts.jsonl, or a file of integers) or a log-n
 data shard an engine of its own, `mesh.sampler_replicas`), `host` (one engine per host's sampler chips), or
 `pathways` (one engine over every sampler chip: one host, or a TPU slice under Pathways). A job larger than one host
 runs its samplers as processes, one per host, each pulling every version over the leader's host network. Colocated
-sync needs one controller, so on several GPU hosts there is no colocated row: each split's η = 0 row is its
-baseline.
+sync (`mesh.colocated`, its sampler split as the layout says) needs one controller, so on several GPU hosts there is
+no colocated row: each split's η = 0 row is its baseline. `sampler.num_slots` counts one engine's slots, as in a run
+(`--slots_per_shard` sets every data shard's instead). The plan prints each efficiency with its source
+(`sim.costs.PUBLISHED`, or `--calibration`).
 
 `--check=DIR` holds the planner to measurement instead: it calibrates the cost model on this machine's CPU (the tiny
 preset's programs in each role's layout; cached in `--calibration`), predicts every run of a
