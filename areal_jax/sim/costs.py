@@ -128,6 +128,7 @@ class CostModel:
   eval_prompt: int = 0
   eval_slots: int = 64
   eval_decode_steps: int = 8
+  eval_overlap: bool = True  # sampler.overlap, which the evaluation's engine runs with too
   eff: Efficiency = Efficiency()
 
   @property
@@ -238,7 +239,7 @@ class CostModel:
 
   def evaluation(self) -> float:
     """One evaluation as `Evaluator` runs it: one data-parallel engine over the leader host's learner chips
-    (`chips_per_host` of them at most), its prompts prefilled a slot's worth at a time, then continuous batching at
+    (`chips_per_host` of them at most, one data shard each), its prompts prefilled a slot's worth at a time, then continuous batching at
     full occupancy: answers x length / live decode steps, each at `live` answers holding the prompt and half an
     answer of context, plus the scheduler's host work per call (`decode_call`)."""
     chips = min(self.learner_chips, self.device.chips_per_host)
@@ -250,7 +251,7 @@ class CostModel:
     step = engine.decode_step(per_shard, per_shard * (self.eval_prompt + length / 2))
     k = self.eval_decode_steps
     calls = n * length / live / k
-    decode = calls * engine.decode_call(k * step, self.eval_slots, overlap=True)
+    decode = calls * engine.decode_call(k * step, self.eval_slots, overlap=self.eval_overlap)
     prefill = -(-n // live) * engine.prefill(live, max(1, self.eval_prompt))
     return decode + prefill
 

@@ -147,7 +147,7 @@ def cost_model(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = 
                    max_tokens_per_mb=setup.max_tokens_per_mb, minibatches=setup.minibatches,
                    eval_answers=setup.eval_answers, eval_every=setup.eval_every, eval_len=setup.lengths.mean,
                    eval_prompt=setup.prompt_len, eval_slots=setup.sampler.num_slots,
-                   eval_decode_steps=setup.sampler.decode_steps, eff=setup.eff)
+                   eval_decode_steps=setup.sampler.decode_steps, eval_overlap=setup.sampler.overlap, eff=setup.eff)
 
 
 def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:
