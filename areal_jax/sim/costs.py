@@ -48,9 +48,9 @@ class Efficiency:
     return dataclasses.replace(self, **kw)
 
 
-# What training engines published on each device family, as shares of `hardware.py`'s datasheet peaks; the fields
-# a family does not list keep `Efficiency`'s defaults, and `published` says which. Each figure is a training engine's
-# on a larger model than the presets (5-20x), so an upper bound for them; `tools/device_check.py` measures ours.
+# What training and inference engines published on each device family, as shares of `hardware.py`'s datasheet peaks;
+# the fields a family does not list keep `Efficiency`'s defaults, and `published` says which. The MFUs are training
+# engines' on larger models than the presets (5-20x), so upper bounds for them; `tools/device_check.py` measures ours.
 PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     # MaxText MaxText/configs/2xv4-128.sh: "158TFLOP/s, 22B params" per chip on 2 x v4-128 (of 275).
     "v4": {"learner_mfu": (0.57, "MaxText, 22B on 2 x v4-128: 158 of 275 TFLOP/s")},
@@ -60,6 +60,9 @@ PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     "v5p": {"learner_mfu": (0.715, "MaxText, 32B on v5p-128: 71.47% MFU")},
     # MaxText docs/reference/models/tiering.md (Trillium, Gold): Llama 3.1 8B on 256 chips, BF16, SL 8192, 45.46% MFU.
     "v6e": {"learner_mfu": (0.455, "MaxText, Llama 3.1 8B on 256 v6e chips: 45.46% MFU")},
+    # PyTorch's gpt-fast README (benchmarks on an A100-80GB power-limited to 330 W): Llama-2-7B bf16 decode at
+    # 104.9 tokens/s reads 1397.31 GB/s, of the datasheet's 2039 (one answer at a time: the weights' read alone).
+    "a100": {"decode_bw": (0.685, "gpt-fast, Llama-2-7B bf16 decode on A100-80GB: 1397 of 2039 GB/s")},
 }
 
 
