@@ -60,6 +60,9 @@ PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     "v5p": {"learner_mfu": (0.715, "MaxText, 32B on v5p-128: 71.47% MFU")},
     # MaxText docs/reference/models/tiering.md (Trillium, Gold): Llama 3.1 8B on 256 chips, BF16, SL 8192, 45.46% MFU.
     "v6e": {"learner_mfu": (0.455, "MaxText, Llama 3.1 8B on 256 v6e chips: 45.46% MFU")},
+    # Megatron-LM's README (weak scaling on H100, sequences of 4096, end to end): "MFU increases from 41% for the
+    # smallest model considered" (2B) "to 47-48% for the largest"; the presets are nearest the smallest.
+    "h100": {"learner_mfu": (0.41, "Megatron-LM weak scaling on H100: 41% MFU at 2B")},
     # PyTorch's gpt-fast README (benchmarks on an A100-80GB power-limited to 330 W): Llama-2-7B bf16 decode at
     # 104.9 tokens/s reads 1397.31 GB/s, of the datasheet's 2039 (one answer at a time: the weights' read alone).
     "a100": {"decode_bw": (0.685, "gpt-fast, Llama-2-7B bf16 decode on A100-80GB: 1397 of 2039 GB/s")},

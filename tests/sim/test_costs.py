@@ -90,7 +90,7 @@ def test_published_figures_replace_the_defaults_with_their_sources_and_only_thos
     assert set(sources) == set(figures) and all(sources.values())
     assert all(getattr(eff, k) == v for k, (v, _) in figures.items())
     assert all(0 < v < 1 for v, _ in figures.values())
-  eff, sources = published(device("h100"))
+  eff, sources = published(device("h200"))
   assert eff == Efficiency() and sources == {}
 
 
