@@ -48,7 +48,7 @@ from areal_jax.learner.step import BATCH_INT_KEYS, build_step
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.packed_attention import splash_block, splash_blocks_computed
 from areal_jax.sampler.aot import abstract_decode_state, abstract_params, lower_sampler
-from areal_jax.sharding import LEARNER_RULES, make_mesh
+from areal_jax.sharding import LEARNER_RULES, device_bytes, make_mesh
 
 GIB = 1 << 30
 # HBM per chip by `device_kind`; a chip described as several devices (v4's two cores) splits it between them.
@@ -113,12 +113,6 @@ def hbm_bytes(devices, hbm_gib: float = 0.0) -> int:
   chip = getattr(devices[0], "coords", None)
   per_chip = sum(getattr(d, "coords", None) == chip for d in devices)
   return HBM_GIB[kind] * GIB // per_chip
-
-
-def device_bytes(tree) -> int:
-  """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s (the largest shard: the worst device)."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8
-             for x in jax.tree.leaves(tree))
 
 
 def _model_flops(model_cfg: ModelConfig, tokens: int, seq_len: int, devices: int) -> float:
@@ -276,9 +270,9 @@ def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
           for name in lowered]
 
 
-def learner_state_bytes(settings: Settings, topology: str) -> int:
-  """Per device, what the learner keeps in HBM between its programs: parameters, optimizer state, the reference
-  policy (with a KL term) and a critic's state."""
+def learner_state_bytes(settings: Settings, topology: str) -> tuple[int, int]:
+  """Per device, (what the learner keeps in HBM between its programs: parameters, optimizer state, the reference
+  policy (with a KL term) and a critic's state; the float32 gradient accumulators a step allocates)."""
   mesh = make_mesh(topology_devices(topology), settings.mesh.learner_axes())
   cfg, model_cfg = settings.learner, settings.model
   fns = build_step(model_cfg, cfg, mesh, temperature=settings.sampler.temperature)
@@ -288,23 +282,24 @@ def learner_state_bytes(settings: Settings, topology: str) -> int:
     critic = build_critic(model_cfg, cfg, mesh, batch_sharding=fns.batch_sharding, replicated=fns.replicated,
                           rules=LEARNER_RULES)
     held += device_bytes(critic.abstract_state()) - device_bytes(critic.abstract_shared())
-  return held
+  return held, device_bytes(fns.abstract_args(cfg.max_tokens_per_mb)["accumulate"][1])
 
 
-def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
-                  held_bytes: int = 0) -> list[ProgramReport]:
+def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0, held_bytes: int = 0,
+                  reserved_bytes: int = 0) -> list[ProgramReport]:
   """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_expert × mesh.sampler_tensor), and
   `prefill_after` with `sampler.prefix_cache`. With `mesh.sampler_replicas` the programs of one replica, on its
   share of the topology's devices (every replica's are the same). `held_bytes`: per device, another role's state
-  resident beside every program (colocated); the KV pool is sized from what it leaves, as a run sizes it from the
-  device's free memory."""
+  resident beside every program (colocated); the KV pool is sized from what it and `reserved_bytes` (another role's
+  working memory) leave, as a run sizes it from the device's free memory."""
   devices = topology_devices(topology)
   mesh = replica_meshes(make_mesh(devices, settings.mesh.sampler_axes()), settings.mesh)[0]
   devices = list(mesh.devices.flat)
   model_cfg, cfg = settings.model, settings.sampler  # a LoRA sampler holds adapters
   hbm = hbm_bytes(devices, hbm_gib)
   _, params = abstract_params(model_cfg, mesh, cfg.weight_dtype)
-  state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=hbm - held_bytes)
+  free = hbm - held_bytes - reserved_bytes
+  state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free)
   resident = {k: v + held_bytes for k, v in
               {"prefill": device_bytes(state), "prefill_after": 0, "decode": 0, "insert": device_bytes(params)}.items()}
   note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"
@@ -314,7 +309,7 @@ def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
   flops = {"prefill": _model_flops(model_cfg, cfg.max_seq_len, cfg.max_seq_len, tensor),
            "decode": _model_flops(model_cfg, cfg.num_slots, cfg.max_seq_len, data * tensor), "insert": 0.0}
   flops["prefill_after"] = flops["prefill"]  # the same row, after pages of the prefix cache
-  lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=hbm - held_bytes)
+  lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=free)
   return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
                    note=note if name == "decode" else "")
@@ -323,13 +318,17 @@ def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
 
 def check_colocated(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
                     flop_seq_len: int | None = 4096) -> list[ProgramReport]:
-  """Both roles on every device of `topology` (`mesh.colocated`): the sampler's KV pool sized from what the
-  learner's resident state leaves, each role's programs counted with the other's state resident beside them."""
-  learner_held = learner_state_bytes(settings, topology)
-  sampler = check_sampler(settings, topology, hbm_gib=hbm_gib, held_bytes=learner_held)
+  """Both roles on every device of `topology` (`mesh.colocated`), as a run places them: the sampler's KV pool sized
+  from what the learner's resident state and its step's working memory (gradient accumulators and the largest
+  program's scratch: `Learner.working_bytes`) leave; each role's programs counted with the other's state resident
+  beside them."""
+  learner = check_learner(settings, topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len)
+  learner_held, grads = learner_state_bytes(settings, topology)
+  working = grads + max(r.temp_bytes for r in learner)
+  sampler = check_sampler(settings, topology, hbm_gib=hbm_gib, held_bytes=learner_held, reserved_bytes=working)
   decode = next(r for r in sampler if r.program == "decode")
   sampler_held = decode.argument_bytes  # its weights and decode state (the pool), what stays while the learner runs
-  learner = check_learner(settings, topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len, held_bytes=sampler_held)
+  learner = [dataclasses.replace(r, resident_bytes=r.resident_bytes + sampler_held) for r in learner]
   return learner + sampler
 
 

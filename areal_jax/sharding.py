@@ -118,3 +118,9 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
     return NamedSharding(mesh, P())
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def device_bytes(tree) -> int:
+  """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s (the largest shard: the worst device)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8
+             for x in jax.tree.leaves(tree))

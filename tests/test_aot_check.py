@@ -176,19 +176,24 @@ def test_qlora_and_critic_programs_compile_with_each_others_state_resident():
 
 def test_colocated_roles_compile_on_the_same_chips_each_beside_the_others_state():
   """`mesh.colocated`: both roles' programs on every device of one topology; the sampler's pool is sized from what
-  the learner's resident state leaves (fewer pages than on a slice of its own), and every learner program counts
-  the sampler's weights and pool as resident."""
+  the learner's resident state and its step's working memory leave (gradients and the largest program's scratch, as
+  a run reserves them: fewer pages than beside the state alone, and than on a slice of its own), and every learner
+  program counts the sampler's weights and pool as resident."""
   settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL,
                                   **{"sampler.num_pages": 0, "mesh.colocated": True,
                                      "rollout.max_head_offpolicyness": 0}), data=False)
-  hbm_gib = 7.5e6 / aot_check.GIB  # the tiny model in 7.5 MB: the learner's 2.4 MB of state takes a visible share
+  hbm_gib = 11.5e6 / aot_check.GIB  # the tiny model in 11.5 MB: the learner's 2.4 MB of state and 4.9 MB of working memory take a visible share
   alone = aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology="v5e:2x2", hbm_gib=hbm_gib,
                           flop_seq_len=None)
   both = aot_check.check_colocated(settings, "v5e:2x2", hbm_gib=hbm_gib, flop_seq_len=None)
   assert [(r.role, r.program) for r in both] == [(r.role, r.program) for r in alone]
   pages = lambda reports: int(next(r for r in reports if r.program == "decode").note.split(" pages")[0].split()[-1])
-  held = aot_check.learner_state_bytes(settings, "v5e:2x2")
-  assert 0 < pages(both) < pages(alone) and held > 0
+  held, grads = aot_check.learner_state_bytes(settings, "v5e:2x2")
+  beside_state = aot_check.check_sampler(settings, "v5e:2x2", hbm_gib=hbm_gib, held_bytes=held)
+  assert 0 < pages(both) < pages(beside_state) <= pages(alone) and held > 0 and grads > 0
+  working = grads + max(r.temp_bytes for r in both if r.role == "learner")
+  exact = aot_check.check_sampler(settings, "v5e:2x2", hbm_gib=hbm_gib, held_bytes=held + working)
+  assert pages(both) == pages(exact)
   sampler_state = next(r for r in both if r.program == "decode").argument_bytes
   for a, b in zip(alone, both):
     extra = sampler_state if a.role == "learner" else held

@@ -67,7 +67,8 @@ class LocalRollout:
   controller generates them again on the others) and `check()` raises only once none is left."""
 
   def __init__(self, *, abstract_model, config: SamplerConfig, meshes: Sequence[Mesh], params, version: int, eos_ids,
-               detokenize):
+               detokenize, reserved_bytes: int = 0):
+    """`reserved_bytes`: per device, what each engine's KV pool leaves free for a colocated learner's step."""
     if not meshes:
       raise ValueError("LocalRollout: no sampler mesh")
     self._lock = threading.Lock()
@@ -75,7 +76,7 @@ class LocalRollout:
     self._changed = weight_transfer.ChangedFraction()
     self.replicas: list[_Replica] = []
     for i, mesh in enumerate(meshes):
-      engine = Engine(model=abstract_model, config=config, mesh=mesh)
+      engine = Engine(model=abstract_model, config=config, mesh=mesh, reserved_bytes=reserved_bytes)
       moved = self._move(params, engine.param_shardings, engine.param_dtype)
       self._bytes += lora.nbytes(moved)
       base = lora.split(moved)[1] if lora.has_adapters(moved) else None  # held under LoRA

@@ -54,7 +54,7 @@ from areal_jax.learner.ppo import loglinear_alpha
 from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, ROUTES_KEY, STALENESS_BUCKETS, STALENESS_KEY,
                                     StepFns, build_step)
 from areal_jax.models.config import ModelConfig
-from areal_jax.sharding import LEARNER_RULES, Rules
+from areal_jax.sharding import LEARNER_RULES, Rules, device_bytes
 from areal_jax.types import Trajectory
 
 if TYPE_CHECKING:
@@ -144,6 +144,21 @@ class Learner:
     if self.critic is not None:
       self.critic_params = self.critic.from_policy(self.params)
       self.critic_opt = self.critic.init_opt_state(self.critic_params)
+
+  def working_bytes(self) -> int:
+    """Per device, what a step allocates beyond the learner's state (parameters, optimizer state, a critic's): the
+    policy's float32 gradient accumulators, the most scratch memory one of its programs needs for rows of
+    `max_tokens_per_mb` tokens (as the compiler reports it), and the KL reference copied at the first step. A sampler
+    on the same devices (`mesh.colocated`) leaves this free beside its KV pool. Compiles the step's programs."""
+    fns, length = self.fns, self.config.max_tokens_per_mb
+    lowered = fns.lower(length)
+    if self.critic is not None:
+      lowered |= self.critic.lower(fns.abstract_batch(length, BATCH_INT_KEYS + ("loss_mask",)))
+    analyses = [p.compile().memory_analysis() for p in lowered.values()]
+    scratch = max((m.temp_size_in_bytes for m in analyses if m is not None), default=0)
+    grads = device_bytes(fns.abstract_args(length)["accumulate"][1])
+    reference = device_bytes(fns.abstract_state()[0]) if self.config.kl_coef and self.ref_params is None else 0
+    return grads + scratch + reference
 
   def model(self) -> nnx.Module:
     """A module view of the current parameters (shares their arrays; do not keep it across steps)."""

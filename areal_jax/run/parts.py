@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from absl import logging
 from flax import nnx
 
 from areal_jax import agents
@@ -32,6 +33,7 @@ from areal_jax.rl.rollout import Rollout
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.rl.run_config import SyncConfig
 from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.engine import free_device_bytes
 from areal_jax.sharding import make_mesh
 
 
@@ -115,6 +117,19 @@ def _evaluator(st, controller: RolloutController, sampler_cfg: SamplerConfig, le
                    num_samples=settings.eval.num_samples, temperature=settings.eval.temperature, seed=settings.seed)
 
 
+def learner_reserve(learner: Learner, sampler_cfg: SamplerConfig, sampler_meshes) -> int:
+  """Per device, what a sampler sharing the learner's devices (`mesh.colocated`) leaves free beside its KV pool:
+  the learner step's working memory (`Learner.working_bytes`), where the pool is sized from the devices' free memory
+  (sampler.num_pages = 0, on devices that report their memory: not a CPU, whose pool comes from the host's). Else 0."""
+  shared = {d.id for d in learner.mesh.devices.flat} & {d.id for m in sampler_meshes for d in m.devices.flat}
+  sized_from_free = not sampler_cfg.num_pages and free_device_bytes(sampler_meshes[0].devices.flat[0]) is not None
+  if not (shared and sized_from_free):
+    return 0
+  reserve = learner.working_bytes()
+  logging.info("colocated: the KV pool leaves %.2f GiB per device for the learner's step", reserve / 2**30)
+  return reserve
+
+
 def _start_rollout(mesh: MeshConfig, sync: SyncConfig, layout: ProcessLayout, control: ControlServer | None,
                    sampler_cfg: SamplerConfig, learner: Learner, local, sampler_meshes, learner_local,
                    tokenizer) -> Rollout:
@@ -123,7 +138,8 @@ def _start_rollout(mesh: MeshConfig, sync: SyncConfig, layout: ProcessLayout, co
   if not layout.multi_process:
     abstract_model = nnx.eval_shape(lambda: nnx.merge(learner.fns.graphdef, learner.fns.abstract_params))
     return LocalRollout(abstract_model=abstract_model, config=sampler_cfg, meshes=sampler_meshes, params=local,
-                        version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode)
+                        version=learner.version, eos_ids=[tokenizer.eos_id], detokenize=tokenizer.decode,
+                        reserved_bytes=learner_reserve(learner, sampler_cfg, sampler_meshes))
   publisher = WeightPublisher(abstract_params=weights.with_dtype(learner.fns.abstract_params, sampler_cfg.weight_dtype),
                               tensor=mesh.sampler_tensor, expert=mesh.sampler_expert, devices=learner_local,
                               host=layout.host)

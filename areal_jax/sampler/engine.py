@@ -49,23 +49,28 @@ def _pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
+def free_device_bytes(device: jax.Device) -> int | None:
+  """What `device` has free by its memory stats (limit - in use), or None where it reports no limit (a CPU)."""
+  stats = device.memory_stats()
+  return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats and "bytes_limit" in stats else None
+
+
 def pages_per_shard(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, param_bytes_per_device: int = 0,
-                    free_bytes: int | None = None) -> int:
+                    free_bytes: int | None = None, reserved_bytes: int = 0) -> int:
   """Pages each data shard owns: `num_pages / data`, or, with num_pages = 0, what `memory_fraction` of one device's
-  free memory holds after the parameters (`free_bytes`, else from the device's memory stats; on CPU, the host's
-  available memory split over all devices), capped at what the shard's slots can use."""
+  free memory holds after the parameters and `reserved_bytes` (per device, kept for another role's programs: a
+  colocated learner's step); free memory is `free_bytes`, else the device's (`free_device_bytes`; on CPU, the host's
+  available memory split over all devices). Capped at what the shard's slots can use."""
   data = mesh.shape["data"]
   cap = cfg.num_slots // data * cfg.pages_per_seq + 1
   if cfg.num_pages:
     n = cfg.num_pages // data
   else:
     if free_bytes is None:
-      stats = mesh.devices.flat[0].memory_stats()
-      if stats and "bytes_limit" in stats:
-        free_bytes = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-      else:
-        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, len(jax.devices()))
-    free_bytes -= param_bytes_per_device
+      free_bytes = free_device_bytes(mesh.devices.flat[0])
+    if free_bytes is None:
+      free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, len(jax.devices()))
+    free_bytes -= param_bytes_per_device + reserved_bytes
     t = mesh.shape.get("tensor", 1)
     per_device = page_bytes(model_cfg, cfg) // (t if model_cfg.num_kv_heads % t == 0 else 1)
     n = min(cap, int(cfg.memory_fraction * max(0, free_bytes)) // per_device)
@@ -411,10 +416,11 @@ class Engine(EngineBase):
   """The sampler's device side on one mesh: parameters' shardings, the KV page pool and the compiled programs, under
   the host side's batched calls (`EngineBase`)."""
 
-  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None):
+  def __init__(self, *, model: nnx.Module, config: SamplerConfig, mesh: Mesh | None = None, reserved_bytes: int = 0):
     """`model` gives the graph and parameter shapes (an abstract `nnx.eval_shape` model works); parameters are
     passed to each call, their floating leaves in `config.param_dtype` whatever the model's own dtype. The default
-    mesh is the first device (data 1 x tensor 1)."""
+    mesh is the first device (data 1 x tensor 1). `reserved_bytes`: per device, left free beside the KV pool for
+    another role's programs (`pages_per_shard`)."""
     model_cfg: ModelConfig = model.cfg
     self._mesh = mesh or make_mesh(jax.devices()[:1], {"data": 1, "tensor": 1})
     if set(self._mesh.axis_names) - {"expert"} != {"data", "tensor"}:
@@ -432,7 +438,8 @@ class Engine(EngineBase):
     # The KV pool (num_pages=0) gets what is left beside weights of param_dtype: bfloat16 leaves it more.
     param_bytes = param_bytes_per_device(self.abstract_params, self._mesh)
     super().__init__(config=config, model_cfg=model_cfg, num_shards=self._mesh.shape["data"],
-                     pages_per_shard=pages_per_shard(model_cfg, config, self._mesh, param_bytes_per_device=param_bytes),
+                     pages_per_shard=pages_per_shard(model_cfg, config, self._mesh, param_bytes_per_device=param_bytes,
+                                                     reserved_bytes=reserved_bytes),
                      programs=build_programs(self.graphdef, model_cfg, config, self._mesh))
     self.state_shardings = decode_state_shardings(model_cfg, self._mesh)
     self._zeros = None

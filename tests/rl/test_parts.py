@@ -183,6 +183,42 @@ def test_colocated_runs_synchronously_only():
   assert settings.mesh.colocated  # sampler_devices unused: the sampler's data axis is all 8 devices
 
 
+def test_a_colocated_pool_leaves_room_for_the_learners_step(monkeypatch):
+  """Both roles on every device: the sampler's KV pool is sized from what the devices have free less the learner
+  step's working memory (gradient accumulators, the largest program's compiled scratch), where the pool comes from
+  free device memory; a split layout, fixed `sampler.num_pages` or a CPU's host memory reserve nothing."""
+  from areal_jax.learner.learner import Learner
+  from areal_jax.run import parts
+  from areal_jax.sampler import engine as engine_lib
+
+  settings = validate(load_config("configs/math.py", **{"mesh.colocated": True, "rollout.max_head_offpolicyness": 0,
+                                                        "sampler.num_pages": 0}), num_devices=8, data=False)
+  slices = build_slices(settings.mesh)
+  learner = Learner(model_cfg=settings.model, config=settings.learner, mesh=slices.learner)
+  cfg = settings.sampler
+  assert parts.learner_reserve(learner, cfg, slices.replicas) == 0  # a CPU: the pool is sized from host memory
+  free = 64 << 20
+  monkeypatch.setattr(parts, "free_device_bytes", lambda device: free)  # devices that report their memory
+  monkeypatch.setattr(engine_lib, "free_device_bytes", lambda device: free)
+  reserve = parts.learner_reserve(learner, cfg, slices.replicas)
+  grads = shd.device_bytes(learner.fns.abstract_args(settings.learner.max_tokens_per_mb)["accumulate"][1])
+  scratch = max(p.compile().memory_analysis().temp_size_in_bytes
+                for p in learner.fns.lower(settings.learner.max_tokens_per_mb).values())
+  assert reserve == learner.working_bytes() == grads + scratch > grads > 0
+  model = nnx.eval_shape(lambda: create(settings.model))
+  small = cfg.replace(num_slots=512, max_seq_len=512)  # more slots than the pool holds: the memory decides
+  beside = engine_lib.Engine(model=model, config=small, mesh=slices.sampler, reserved_bytes=reserve)
+  alone = engine_lib.Engine(model=model, config=small, mesh=slices.sampler)
+  param_bytes = engine_lib.param_bytes_per_device(beside.abstract_params, slices.sampler)
+  per_page = engine_lib.page_bytes(settings.model, small)
+  want = lambda held: int(small.memory_fraction * (free - param_bytes - held)) // per_page
+  assert beside.num_pages // beside.num_shards == want(reserve) < alone.num_pages // alone.num_shards == want(0)
+  assert parts.learner_reserve(learner, cfg.replace(num_pages=64), slices.replicas) == 0
+  split = build_slices(dataclasses.replace(settings.mesh, colocated=False))
+  split_learner = Learner(model_cfg=settings.model, config=settings.learner, mesh=split.learner)
+  assert parts.learner_reserve(split_learner, cfg, split.replicas) == 0
+
+
 def test_checkpoint_roundtrip_onto_shardings(tmp_path):
   mesh = shd.make_mesh(jax.devices()[:4], {"fsdp": 4, "tensor": 1})
   params = {"w": jax.device_put(jnp.arange(32.).reshape(8, 4), NamedSharding(mesh, P("fsdp")))}
