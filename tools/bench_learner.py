@@ -16,6 +16,12 @@ With `--peer=torch`, a further variant runs the same step eagerly in PyTorch on 
 `transformers` model, micro-batches padded to their longest sequence within the same token budget, the same decoupled
 PPO loss, AdamW), a plain baseline a user might write instead.
 
+`--host_answers=1024,4096,8192` instead times the learner's host work per step with no device work:
+`Learner.prepare` (advantages, the minibatch split, Alg. 1's packing into micro-batches of `--max-tokens`) on that
+many answers of the long-tail lengths (`--median-len`, at most `--max-len`), best of `--steps`. One line per count,
+`learner host work per step at N answers (T tokens, M micro-batches): X s`, then the least-squares line through them,
+`step_s + micro_batch_s x micro-batches`, the cost model's two fixed learner costs (`sim.costs.Efficiency`).
+
 Achieved model FLOP/s (6·N per token plus causal attention, proximal pass included; padding not counted) is
 reported as a fraction of a square-matmul peak measured on the same devices. "cpu s" is the process CPU time of a
 step, a load-independent measure of work on a shared CPU machine. Defaults use one device and about 3 CPU-minutes
@@ -47,12 +53,15 @@ def parse_args():
   p.add_argument("--no-dense", action="store_true", help="skip the dense-attention variant")
   p.add_argument("--steps", type=int, default=2, help="timed steps per variant, after one warm-up step")
   p.add_argument("--peer", choices=("none", "torch"), default="none", help="also time an eager PyTorch step")
+  p.add_argument("--median-len", type=int, default=100, help="median answer length of the long-tail batch")
+  p.add_argument("--host_answers", default="",
+                 help="comma-separated answer counts: time the learner's host work per step (no device work)")
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args()
 
 
-def long_tail_batch(n: int, max_len: int, vocab: int, seed: int):
-  """Answers with log-normal lengths (median ~100 tokens, a few near `max_len`), rewards mixed within groups."""
+def long_tail_batch(n: int, max_len: int, vocab: int, seed: int, median: int = 100):
+  """Answers with log-normal lengths (about `median` tokens, a few near `max_len`), rewards mixed within groups."""
   import numpy as np
 
   from areal_jax.types import Trajectory
@@ -61,7 +70,7 @@ def long_tail_batch(n: int, max_len: int, vocab: int, seed: int):
   out = []
   for i in range(n):
     p = int(rng.integers(16, 48))
-    r = int(np.clip(rng.lognormal(np.log(100), 1.0), 4, max_len - p))
+    r = int(np.clip(rng.lognormal(np.log(median), 1.0), 4, max_len - p))
     out.append(Trajectory(
         prompt_ids=rng.integers(0, vocab, p).astype(np.int32), response_ids=rng.integers(0, vocab, r).astype(np.int32),
         logprobs=(-np.log(vocab) + rng.normal(0, 0.3, r)).astype(np.float32), versions=np.zeros(r, np.int32),
@@ -146,6 +155,26 @@ def make_torch_step(learner, trajs, max_tokens: int, temperature: float, *, devi
   return step, torch.get_num_threads()
 
 
+def host_work(args, learner, vocab: int) -> None:
+  """Seconds of `Learner.prepare` per step against its micro-batches, and the line through them."""
+  import numpy as np
+
+  points = []
+  for n in [int(a) for a in args.host_answers.split(",")]:
+    trajs = long_tail_batch(n, args.max_len, vocab, args.seed, args.median_len)
+    best, plan = float("inf"), None
+    for _ in range(args.steps):
+      start = time.perf_counter()
+      plan = learner.prepare(trajs)
+      best = min(best, time.perf_counter() - start)
+    micro_batches = sum(len(mbs) for mbs in plan.minibatches)
+    points.append((micro_batches, best))
+    print(f"learner host work per step at {n} answers ({sum(t.num_tokens for t in trajs)} tokens, {micro_batches} "
+          f"micro-batches): {best:.3f} s", flush=True)
+  slope, intercept = np.polyfit(*np.array(points).T, 1)
+  print(f"fit: step_s={intercept:.4g} + micro_batch_s={slope:.4g} x micro-batches (of {args.max_tokens} tokens)")
+
+
 def main():
   args = parse_args()
   if args.devices > 1:
@@ -174,6 +203,9 @@ def main():
 
   devices = jax.devices()[:args.devices]
   mesh = make_learner_mesh(devices)
+  if args.host_answers:
+    host_work(args, Learner(model_cfg=model_cfg, config=learner_cfg, mesh=mesh), model_cfg.vocab_size)
+    return
   peak = measure_matmul_peak(devices, dtype=model_cfg.compute_dtype, repeats=20)
   trajs = long_tail_batch(args.sequences, args.max_len, model_cfg.vocab_size, args.seed)
   lengths = np.array([t.num_tokens for t in trajs])
