@@ -5,7 +5,8 @@ Peaks are the vendors' dense bf16 figures; what a program reaches of them is the
 (`sim.costs.Efficiency`), fitted on this machine by `sim.calibrate` for the CPU and set from published MFU/bandwidth
 figures for the rest. `link` is the bandwidth one chip can send weights at to another slice (ICI for TPUs, NVLink for
 GPUs), one direction. `chips_per_host` and `host_network` (bytes/s a host sends over the data-centre network, one
-direction; None where no datasheet here gives it) price what crosses between processes on different hosts. `kinds`
+direction; None where no datasheet here gives it) price what crosses between processes on different hosts;
+`host_link` (a chip's PCIe to its host, one direction; None where no datasheet gives it) the checkpoint's copy. `kinds`
 are the `device_kind` strings JAX reports for the chip (a longer match wins).
 """
 
@@ -28,6 +29,7 @@ class Device:
   chips_per_host: int = 8
   host_network: float | None = None  # bytes/s per host over the data-centre network, one direction
   cores_per_chip: int = 1  # TensorCores per TPU chip, which Google's slice names count (v4, v5p: 2)
+  host_link: float | None = None  # bytes/s one chip copies to its host's memory (PCIe), one direction
 
   @property
   def tpu(self) -> bool:
@@ -58,16 +60,22 @@ DEVICES = {d.name: d for d in (
     Device("v6e", 918e12, 1640 * GB, 32 * GB, 448 * GB, ("TPU v6 lite", "TPU v6e"), chips_per_host=8),
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2039 GB/s, NVLink 600 GB/s (both directions).
     # DGX A100 user guide: 8 GPUs and 8 x 200 Gb/s HDR InfiniBand compute ports per system (200 GB/s).
-    Device("a100", 312e12, 2039 * GB, 80 * GB, 300 * GB, ("NVIDIA A100",), chips_per_host=8, host_network=200 * GB),
+    # Same datasheet: PCIe Gen4 64 GB/s (both directions).
+    Device("a100", 312e12, 2039 * GB, 80 * GB, 300 * GB, ("NVIDIA A100",), chips_per_host=8, host_network=200 * GB,
+           host_link=32 * GB),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 80 GB at 3.35 TB/s, NVLink 900 GB/s (both directions).
     # DGX H100 user guide: 8 GPUs and 8 x 400 Gb/s ConnectX-7 compute ports per system (400 GB/s).
-    Device("h100", 989e12, 3350 * GB, 80 * GB, 450 * GB, ("NVIDIA H100",), chips_per_host=8, host_network=400 * GB),
+    # Same datasheet: PCIe Gen5 128 GB/s (both directions).
+    Device("h100", 989e12, 3350 * GB, 80 * GB, 450 * GB, ("NVIDIA H100",), chips_per_host=8, host_network=400 * GB,
+           host_link=64 * GB),
     # H800 SXM5 (H100 for the Chinese market; the AReaL paper's GPU): H100's compute and HBM, NVLink 400 GB/s.
     # 8 per HGX board; the network of a host is the integrator's (no datasheet value).
     Device("h800", 989e12, 3350 * GB, 80 * GB, 200 * GB, ("NVIDIA H800",), chips_per_host=8),
     # NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 141 GB at 4.8 TB/s, NVLink 900 GB/s (both directions).
     # DGX H200 user guide: 8 GPUs and 8 x 400 Gb/s ConnectX-7 compute ports per system (400 GB/s).
-    Device("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB, ("NVIDIA H200",), chips_per_host=8, host_network=400 * GB),
+    # Same datasheet: PCIe Gen5 128 GB/s (both directions).
+    Device("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB, ("NVIDIA H200",), chips_per_host=8, host_network=400 * GB,
+           host_link=64 * GB),
     # NVIDIA DGX B200 datasheet: 8 B200 GPUs with 1,440 GB of HBM3e at 64 TB/s in all (180 GB at 8 TB/s each), NVLink
     # 14.4 TB/s in all (1.8 TB/s per GPU, both directions), 8 x 400 Gb/s ConnectX-7 (400 GB/s). HGX B200 datasheet:
     # FP16/BF16 tensor core 36 PFLOPS for 8 GPUs with sparsity, i.e. 2.25 PFLOP/s dense per GPU.

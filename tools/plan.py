@@ -28,6 +28,7 @@ preset's programs in each role's layout; cached in `--calibration`), predicts ev
   python tools/plan.py --config=configs/math.py --check=/tmp/bench_async
 """
 
+import dataclasses
 import json
 
 from absl import flags
@@ -133,7 +134,7 @@ def _setup():
                     host_network=_HOST_NETWORK.value * 1e9 / 8, sync_delta=_SYNC_DELTA.value,
                     sync_overlap=settings.sync.overlap,
                     eval_answers=settings.data.eval_size * settings.eval.num_samples,
-                    eval_every=settings.eval.every_steps,
+                    eval_every=settings.eval.every_steps, checkpoint_every=settings.checkpoint.every_steps,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
                     recorded=recorded,
@@ -211,10 +212,12 @@ def main(argv):
         f"(mean {result['lengths']['mean']:.0f}); {setup.steps} steps per layout, 1 simulated token = "
         f"{result['token_scale']} real; learner {setup.passes + setup.remat:.2f} forward passes' FLOPs per token "
         + (f"(counted in its programs for {_PROGRAMS.value})" if _PROGRAMS.value else "(analytic)"))
+  from areal_jax.sim.costs import UNSOURCED  # pylint: disable=g-import-not-at-top
+
   eff = setup.eff
-  print("efficiencies: " + ", ".join(
-      f"{k} {getattr(eff, k):g} ({sources.get(k, 'default: no published figure for this device')})"
-      for k in ("learner_mfu", "decode_bw", "prefill_flops")))
+  print("efficiencies and fixed costs:\n" + "\n".join(
+      f"  {f.name} {getattr(eff, f.name):g} ({sources.get(f.name, UNSOURCED)})"
+      for f in dataclasses.fields(eff)))
   print(plan.format_table(result))
   r = result["recommended"]
   vs = ("" if r["speedup_vs_colocated_sync"] is None else f"{r['speedup_vs_colocated_sync']:.2f}x colocated sync, ")

@@ -39,8 +39,12 @@ class Efficiency:
   prefill_call_s: float = 2e-3
   learner_mfu: float = 0.4
   learner_bw: float = 0.7  # the optimizer's pass over parameters and moments
-  micro_batch_s: float = 5e-3  # per learner micro-batch (dispatch; a host-side packing step)
-  step_s: float = 0.05  # per learner step: advantages, packing, metrics on the host
+  # The learner's host work per step (`Learner.prepare`: advantages, the minibatch split, packing), before its device
+  # work: a fixed part and a part per micro-batch of `max_tokens_per_mb` tokens. Source: `tools/bench_learner.py
+  # --host_answers=1024,4096,8192` (docs/results.md, "Learner host work per step", commit ded294a): 0.042 / 0.248 /
+  # 0.389 s at 92 / 364 / 728 micro-batches of 32,768 tokens; the least-squares line through them.
+  micro_batch_s: float = 5.4e-4
+  step_s: float = 0.0144
   link: float = 0.7  # of the chip-to-chip bandwidth a weight transfer reaches
   transfer_s: float = 0.05  # per weight transfer: gathering shards, the sampler's swap
 
@@ -69,11 +73,24 @@ PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
 }
 
 
+# `Efficiency`'s defaults with a source on every family: host work of the run's own code, measured on this project's
+# 2-core CPU machine (docs/results.md), the same whatever accelerator the host drives.
+HOST_MEASURED: dict[str, str] = {
+    "host_call_s": "the scheduler's host work, measured: tools/bench_sampler.py --host_slots",
+    "host_slot_s": "the scheduler's host work, measured: tools/bench_sampler.py --host_slots",
+    "step_s": "the learner's host work, measured: tools/bench_learner.py --host_answers",
+    "micro_batch_s": "the learner's host work, measured: tools/bench_learner.py --host_answers",
+}
+UNSOURCED = "default: no published figure for this device"
+
+
 def published(device: Device, eff: Efficiency = Efficiency()) -> tuple[Efficiency, dict[str, str]]:
-  """`eff` with `device`'s published figures (`PUBLISHED`), and the source of each field replaced (the rest are
-  `Efficiency`'s defaults: no published figure found for that family)."""
+  """`eff` with `device`'s published figures (`PUBLISHED`), and the source of every field that has one: those
+  figures and the host measurements (`HOST_MEASURED`); the fields not named keep `Efficiency`'s defaults, for which
+  no published figure was found for that family (`UNSOURCED`)."""
   figures = PUBLISHED.get(device.name, {})
-  return (eff.replace(**{k: v for k, (v, _) in figures.items()}), {k: src for k, (_, src) in figures.items()})
+  return (eff.replace(**{k: v for k, (v, _) in figures.items()}),
+          HOST_MEASURED | {k: src for k, (_, src) in figures.items()})
 
 
 def from_device_check(report: dict, device: Device, eff: Efficiency = Efficiency(), *,
@@ -135,6 +152,7 @@ class CostModel:
   eval_slots: int = 64
   eval_decode_steps: int = 8
   eval_overlap: bool = True  # sampler.overlap, which the evaluation's engine runs with too
+  checkpoint_every: int = 0  # checkpoint.every_steps (0 = none)
   eff: Efficiency = Efficiency()
 
   @property
@@ -238,10 +256,19 @@ class CostModel:
 
   def after_step(self) -> float:
     """The learner host's work between a step's publication and awaiting the next batch: the held-out evaluation
-    spread over the steps between two (`evaluation() / eval_every`); metrics are in `train_step`'s `step_s`.
-    Checkpoints are not priced: Orbax writes them asynchronously, and the device-to-host copy that blocks has no
-    datasheet bandwidth here."""
-    return self.evaluation() / self.eval_every if self.eval_every and self.eval_answers else 0.0
+    and the checkpoint, each spread over the steps between two (`evaluation() / eval_every`, `checkpoint() /
+    checkpoint_every`); metrics are in `train_step`'s `step_s`."""
+    evaluation = self.evaluation() / self.eval_every if self.eval_every and self.eval_answers else 0.0
+    return evaluation + (self.checkpoint() / self.checkpoint_every if self.checkpoint_every else 0.0)
+
+  def checkpoint(self) -> float:
+    """The part of a checkpoint the learner waits for: Orbax's asynchronous save blocks while each chip copies its
+    shards of the float32 parameters and Adam moments (12 bytes a parameter) to its host, at the datasheet's PCIe
+    rate (`host_link`: a lower bound); the write to storage runs behind the next steps. 0 where the device table
+    has no host link (the TPUs: Google's pages give none), so unpriced there."""
+    if not self.device.host_link:
+      return 0.0
+    return self.params * 12 / self.learner_chips / self.device.host_link
 
   def evaluation(self) -> float:
     """One evaluation as `Evaluator` runs it: one data-parallel engine over the leader host's learner chips
