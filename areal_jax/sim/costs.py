@@ -57,7 +57,11 @@ class Efficiency:
 # engines' on larger models than the presets (5-20x), so upper bounds for them; `tools/device_check.py` measures ours.
 PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     # MaxText MaxText/configs/2xv4-128.sh: "158TFLOP/s, 22B params" per chip on 2 x v4-128 (of 275).
-    "v4": {"learner_mfu": (0.57, "MaxText, 22B on 2 x v4-128: 158 of 275 TFLOP/s")},
+    # PyTorch/XLA's blog "The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA": LLaMA 7B,
+    # bf16, "4.7ms/token" on v4-8 (4 chips), reading 14.128 GB a step (its Table 2: weights and a one-answer cache of
+    # 256 tokens; the batch is not stated, the cache is sized for one): 3.01 of 4 x 1.2 TB/s.
+    "v4": {"learner_mfu": (0.57, "MaxText, 22B on 2 x v4-128: 158 of 275 TFLOP/s"),
+           "decode_bw": (0.626, "PyTorch/XLA, LLaMA 7B bf16 decode on v4-8: 14.128 GB in 4.7 ms, of 4 x 1200 GB/s")},
     # MaxText MaxText/configs/v5e/README.md: 16B on 1 x v5e-256, 120 TFLOP/s per chip, 61.10% MFU.
     "v5e": {"learner_mfu": (0.611, "MaxText, 16B on v5e-256: 61.10% MFU")},
     # MaxText's runtime performance results (MaxText/configs/README.md): 32B on v5p-128, 328 TFLOP/s, 71.47% MFU.
@@ -66,10 +70,17 @@ PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
     "v6e": {"learner_mfu": (0.455, "MaxText, Llama 3.1 8B on 256 v6e chips: 45.46% MFU")},
     # Megatron-LM's README (weak scaling on H100, sequences of 4096, end to end): "MFU increases from 41% for the
     # smallest model considered" (2B) "to 47-48% for the largest"; the presets are nearest the smallest.
-    "h100": {"learner_mfu": (0.41, "Megatron-LM weak scaling on H100: 41% MFU at 2B")},
+    # PyTorch's gpt-fast README on its gqa_support branch (commit 7f2c922, "Benchmarks run on 1 NVIDIA H100"):
+    # Llama-2-7B bf16 decode at 146.66 tokens/s reads 1938.12 GB/s, of the datasheet's 3350 (one answer at a time).
+    "h100": {"learner_mfu": (0.41, "Megatron-LM weak scaling on H100: 41% MFU at 2B"),
+             "decode_bw": (0.579, "gpt-fast, Llama-2-7B bf16 decode on one H100: 1938 of 3350 GB/s")},
     # PyTorch's gpt-fast README (benchmarks on an A100-80GB power-limited to 330 W): Llama-2-7B bf16 decode at
     # 104.9 tokens/s reads 1397.31 GB/s, of the datasheet's 2039 (one answer at a time: the weights' read alone).
-    "a100": {"decode_bw": (0.685, "gpt-fast, Llama-2-7B bf16 decode on A100-80GB: 1397 of 2039 GB/s")},
+    # Megatron-LM's README of April 2021 (commit 50a4b5f, images/cases_april2021.png: GPT models on Selene's A100s,
+    # end to end, sequences of 2048): 1.7B on 32 GPUs at 137 TFLOP/s per GPU, "44%" of peak, its smallest model
+    # (43-52% up to 1T).
+    "a100": {"decode_bw": (0.685, "gpt-fast, Llama-2-7B bf16 decode on A100-80GB: 1397 of 2039 GB/s"),
+             "learner_mfu": (0.44, "Megatron-LM weak scaling on A100 (2021): 44% MFU at 1.7B")},
 }
 
 
