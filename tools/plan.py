@@ -68,6 +68,9 @@ _SUCCESS = flags.DEFINE_float("success", 0.5, "Chance an answer is right (unifor
 _SCALE = flags.DEFINE_integer("token_scale", 0, "Real tokens per simulated token; 0 = a mean answer of 8-16.")
 _PROGRAMS = flags.DEFINE_string("learner_programs", "", "A TPU topology (v5p:2x2x2): count the learner's FLOPs per "
                                  "token in its programs traced for it (libtpu, no TPU) instead of the analytic count.")
+_SCRATCH = flags.DEFINE_float("learner_scratch_gib", -1, "GiB per chip the learner step's programs need beyond its "
+                               "state, which a colocated run's KV pool leaves free; -1 = compiled with "
+                               "--learner_programs, else not counted (printed so).")
 _JSON = flags.DEFINE_bool("json", False, "Print the result as one JSON object instead of the table.")
 _PLOT = flags.DEFINE_string("plot", "plan.png", "PNG of throughput against split per η ('' = none).")
 _CHECK = flags.DEFINE_string("check", "", "A tools/bench_async.py --processes workdir: predict its runs from this "
@@ -121,6 +124,7 @@ def _setup():
     counted = programs.learner_passes(settings, _PROGRAMS.value, int(prompt_len + dist.mean), model)
     passes = dict(passes=counted.total, proximal=counted.proximal)
     remat = 0.0  # in the counted passes
+  scratch = _SCRATCH.value * 2**30 if _SCRATCH.value >= 0 else (counted.scratch_bytes if _PROGRAMS.value else 0.0)
   device = hardware.device(_DEVICE.value)
   eff, sources = costs.published(device)
   if _CALIBRATION.value:
@@ -135,6 +139,7 @@ def _setup():
                     sync_overlap=settings.sync.overlap,
                     eval_answers=settings.data.eval_size * settings.eval.num_samples,
                     eval_every=settings.eval.every_steps, checkpoint_every=settings.checkpoint.every_steps,
+                    learner_scratch=scratch,
                     batch_prompts=_BATCH.value or settings.rollout.batch_size,
                     answers=_ANSWERS.value or settings.rollout.group_size, prompt_len=prompt_len, lengths=dist,
                     recorded=recorded,
@@ -213,6 +218,14 @@ def main(argv):
         f"{result['token_scale']} real; learner {setup.passes + setup.remat:.2f} forward passes' FLOPs per token "
         + (f"(counted in its programs for {_PROGRAMS.value})" if _PROGRAMS.value else "(analytic)"))
   from areal_jax.sim.costs import UNSOURCED  # pylint: disable=g-import-not-at-top
+
+  if _SCRATCH.value >= 0:
+    scratch = f"{_SCRATCH.value:g} GiB per chip (--learner_scratch_gib)"
+  elif _PROGRAMS.value:
+    scratch = f"{setup.learner_scratch / 2**30:.2f} GiB per chip (compiled for {_PROGRAMS.value})"
+  else:
+    scratch = "not counted (--learner_programs or --learner_scratch_gib)"
+  print(f"colocated KV pool beside the learner's state and its step's scratch: {scratch}")
 
   eff = setup.eff
   print("efficiencies and fixed costs:\n" + "\n".join(

@@ -164,6 +164,7 @@ class CostModel:
   eval_decode_steps: int = 8
   eval_overlap: bool = True  # sampler.overlap, which the evaluation's engine runs with too
   checkpoint_every: int = 0  # checkpoint.every_steps (0 = none)
+  learner_scratch: float = 0.0  # bytes per chip the learner step's programs need beyond its state (colocated)
   eff: Efficiency = Efficiency()
 
   @property
@@ -301,8 +302,9 @@ class CostModel:
 
   def pages_per_shard(self, page_size: int, memory_fraction: float = 0.8) -> int:
     """KV-cache pages one data shard holds: what is left of its chips' HBM beside the weights (and, colocated, beside
-    the learner's fp32 parameters, gradients and Adam moments, sharded over every chip)."""
+    the learner's fp32 parameters, gradients and Adam moments, sharded over every chip, and the scratch its step's
+    programs need, `learner_scratch`, which a colocated run's pool leaves free)."""
     free = self.shard_chips * self.device.hbm * memory_fraction - self.params * self.weight_bytes
     if self.colocated:
-      free -= self.shard_chips * self.params * 16 / self.learner_chips
+      free -= self.shard_chips * (self.params * 16 / self.learner_chips + self.learner_scratch)
     return max(0, int(free // (page_size * self.kv_per_token)))

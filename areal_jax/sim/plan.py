@@ -56,6 +56,7 @@ class Setup:
   eval_answers: int = 0  # data.eval_size x eval.num_samples (0 = no evaluation priced)
   eval_every: int = 0  # eval.every_steps
   checkpoint_every: int = 0  # checkpoint.every_steps (0 = no checkpoint priced)
+  learner_scratch: float = 0.0  # bytes per chip a learner step's programs need beyond its state (colocated pool)
 
   @property
   def token_scale(self) -> int:
@@ -149,7 +150,7 @@ def cost_model(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = 
                    eval_answers=setup.eval_answers, eval_every=setup.eval_every, eval_len=setup.lengths.mean,
                    eval_prompt=setup.prompt_len, eval_slots=setup.sampler.num_slots,
                    eval_decode_steps=setup.sampler.decode_steps, eval_overlap=setup.sampler.overlap,
-                   checkpoint_every=setup.checkpoint_every, eff=setup.eff)
+                   checkpoint_every=setup.checkpoint_every, learner_scratch=setup.learner_scratch, eff=setup.eff)
 
 
 def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:

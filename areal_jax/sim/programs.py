@@ -28,13 +28,15 @@ class LearnerPasses:
   total: float
   topology: str
   seq_len: int
+  scratch_bytes: int = 0  # per device, the most scratch memory one of the step's compiled programs needs
 
 
 def learner_passes(settings: Settings, topology: str, seq_len: int, model_cfg: ModelConfig | None = None
                    ) -> LearnerPasses:
   """Traces the run's learner programs (of `model_cfg`, default the run's model) for `topology` (mesh fsdp x
   mesh.learner_tensor; libtpu, no TPU) and counts their FLOPs for rows of `learner.max_tokens_per_mb` tokens packed
-  with sequences of `seq_len`."""
+  with sequences of `seq_len`, and compiles them for their scratch memory per device (each device's rows are the
+  same whatever the topology's size, so it holds for the run's learner chips)."""
   cfg, model_cfg = settings.learner, model_cfg or settings.model
   try:
     devices = aot_check.topology_devices(topology)
@@ -45,6 +47,7 @@ def learner_passes(settings: Settings, topology: str, seq_len: int, model_cfg: M
   seq_len = max(1, min(seq_len, cfg.max_tokens_per_mb, settings.sampler.max_seq_len))
   executed = aot_check.learner_flops(fns, model_cfg, cfg.max_tokens_per_mb, seq_len)
   model = fns.rows * cfg.max_tokens_per_mb * model_cfg.flops_per_token(seq_len) / mesh.size
+  analyses = [p.compile().memory_analysis() for p in fns.lower(cfg.max_tokens_per_mb).values()]
   return LearnerPasses(proximal=executed["logprobs"] / model,
                        total=(executed["logprobs"] + executed["accumulate"]) / model, topology=topology,
-                       seq_len=seq_len)
+                       seq_len=seq_len, scratch_bytes=max(m.temp_size_in_bytes for m in analyses if m is not None))

@@ -58,6 +58,16 @@ def test_a_checkpoint_waits_for_the_copy_of_what_the_learner_saves_over_pcie():
                    checkpoint_every=50).after_step() == 0.0
 
 
+def test_a_colocated_pool_leaves_the_learners_state_and_scratch_free():
+  m = _model()
+  kw = dict(model=m, device=device("v5p"), sampler_chips=8, learner_chips=8, sampler_shards=8, colocated=True)
+  state_only, with_scratch = CostModel(**kw), CostModel(**kw, learner_scratch=40 * 2**30)
+  page = 64 * with_scratch.kv_per_token
+  assert state_only.pages_per_shard(64) - with_scratch.pages_per_shard(64) == pytest.approx(40 * 2**30 / page, abs=1)
+  split = CostModel(**kw | {"colocated": False}, learner_scratch=40 * 2**30)
+  assert split.pages_per_shard(64) > state_only.pages_per_shard(64)  # a split's sampler holds no learner state
+
+
 def test_every_device_has_positive_peaks_and_an_unknown_one_is_named():
   assert sorted(DEVICES) == ["a100", "b200", "h100", "h200", "h800", "v4", "v5e", "v5p", "v6e"]
   assert all(d.flops > 0 and d.hbm_bw > 0 and d.hbm > 0 and d.link > 0 for d in DEVICES.values())

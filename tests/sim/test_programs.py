@@ -23,3 +23,7 @@ def test_learner_passes_count_the_proximal_pass_and_rematerialisation(remat):
   else:
     assert 5.0 <= p.total < 6.3, p
   assert p.seq_len == 64 and p.topology == "v5e:2x2"
+  # The scratch a colocated pool leaves free: the step's largest, as aot_check compiles the same programs.
+  from areal_jax import aot_check  # pylint: disable=g-import-not-at-top
+  reports = aot_check.check_learner(settings, "v5e:2x2", flop_seq_len=None)
+  assert p.scratch_bytes == max(r.temp_bytes for r in reports) > 0
