@@ -27,3 +27,12 @@ def test_learner_passes_count_the_proximal_pass_and_rematerialisation(remat):
   from areal_jax import aot_check  # pylint: disable=g-import-not-at-top
   reports = aot_check.check_learner(settings, "v5e:2x2", flop_seq_len=None)
   assert p.scratch_bytes == max(r.temp_bytes for r in reports) > 0
+
+
+def test_learner_programs_that_do_not_fit_a_chip_are_refused_naming_the_settings():
+  """A learner whose step exceeds a chip's HBM cannot train there, so the planner refuses to price it."""
+  settings = config_lib.validate(config_lib.load_config("configs/math.py:tiny", **SMALL | {
+      "learner.max_tokens_per_mb": 1 << 21}), data=False)
+  with pytest.raises(ValueError, match=r"--learner_programs=v5e:2x2: the learner's `\w+` does not fit in a chip's "
+                                       r"HBM at learner.max_tokens_per_mb=2097152"):
+    programs.learner_passes(settings, "v5e:2x2", seq_len=64)
