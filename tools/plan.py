@@ -231,6 +231,8 @@ def main(argv):
   print("efficiencies and fixed costs:\n" + "\n".join(
       f"  {f.name} {getattr(eff, f.name):g} ({sources.get(f.name, UNSOURCED)})"
       for f in dataclasses.fields(eff)))
+  if result["sync_refused"]:
+    print(f"no colocated sync row: {result['sync_refused']}")
   print(plan.format_table(result))
   r = result["recommended"]
   vs = ("" if r["speedup_vs_colocated_sync"] is None else f"{r['speedup_vs_colocated_sync']:.2f}x colocated sync, ")

@@ -157,6 +157,13 @@ def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: boo
   """One layout: `sampler_chips` sampling and the rest learning (all of them doing both when `colocated`)."""
   lay = layout(setup, sampler_chips, colocated=colocated)
   costs = cost_model(setup, sampler_chips, eta, colocated=colocated)
+  cfg = setup.sampler
+  pages = costs.pages_per_shard(cfg.page_size, cfg.memory_fraction)
+  if pages < cfg.pages_per_seq + 1:  # the engine refuses a pool that cannot hold one sequence
+    what = "colocated sync" if colocated else f"{sampler_chips} sampler chips"
+    raise ValueError(f"{what}: a KV pool of {pages} pages per data shard cannot hold one sequence of "
+                     f"sampler.max_seq_len={cfg.max_seq_len} ({cfg.pages_per_seq} pages of {cfg.page_size} plus one "
+                     "scratch page); the engine refuses it")
   job = Job(model=setup.model, sampler=setup.sampler.replace(num_slots=slots_per_engine(setup, lay)),
             num_shards=lay.engine_shards, engines=lay.engines, batch_prompts=setup.batch_prompts,
             answers=setup.answers, prompt_len=setup.prompt_len,
@@ -181,18 +188,19 @@ def _figures(setup: Setup, r: Result) -> dict:
 
 def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
   """Every split x η in `setup.layout`, and colocated sync on all the chips where the code runs it (one host, or a
-  TPU slice under one controller; else `sync` is None); `recommended` is the row that trains the most tokens/s (the
+  TPU slice under one controller, with room for a KV pool; else `sync` is None and `sync_refused` says why);
+  `recommended` is the row that trains the most tokens/s (the
   least staleness among equals)."""
   if setup.chips < 2 * setup.tensor:
     raise ValueError(f"--chips={setup.chips}: a split needs at least two sampler data shards' worth "
                      f"({2 * setup.tensor} chips at --tensor={setup.tensor})")
-  try:
+  sync, sync_refused = None, None
+  try:  # where the code cannot colocate (several hosts, a pool too small), each split's own sync row is the baseline
     sync_layout = layout(setup, setup.chips, colocated=True)
-  except ValueError:
-    sync_layout = None  # the code cannot colocate over these hosts: each split's own sync row is the baseline
-  sync = None if sync_layout is None else {
-      "sampler_chips": setup.chips, "learner_chips": setup.chips, "eta": 0, "layout": sync_layout.describe(),
-      **_figures(setup, simulate_split(setup, setup.chips, 0, colocated=True))}
+    sync = {"sampler_chips": setup.chips, "learner_chips": setup.chips, "eta": 0, "layout": sync_layout.describe(),
+            **_figures(setup, simulate_split(setup, setup.chips, 0, colocated=True))}
+  except ValueError as e:
+    sync_refused = str(e)
   rows = []
   for s in sampler_chips or splits(setup.chips, setup.tensor):
     split_sync = None
@@ -205,7 +213,7 @@ def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
       if eta in etas:
         rows.append(row)
   best = max(rows, key=lambda r: (round(r["tokens_per_s"], 6), -r["staleness_mean"]))
-  return {"rows": rows, "sync": sync, "recommended": best, "token_scale": setup.token_scale,
+  return {"rows": rows, "sync": sync, "sync_refused": sync_refused, "recommended": best, "token_scale": setup.token_scale,
           "learner_passes": setup.passes + setup.remat,
           "lengths": {"source": setup.lengths.source, "mean": setup.lengths.mean, "max": setup.lengths.max}}
 

@@ -246,3 +246,15 @@ def test_colocated_sync_evaluates_on_the_sampler_chips_before_generating_again()
   assert share > 0
   plain, with_eval = (plan.simulate_split(s, 8, 0, colocated=True) for s in (base, evals))
   assert with_eval.step_s() == pytest.approx(plain.step_s() + share, rel=0.02)
+
+
+def test_a_layout_whose_pool_holds_no_sequence_is_refused_as_the_engine_refuses_it():
+  """Colocated, the learner's state and scratch can leave the pool less than one sequence: the engine refuses that
+  pool, so the plan has no colocated row and says why; the splits, whose samplers hold no learner, still plan."""
+  small = Device("small", flops=1e12, hbm_bw=1e11, hbm=2e8, link=1e10, kinds=("TPU small",))
+  setup = _setup(device=small, chips=4, steps=4, learner_scratch=1.4e8)
+  result = plan.plan(setup, etas=(0, 1), sampler_chips=[2])
+  assert result["sync"] is None and result["rows"]
+  assert "colocated sync: a KV pool of 0 pages per data shard cannot hold one sequence" in result["sync_refused"]
+  with pytest.raises(ValueError, match="cannot hold one sequence"):
+    plan.simulate_split(_setup(device=small, learner_scratch=1.4e8), 4, 0, colocated=True)
