@@ -50,6 +50,16 @@ def test_bench_learner_with_torch_peer():
     assert line in out, (line, out)
 
 
+def test_bench_learner_host_work_lines():
+  """One line per answer count with its micro-batches (more answers, more micro-batches), then the fitted line."""
+  out = _run("bench_learner.py", "--host_answers=64,256", "--max-len=512", "--median-len=64", "--max-tokens=1024",
+             "--steps=1")
+  lines = re.findall(r"^learner host work per step at (\d+) answers \((\d+) tokens, (\d+) micro-batches\): "
+                     r"([\d.]+) s$", out, re.M)
+  assert [n for n, *_ in lines] == ["64", "256"] and int(lines[0][2]) < int(lines[1][2]), out
+  assert re.search(r"^fit: step_s=\S+ \+ micro_batch_s=\S+ x micro-batches \(of 1024 tokens\)$", out, re.M), out
+
+
 def test_bench_agents_replays_the_recorded_completions():
   out = _run("bench_agents.py", "--episodes=4", "--turns=2", "--max-tokens=4", "--repeats=1")
   rows = re.findall(r"^  (episodes \(recorded\)|same agent, unrecorded|plain requests)\s+(\d+) completions, "
