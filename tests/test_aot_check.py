@@ -182,7 +182,8 @@ def test_colocated_roles_compile_on_the_same_chips_each_beside_the_others_state(
   settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL,
                                   **{"sampler.num_pages": 0, "mesh.colocated": True,
                                      "rollout.max_head_offpolicyness": 0}), data=False)
-  hbm_gib = 11.5e6 / aot_check.GIB  # the tiny model in 11.5 MB: the learner's 2.4 MB of state and 4.9 MB of working memory take a visible share
+  # The tiny model in 11.5 MB: the learner's 2.4 MB of state and 4.9 MB of working memory take a visible share.
+  hbm_gib = 11.5e6 / aot_check.GIB
   alone = aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology="v5e:2x2", hbm_gib=hbm_gib,
                           flop_seq_len=None)
   both = aot_check.check_colocated(settings, "v5e:2x2", hbm_gib=hbm_gib, flop_seq_len=None)

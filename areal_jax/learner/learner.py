@@ -154,8 +154,7 @@ class Learner:
     lowered = fns.lower(length)
     if self.critic is not None:
       lowered |= self.critic.lower(fns.abstract_batch(length, BATCH_INT_KEYS + ("loss_mask",)))
-    analyses = [p.compile().memory_analysis() for p in lowered.values()]
-    scratch = max((m.temp_size_in_bytes for m in analyses if m is not None), default=0)
+    scratch = fns.scratch_bytes(lowered)
     grads = device_bytes(fns.abstract_args(length)["accumulate"][1])
     reference = device_bytes(fns.abstract_state()[0]) if self.config.kl_coef and self.ref_params is None else 0
     return grads + scratch + reference

@@ -227,6 +227,12 @@ class StepFns:
     """AOT-lowers the three per-step programs for rows of `length` tokens, from abstract shapes only."""
     return {name: getattr(self, name).lower(*args) for name, args in self.abstract_args(length).items()}
 
+  def scratch_bytes(self, lowered: dict[str, jax.stages.Lowered]) -> int:
+    """Per device, the most scratch memory one of the `lowered` programs needs, as the compiler reports it
+    (compiles them; a program that exceeds the HBM raises the compiler's RESOURCE_EXHAUSTED error)."""
+    analyses = [program.compile().memory_analysis() for program in lowered.values()]
+    return max((m.temp_size_in_bytes for m in analyses if m is not None), default=0)
+
 
 def with_rules(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
   """`fn` traced under the logical-axis `rules` on `mesh` (its `constrain` calls resolve to them)."""

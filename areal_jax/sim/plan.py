@@ -213,7 +213,8 @@ def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
       if eta in etas:
         rows.append(row)
   best = max(rows, key=lambda r: (round(r["tokens_per_s"], 6), -r["staleness_mean"]))
-  return {"rows": rows, "sync": sync, "sync_refused": sync_refused, "recommended": best, "token_scale": setup.token_scale,
+  return {"rows": rows, "sync": sync, "sync_refused": sync_refused, "recommended": best,
+          "token_scale": setup.token_scale,
           "learner_passes": setup.passes + setup.remat,
           "lengths": {"source": setup.lengths.source, "mean": setup.lengths.mean, "max": setup.lengths.max}}
 

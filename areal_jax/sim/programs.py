@@ -49,16 +49,14 @@ def learner_passes(settings: Settings, topology: str, seq_len: int, model_cfg: M
   seq_len = max(1, min(seq_len, cfg.max_tokens_per_mb, settings.sampler.max_seq_len))
   executed = aot_check.learner_flops(fns, model_cfg, cfg.max_tokens_per_mb, seq_len)
   model = fns.rows * cfg.max_tokens_per_mb * model_cfg.flops_per_token(seq_len) / mesh.size
-  analyses = []
-  for name, lowered in fns.lower(cfg.max_tokens_per_mb).items():
-    try:
-      analyses.append(lowered.compile().memory_analysis())
-    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that exceeds the HBM
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      raise ValueError(f"--learner_programs={topology}: the learner's `{name}` does not fit in a chip's HBM at "
-                       f"learner.max_tokens_per_mb={cfg.max_tokens_per_mb}, model.remat={model_cfg.remat!r} "
-                       f"({str(e).splitlines()[0][:200]}); the run could not train so") from None
+  try:
+    scratch = fns.scratch_bytes(fns.lower(cfg.max_tokens_per_mb))
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that exceeds the HBM
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise ValueError(f"--learner_programs={topology}: the learner's step does not fit in a chip's HBM at "
+                     f"learner.max_tokens_per_mb={cfg.max_tokens_per_mb}, model.remat={model_cfg.remat!r} "
+                     f"({str(e).splitlines()[0][:200]}); the run could not train so") from None
   return LearnerPasses(proximal=executed["logprobs"] / model,
                        total=(executed["logprobs"] + executed["accumulate"]) / model, topology=topology,
-                       seq_len=seq_len, scratch_bytes=max(m.temp_size_in_bytes for m in analyses if m is not None))
+                       seq_len=seq_len, scratch_bytes=scratch)

@@ -36,7 +36,8 @@ def test_the_plan_prints_every_efficiency_and_fixed_cost_with_its_source():
 
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--device=v5p", "--chips=2",
                          "--eta=0", "--sampler_chips=1", "--steps=3", "--warmup=1", "--plot="],
-                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        capture_output=True, text=True, timeout=300, cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-2000:]
   printed = dict(line.strip().split(" ", 1) for line in
                  proc.stdout.split("efficiencies and fixed costs:\n")[1].split("\n") if line.startswith("  "))
