@@ -120,8 +120,8 @@ def _records(c: ml_collections.ConfigDict, data: bool) -> Settings:
 
 def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, data: bool = True) -> Settings:
   """The run's `Settings`; raises ConfigError (a ValueError) naming the first inconsistent field. With
-  `num_devices`, also checks the device split; `data=False` skips the dataset's path and name (a compile check reads
-  none)."""
+  `num_devices`, also checks the device split; `data=False` skips the dataset's path and name and where a real-size
+  model's weights and tokenizer come from (a compile check or a plan reads neither)."""
   try:
     settings = _records(c, data)
   except ValueError as e:
@@ -165,8 +165,34 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, da
   if m.colocated and r.max_head_offpolicyness != 0:
     _fail("mesh.colocated", True, f"generates then trains (synchronous RL): needs rollout.max_head_offpolicyness=0, "
           f"not {r.max_head_offpolicyness}")
+  if data:
+    _check_weights(settings)
   _check_mesh(settings, num_devices)
   return settings
+
+
+REAL_SIZE_PARAMS = 50_000_000  # above this a model trains from released weights and their tokenizer
+
+
+def _check_weights(settings: Settings) -> None:
+  """A real-size model (over REAL_SIZE_PARAMS parameters) from random weights (no `model.init_from`, no warm-start) or
+  with the 64-character vocabulary learns nothing: every reward stays 0 until `rollout.stall_timeout_s`. Refused
+  unless `model.allow_random_init` says it is meant (a benchmark); compile checks and plans (`data=False`) load no
+  weights and are not asked."""
+  source, n = settings.model_source, settings.model.num_params()
+  if n <= REAL_SIZE_PARAMS or source.allow_random_init:
+    return
+  faults = []  # (field, value, what it gives)
+  if not source.init_from and not settings.warmstart.steps:
+    faults.append(("model.init_from", source.init_from, "random weights (and warmstart.steps=0)"))
+  if source.tokenizer == "char":
+    faults.append(("model.tokenizer", source.tokenizer, "the 64-character vocabulary"))
+  if faults:
+    field, value, _ = faults[0]
+    _fail(field, value, f"a {n / 1e6:,.0f}M-parameter model{f' (preset {settings.preset})' if settings.preset else ''}"
+          f" with {' and '.join(what for *_, what in faults)} learns nothing; pass "
+          f"{' and '.join(f'{f}=HF_DIR' for f, *_ in faults)} (a HF checkpoint directory, its config.json and "
+          f"tokenizer.json), or model.allow_random_init=True to train it so anyway")
 
 
 def _check_mesh(settings: Settings, num_devices: int | None) -> None:

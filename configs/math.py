@@ -115,6 +115,9 @@ def _model() -> ml_collections.ConfigDict:
   m.family = "qwen2"  # qwen2 | qwen3 | qwen3_moe | llama
   m.init_from = ""  # HF model directory; "" = random init (+ supervised warm-start for `tiny`)
   m.tokenizer = "char"  # "char" (built-in character vocabulary) or a path (tokenizer.json dir / .model file)
+  # A model over 50M parameters with the char tokenizer, or with neither init_from nor warm-start steps, is refused
+  # at load time (it would learn nothing); True trains it so anyway (a benchmark of a random real-size model).
+  m.allow_random_init = False
   # RoPE scaling (rope_type "" = none, "llama3" = Llama 3.1's; the rest are its parameters), as in HF configs
   m.rope_scaling = ml_collections.ConfigDict(
       {"rope_type": "", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

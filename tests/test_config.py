@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -32,7 +34,8 @@ def _parse(*args):
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen2.5-1.5b", "r1-distill-qwen-7b"])
 def test_every_preset_validates(preset):
-  data = {} if preset == "tiny" else {"data.path": "math.jsonl"}  # real presets read the user's data
+  # Real presets read the user's data, weights and tokenizer (not opened by validate).
+  data = {} if preset == "tiny" else {"data.path": "math.jsonl", "model.init_from": "/ckpt/q", "model.tokenizer": "/ckpt/q"}
   c = load_config(f"{CONFIG}:{preset}", **data)
   validate(c, num_devices=8)
   m = ModelConfig.from_config(c.model)
@@ -48,6 +51,50 @@ def test_every_preset_validates(preset):
   assert c.model.param_dtype == "float32"  # the learner's master weights
   expected = {"tiny": 3e6, "qwen2.5-1.5b": 1.78e9, "r1-distill-qwen-7b": 7.6e9}[preset]
   assert abs(m.num_params() / expected - 1) < 0.1, m.num_params()
+
+
+def _scale_command(marker: str) -> list[str]:
+  """The arguments of the command in docs/scale.md whose text holds `marker` (continuation lines joined)."""
+  with open(os.path.join(ROOT, "docs", "scale.md")) as f:
+    text = f.read().replace("\\\n", " ")
+  [line] = [line for line in text.splitlines() if line.startswith("python launch/") and marker in line]
+  return shlex.split(line)[2:]
+
+
+def test_the_docs_8_gpu_command_without_weights_is_refused_naming_both_fields():
+  """docs/scale.md's one-host 8-GPU command validates; without `model.init_from` and `model.tokenizer` it would train
+  a random 1.5B model on 64 characters, and is refused at load time naming both fields and the way out."""
+  args = [a for a in _scale_command("--learner_devices=4") if a.startswith("--config")]
+  assert any("qwen2.5-1.5b" in a for a in args), args
+  validate(_parse(*args), num_devices=8)
+  bare = [a for a in args if not a.startswith(("--config.model.init_from=", "--config.model.tokenizer="))]
+  assert len(bare) == len(args) - 2, args
+  with pytest.raises(ValueError, match=r"^config\.model\.init_from='': a 1,7\d\dM-parameter model \(preset "
+                     r"qwen2\.5-1\.5b\) with random weights .* and the 64-character vocabulary learns nothing; pass "
+                     r"model\.init_from=HF_DIR and model\.tokenizer=HF_DIR .*model\.allow_random_init=True"):
+    validate(_parse(*bare), num_devices=8)
+  validate(_parse(*bare, "--config.model.allow_random_init=True"), num_devices=8)  # meant: a benchmark
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"model.init_from": "/ckpt/q"}, "model.tokenizer"),  # released weights, the char vocabulary
+    ({"model.tokenizer": "/ckpt/q"}, "model.init_from"),  # a real tokenizer, random weights
+])
+def test_a_real_size_model_needs_weights_and_a_tokenizer(override, field):
+  c = load_config(f"{CONFIG}:qwen2.5-1.5b", **{"data.path": "math.jsonl"} | override)
+  with pytest.raises(ValueError, match=rf"^config\.{re.escape(field)}="):
+    validate(c)
+  validate(c, data=False)  # a compile check or a plan loads no weights
+  # A warm-start trains the random weights first; with a real tokenizer that is the user's choice.
+  if field == "model.init_from":
+    validate(load_config(f"{CONFIG}:qwen2.5-1.5b", **{"data.path": "math.jsonl", "warmstart.steps": 10} | override))
+
+
+def test_any_model_over_50m_parameters_is_real_size():
+  """The tiny model is random and speaks characters by design; made larger than 50M parameters it is refused too."""
+  assert validate(load_config(CONFIG)).model.num_params() < 50e6
+  with pytest.raises(ValueError, match=r"^config\.model\.tokenizer='char': a \d+M-parameter model \(preset tiny\) with the 64"):
+    validate(load_config(CONFIG, **{"model.num_layers": 80}))
 
 
 def test_flag_overrides_and_presets():

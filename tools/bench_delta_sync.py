@@ -48,7 +48,8 @@ def parse_args(argv=None):
 def _settings(args):
   from areal_jax.config import load_config, validate
 
-  overrides = {"data.source": "synthetic"}  # no data is read: only the model and learner settings are used
+  # No data or weights are read: only the model and learner settings are used (random weights, on purpose).
+  overrides = {"data.source": "synthetic", "model.allow_random_init": True}
   if args.layers:
     overrides["model.num_layers"] = args.layers
   return validate(load_config(f"{os.path.join(ROOT, 'configs', 'math.py')}:{args.preset}", **overrides))

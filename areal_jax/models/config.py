@@ -323,8 +323,12 @@ class ModelSource:
   init_from: str = ""  # HF or Orbax directory; "" = the random init (warm-started when `warmstart.steps` > 0)
   tokenizer: str = "char"  # "char" or a path
   param_dtype: str = "float32"  # the base weights' dtype as loaded (before `learner.lora.quantize_base`)
+  # A real-size model may train from random weights or with the char tokenizer (`config.validate` refuses them
+  # otherwise). Out of the repr, which keys shared warm-starts (`run/initial_weights.py`): it decides no weights.
+  allow_random_init: bool = dataclasses.field(default=False, repr=False)
 
   @classmethod
   def from_config(cls, c) -> ModelSource:
-    """From the `model` group of an ml_collections config."""
-    return cls(init_from=str(c.init_from), tokenizer=str(c.tokenizer), param_dtype=c.param_dtype)
+    """From the `model` group of an ml_collections config (one saved before `allow_random_init` existed too)."""
+    return cls(init_from=str(c.init_from), tokenizer=str(c.tokenizer), param_dtype=c.param_dtype,
+               allow_random_init=bool(c.get("allow_random_init", False)))
