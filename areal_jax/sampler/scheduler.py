@@ -23,8 +23,9 @@ dispatches asynchronously), so the host's bookkeeping runs while the device deco
 or at its budget by itself, budgets and pages count the call still in flight as if it drew its whole budget (never
 more than an answer may draw), and slots an answer left in call k take new answers from step k+2. A call's tokens
 for a slot whose answer ended on the host meanwhile (a stop sequence, a preemption) are dropped; a preempted answer
-draws them again (same keys, same tokens). A weight swap first reads every call in flight. Answers, logprobs,
-versions and routes are the same as without overlap (`tests/sampler/test_overlap.py`).
+draws them again (same keys, same tokens). A step takes a pending update once, under the lock, at its top, and
+reads every call in flight before the swap rewrites a page (`tests/sampler/test_weights.py`). Answers,
+logprobs, versions and routes are the same as without overlap (`tests/sampler/test_overlap.py`).
 
 Recording is vectorised over the call's [slots, steps] block: where an answer stops (EOS, its length) is found with
 numpy, and the tokens go into per-slot buffers in a few numpy operations; an answer's lists take them when read
@@ -168,9 +169,13 @@ class Scheduler:
     """
     t0 = time.perf_counter()
     finished = []
-    if self.has_update:  # the recompute needs every token drawn so far
+    with self._lock:  # taken once: an update that lands later in this step waits for the next one
+      update, self._pending = self._pending, None
+    if update is not None:
+      # The recompute rewrites whole pages, the last partly filled one too: every call in flight is read first, so
+      # that the context it recomputes holds every token drawn so far (and no unread call wrote past it).
       finished += self._read_all()
-    self._swap_weights()
+      self._swap_weights(*update)
     t1 = time.perf_counter()
     self._admit()
     budget, stop_eos, ahead = self._budgets()
@@ -328,12 +333,11 @@ class Scheduler:
     self._occupant[seq.slot] = 0
     seq.slot = -1
 
-  def _swap_weights(self) -> None:
-    with self._lock:
-      pending, self._pending = self._pending, None
-    if pending is None:
-      return
-    self.params, self.version = pending
+  def _swap_weights(self, params, version: int) -> None:
+    """Generates from `params` (policy `version`) from now on, recomputing every running answer's cache under them
+    (`sampler.recompute_on_swap`); no decode call may be in flight."""
+    assert not self._inflight, "a weight swap with a decode call unread"
+    self.params, self.version = params, version
     self.counters["weight_updates"] += 1
     self.engine.slots.forget_prefixes()
     if not self.engine.cfg.recompute_on_swap:

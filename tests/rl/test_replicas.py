@@ -77,11 +77,10 @@ def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
   sched0 = rollout.replicas[0].sampler.scheduler
   swap = sched0._swap_weights  # pylint: disable=protected-access
 
-  def slow_swap():
-    if sched0.has_update:
-      stuck.set()
-      release.wait(60)
-    swap()
+  def slow_swap(params, version):
+    stuck.set()
+    release.wait(60)
+    swap(params, version)
 
   sched0._swap_weights = slow_swap  # pylint: disable=protected-access
   try:

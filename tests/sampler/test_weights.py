@@ -128,6 +128,68 @@ def test_update_mid_generation_recomputes_caches(models, engine):
   assert engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
+class _UpdateAtFirstLock:
+  """Stands in for a scheduler's lock: once armed, the first time the stepping thread takes it, the armed update is
+  published from another thread first (joined), as a learner's publish landing at that instant would be. Today's
+  `Scheduler.step` takes its lock once, at its top; a step that asked for an update before taking the lock would
+  see none and then swap with a decode call still unread."""
+
+  def __init__(self, sched):
+    self.sched, self.lock, self.armed, self.landed = sched, threading.Lock(), None, False
+    self.stepper = threading.current_thread()
+
+  def __enter__(self):
+    if self.armed is not None and threading.current_thread() is self.stepper:
+      update, self.armed = self.armed, None
+      publisher = threading.Thread(target=self.sched.update_params, args=update)
+      publisher.start()
+      publisher.join(60)
+      assert not publisher.is_alive()
+      self.landed = True
+    return self.lock.__enter__()
+
+  def __exit__(self, *exc):
+    return self.lock.__exit__(*exc)
+
+
+def test_an_update_landing_inside_a_step_reads_the_call_in_flight_first(models, engine):
+  """The race at a swap with `sampler.overlap`: an update arriving while a step runs, at its first take of the lock,
+  with a decode call in flight and unread. The answers (tokens, logprobs, versions) are the non-overlapped path's
+  with the update landing at the same step, and every logprob is the dense forward's under its token's version: the
+  recompute's rewrite of whole pages never overwrites keys and values the unread call wrote."""
+  params = {v: engine.load_params(m) for v, m in models.items()}
+
+  def answers(overlap: bool):
+    sched = Scheduler(engine=engine, params=params[0], version=0)
+    sched.overlap = overlap
+    lock = sched._lock = _UpdateAtFirstLock(sched)  # pylint: disable=protected-access
+    rng = np.random.default_rng(3)
+    for g in range(5):
+      sched.submit(Request(group_id=g, prompt_ids=rng.integers(2, 64, size=rng.integers(3, 14)), num_answers=2,
+                           sampling=SamplingParams(temperature=TEMPERATURE, max_new_tokens=20, seed=4)))
+    done = []
+    for step in range(200):
+      if step == 3:
+        assert bool(sched._inflight) == overlap  # pylint: disable=protected-access  # a call unread, with overlap
+        lock.armed = (params[1], 1)
+      done += sched.step()
+      if sched.idle and not sched.has_update:
+        break
+    assert lock.landed and sched.counters["weight_updates"] == 1 and sched.counters["recomputed"] >= 8
+    return {(s.request.group_id, s.answer): s.trajectory() for s in done}
+
+  plain, overlapped = answers(overlap=False), answers(overlap=True)
+  assert plain.keys() == overlapped.keys() and len(plain) == 10
+  for key, a in plain.items():
+    b = overlapped[key]
+    np.testing.assert_array_equal(a.response_ids, b.response_ids, err_msg=str(key))
+    np.testing.assert_array_equal(a.versions, b.versions, err_msg=str(key))
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, err_msg=str(key))
+  assert sum(set(t.versions.tolist()) == {0, 1} for t in plain.values()) >= 8  # interrupted mid-way, continued
+  check_against_learner(models, list(overlapped.values()))
+  engine.slots.pool.check()
+
+
 def test_an_update_without_recompute_keeps_the_caches_it_finds(models):
   """`sampler.recompute_on_swap=False`: an update mid-way recomputes nothing; the tokens drawn after it record the
   new version, and with the same weights published again the greedy answers are the ones no update gives."""
