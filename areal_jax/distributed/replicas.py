@@ -25,7 +25,7 @@ from areal_jax.errors import SamplerLost
 from areal_jax.models import lora
 from areal_jax.sampler import dispatch
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.dispatch import Load
+from areal_jax.sampler.dispatch import Outstanding
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request
 from areal_jax.sampler.sampler import Sampler
@@ -35,14 +35,14 @@ _log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(eq=False)
 class _Replica:
-  """One engine of the sampler slice and the sampler that drives it; `answers` outstanding and `dispatched` in all
-  (under the rollout's lock), `failed` once its sampler stopped on an error."""
+  """One engine of the sampler slice and the sampler that drives it; the groups `outstanding` on it and the answers
+  `dispatched` in all (under the rollout's lock), `failed` once its sampler stopped on an error."""
 
   index: int
   engine: Engine
   sampler: Sampler
   base: object = None  # under LoRA, its copy of the frozen base
-  answers: int = 0
+  outstanding: Outstanding = dataclasses.field(default_factory=Outstanding)
   dispatched: int = 0
   failed: BaseException | None = None
 
@@ -61,10 +61,10 @@ def summed_stats(per: Sequence[dict[str, float]]) -> dict[str, float]:
 
 class LocalRollout:
   """`Sampler`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
-  construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest answers outstanding, then most
-  free pages); each replica swaps weights at its own step boundary, so one replica's recompute never stops another's
-  decoding. With several replicas, one whose sampler fails is dropped: its groups' answers fail with `SamplerLost` (the
-  controller generates them again on the others) and `check()` raises only once none is left."""
+  construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest tokens of work outstanding, then
+  most free pages); each replica swaps weights at its own step boundary, so one replica's recompute never stops
+  another's decoding. With several replicas, one whose sampler fails is dropped: its groups' answers fail with
+  `SamplerLost` (the controller generates them again on the others) and `check()` raises only once none is left."""
 
   def __init__(self, *, abstract_model, config: SamplerConfig, meshes: Sequence[Mesh], params, version: int, eos_ids,
                detokenize, reserved_bytes: int = 0):
@@ -108,25 +108,25 @@ class LocalRollout:
       live = {r.index: r for r in self._live()}
       if not live:
         self.check()
-      r = live[dispatch.least_loaded({i: Load(r.answers, r.free_pages()) for i, r in live.items()})]
-      r.answers += request.num_answers
+      r = live[dispatch.least_loaded({i: r.outstanding.load(r.free_pages()) for i, r in live.items()})]
+      r.outstanding.add(request)
       r.dispatched += request.num_answers
     try:
       inner = r.sampler.submit(request)
     except BaseException:
       with self._lock:
-        r.answers -= request.num_answers
+        r.outstanding.remove(request.group_id)
         r.dispatched -= request.num_answers
       raise
     outer = [Future() for _ in inner]
     for a, b in zip(inner, outer):
-      a.add_done_callback(functools.partial(self._relay, r, b))
+      a.add_done_callback(functools.partial(self._relay, r, request.group_id, b))
     return outer
 
-  def _relay(self, r: _Replica, outer: Future, inner: Future) -> None:
+  def _relay(self, r: _Replica, group_id: int, outer: Future, inner: Future) -> None:
     """An answer of replica `r` done: its result, or its replica's failure (`SamplerLost` while others live)."""
     with self._lock:
-      r.answers -= 1
+      r.outstanding.answered(group_id)
       error = None if inner.cancelled() else inner.exception()
       self._note_failures()
       lost = r.failed is not None and len(self.replicas) > 1 and bool(self._live())

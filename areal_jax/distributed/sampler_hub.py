@@ -1,9 +1,9 @@
 """The leader's view of the sampler processes: a `Rollout` (rollout.py) over samplers that come and go.
 
 The rollout controller submits prompt groups to it exactly as to an in-process loop, so admission (paper Eq. 3) is
-decided in one place for all sampler processes. A group goes whole to the live sampler with the fewest answers
-outstanding (with none live it waits here for one); `submit` returns one future per answer, completed when the
-answer arrives. `publish` offers a version with `jax.experimental.transfer` and
+decided in one place for all sampler processes. A group goes whole to the live sampler with the fewest tokens of work
+outstanding (`dispatch.Outstanding`; with none live it waits here for one); `submit` returns one future per answer,
+completed when the answer arrives. `publish` offers a version with `jax.experimental.transfer` and
 tells every live sampler to pull it; the notice carries the published fingerprint, and the sampler checks its pull
 against it before the swap. With `delta` a sampler that holds the version before is offered only what changed
 (`weight_delta.py`; one that joined or restarted gets the full copy). With `overlap` the learner only dispatches the
@@ -53,7 +53,7 @@ from areal_jax.distributed.weight_transfer import Delta, WeightPublisher
 from areal_jax.errors import SamplerLost
 from areal_jax.sampler.sampler import end_futures
 from areal_jax.sampler import dispatch
-from areal_jax.sampler.dispatch import Load
+from areal_jax.sampler.dispatch import Outstanding
 from areal_jax.sampler.requests import Request
 
 MAX_LIVE_VERSIONS = 2
@@ -69,7 +69,7 @@ class RemoteSampler:
 
   peer: Peer
   heard: float  # time.monotonic() of its latest message
-  groups: dict[int, int] = dataclasses.field(default_factory=dict)  # group id -> answers still to come
+  groups: Outstanding = dataclasses.field(default_factory=Outstanding)  # its groups with answers still to come
   stats: dict = dataclasses.field(default_factory=dict)
   pull: Pulled | None = None  # the latest pull it reported
   # Joined while the job ran: the version it was sent then, until its loop runs (`_catch_up`). Until then it is not
@@ -283,9 +283,9 @@ class SamplerHub:
     if not self._live:
       self._waiting.append(request)
       return None
-    pid = dispatch.least_loaded({pid: Load(answers=sum(s.groups.values())) for pid, s in self._live.items()})
+    pid = dispatch.least_loaded({pid: s.groups.load() for pid, s in self._live.items()})
     s = self._live[pid]
-    s.groups[request.group_id] = request.num_answers
+    s.groups.add(request)
     return self._send_work(pid, s, request)
 
   def _send_work(self, pid: int, s: RemoteSampler, request: Request) -> None:
@@ -296,11 +296,8 @@ class SamplerHub:
 
   def _answered(self, s: RemoteSampler, answer: int, traj) -> None:
     gid = traj.group_id
-    left = s.groups.get(gid, 0) - 1
-    if left > 0:
-      s.groups[gid] = left
-    else:
-      s.groups.pop(gid, None)
+    if gid in s.groups:
+      s.groups.answered(gid)
     future = self._futures.pop((gid, answer), None)
     if future is not None:  # None: its sampler was dropped meanwhile, or the hub stopped
       future.set_result(traj)
@@ -380,7 +377,7 @@ class SamplerHub:
                  len(self._live), len(waiting))
     self._read_in_background(pid, s)
     for request in waiting:
-      s.groups[request.group_id] = request.num_answers
+      s.groups.add(request)
       self._send_work(pid, s, request)
     return None
 

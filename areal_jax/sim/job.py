@@ -7,9 +7,9 @@ service (an answer is right with probability `success`, or a recorded group is r
 `reward_s`), and the learner, whose loop below follows `run/trainer.py:_train` (a batch from the buffer, a train
 step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
 seconds. The sampler side is `Job.engines` independent engines (replicas of one process, or sampler processes),
-each its own `Sampler` and scheduler, a group going whole to the least loaded one (`dispatch.least_loaded`, the rule
-`LocalRollout` and `SamplerHub` apply). Everything runs on one virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the
-same inputs give the same timeline.
+each its own `Sampler` and scheduler, a group going whole to the least loaded one (`dispatch.least_loaded` over
+`dispatch.Outstanding`, the rule and accounting `LocalRollout` and `SamplerHub` apply). Everything runs on one
+virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the same inputs give the same timeline.
 
     result = simulate(job, costs, lengths)
     result.tokens_per_s(), result.staleness_of(), result.busy()
@@ -31,7 +31,7 @@ from areal_jax.rl.controller import RolloutController, Stalled
 from areal_jax.rl.rollout_buffer import RolloutBuffer
 from areal_jax.sampler import dispatch
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.dispatch import Load
+from areal_jax.sampler.dispatch import Outstanding
 from areal_jax.sampler.requests import SamplingParams
 from areal_jax.sampler.sampler import Sampler
 from areal_jax.sampler.sampling import request_key
@@ -165,28 +165,26 @@ class _Buffer(RolloutBuffer):
 
 class _Rollout:
   """The controller's samplers: `Sampler`s whose loops run on the virtual clock (`_VirtualClock`), never started; a
-  group goes whole to the least loaded (`dispatch.least_loaded`: answers outstanding, then free pages)."""
+  group goes whole to the least loaded, by `LocalRollout`'s rule and accounting (`dispatch.least_loaded` over each
+  sampler's `dispatch.Outstanding`: tokens of work outstanding, then free pages)."""
 
   def __init__(self, samplers: list[Sampler], replay: _Replay | None):
     self.samplers, self.replay = samplers, replay
     self.wakes = [asyncio.Event() for _ in samplers]
-    self.answers = [0] * len(samplers)  # outstanding per sampler
+    self.outstanding = [Outstanding() for _ in samplers]
 
   def submit(self, request):
     if self.replay is not None:
       self.replay.register(request)
-    loads = {i: Load(self.answers[i], sum(s.engine.slots.free_pages(k) for k in range(s.engine.num_shards)))
+    loads = {i: self.outstanding[i].load(sum(s.engine.slots.free_pages(k) for k in range(s.engine.num_shards)))
              for i, s in enumerate(self.samplers)}
     i = dispatch.least_loaded(loads)
+    self.outstanding[i].add(request)
     futures = self.samplers[i].submit(request)
-    self.answers[i] += len(futures)
     for f in futures:
-      f.add_done_callback(lambda _, i=i: self._done(i))
+      f.add_done_callback(lambda _, i=i: self.outstanding[i].answered(request.group_id))
     self.wakes[i].set()
     return futures
-
-  def _done(self, i: int) -> None:
-    self.answers[i] -= 1
 
   def publish(self, version: int) -> None:
     for sampler, wake in zip(self.samplers, self.wakes):

@@ -71,6 +71,26 @@ def test_groups_spread_over_replicas_and_answers_do_not_depend_on_which(model, r
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_the_replica_with_more_work_in_tokens_is_passed_over(model):
+  """Skewed groups, held on their replicas (they wait for a version never published): one long group on replica 0,
+  two short ones on replica 1. The next group goes to replica 1, which holds more answers but fewer tokens of work;
+  the accounting is empty again once the held answers are cancelled."""
+  rollout = _rollout(model, 2)
+  held = dict(min_version=99)
+  prompt = np.arange(3, 9, dtype=np.int32)
+  long, short = SamplingParams(max_new_tokens=48), SamplingParams(max_new_tokens=4)
+  try:
+    rollout.submit(Request(group_id=0, prompt_ids=prompt, num_answers=2, sampling=long, **held))  # a tie: replica 0
+    rollout.submit(Request(group_id=1, prompt_ids=prompt, num_answers=2, sampling=short, **held))
+    rollout.submit(Request(group_id=2, prompt_ids=prompt, num_answers=2, sampling=short, **held))
+    r0, r1 = (r.outstanding for r in rollout.replicas)
+    assert list(r0) == [0] and list(r1) == [1, 2]
+    assert (r0.answers, r1.answers) == (2, 4) and (r0.tokens, r1.tokens) == (6 + 96, 2 * (6 + 8))
+  finally:
+    rollout.stop()
+  assert [(r.outstanding.answers, r.outstanding.tokens) for r in rollout.replicas] == [(0, 0), (0, 0)]
+
+
 def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
   rollout = _rollout(model, 2)
   stuck, release = threading.Event(), threading.Event()
