@@ -30,7 +30,6 @@ by GAE's (`critic.critic_targets`), and after the policy's updates runs one crit
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ from areal_jax.learner import flops as flops_lib
 from areal_jax.learner import step_stats
 from areal_jax.learner.advantages import sequence_advantages, token_advantages, uniform_group_mask
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.microbatch import Layout, MicroBatch, assemble, balanced_split, plan_packed
+from areal_jax.learner.microbatch import Layout, MicroBatch, StepPlan, assemble, balanced_split, plan_packed
 from areal_jax.learner.optimizer import learning_rate
 from areal_jax.learner.ppo import loglinear_alpha
 from areal_jax.learner.step import (BATCH_FLOAT_KEYS, BATCH_INT_KEYS, ROUTES_KEY, STALENESS_BUCKETS, STALENESS_KEY,
@@ -59,18 +58,6 @@ from areal_jax.types import Trajectory
 
 if TYPE_CHECKING:
   from areal_jax.checkpoint.store import CheckpointMeta
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepPlan:
-  """A learner step's host-side input: minibatches of packed micro-batches and what went into them."""
-
-  minibatches: tuple[tuple[MicroBatch, ...], ...]
-  loss_tokens: tuple[int, ...]  # response tokens per minibatch
-  denominators: tuple[float, ...]  # the loss denominator of each update (`loss_agg`)
-  seq_lengths: tuple[int, ...]  # prompt + response tokens of every sequence trained on
-  num_filtered: int  # answers dropped with their uniform-reward groups
-  host_stats: dict[str, float]
 
 
 class Learner:

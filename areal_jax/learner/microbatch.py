@@ -131,6 +131,19 @@ class MicroBatch:
     return int(np.count_nonzero(self.segment_ids))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepPlan:
+  """A learner step's host-side input: minibatches of packed micro-batches and what went into them (built by
+  `Learner.prepare`, read by `Learner.update` and `step_stats.learner_stats`)."""
+
+  minibatches: tuple[tuple[MicroBatch, ...], ...]
+  loss_tokens: tuple[int, ...]  # response tokens per minibatch
+  denominators: tuple[float, ...]  # the loss denominator of each update (`loss_agg`)
+  seq_lengths: tuple[int, ...]  # prompt + response tokens of every sequence trained on
+  num_filtered: int  # answers dropped with their uniform-reward groups
+  host_stats: dict[str, float]
+
+
 def assemble(layout: Layout, trajectories: Sequence[Trajectory], advantages: Sequence[np.ndarray],
              token_weights: Sequence[float] | None = None, routes: tuple[int, int] | None = None) -> MicroBatch:
   """Packs the sequences named by `layout` into arrays. `advantages[i]` is per response token of trajectory i;

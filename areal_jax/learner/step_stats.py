@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from areal_jax.learner.config import LearnerConfig
-from areal_jax.learner.microbatch import MicroBatch
+from areal_jax.learner.microbatch import MicroBatch, StepPlan
 from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
-
-if TYPE_CHECKING:
-  from areal_jax.learner.learner import StepPlan
 
 
 def gap_stats(gaps: Sequence[np.ndarray]) -> dict[str, float]:
