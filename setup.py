@@ -32,6 +32,7 @@ setup(
         "matplotlib==3.11.2",  # tools/plot_run.py
         "tensorflow-datasets==4.9.10",
         "array-record==0.8.6",
+        "pyarrow==26.0.1",  # datasets as released (Parquet): areal_jax/data/sources.py, tools/prepare_data.py
         "etils==1.15.0",
         # tools/serve.py: the OpenAI-compatible policy server.
         "fastapi==0.165.0",

@@ -60,7 +60,7 @@ TINY_MOE = {  # Qwen3-MoE layers whose 8 experts of width 384, 2 per token, hold
 }
 TABLE3 = {
     "total_steps": 1000, "model.scan_layers": True, "model.tie_word_embeddings": False, "model.dtype": "bfloat16",
-    "data.source": "jsonl", "data.prompt_template": "chat", "data.max_prompt_len": 1024,
+    "data.source": "files", "data.prompt_template": "chat", "data.max_prompt_len": 1024,
     "sampler.num_slots": 256, "sampler.page_size": 64, "sampler.num_pages": 0, "sampler.max_seq_len": 28672,
     "sampler.max_new_tokens": 27648, "sampler.param_dtype": "bfloat16",
     "learner.lr": 2e-5, "learner.warmup_steps": 2, "learner.max_tokens_per_mb": 32768,
@@ -169,9 +169,11 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.model = _model()
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "synthetic"  # synthetic | jsonl | tfds
-  c.data.path = ""  # jsonl file (source=jsonl)
-  c.data.eval_path = ""  # held-out jsonl (source=jsonl); "" = data.eval_size problems held out of the training data
+  # synthetic | files (data.path: JSONL, or Parquet if it ends in .parquet; local or gs://; "jsonl" is its old name) |
+  # tfds. Released datasets to files: tools/prepare_data.py.
+  c.data.source = "synthetic"
+  c.data.path = ""  # training problems (source=files): a .jsonl or .parquet file
+  c.data.eval_path = ""  # held-out problems (source=files); "" = data.eval_size problems held out of data.path
   c.data.tfds_name = ""  # TFDS dataset name (source=tfds)
   c.data.tfds_data_dir = ""  # local directory holding the prepared (array_record) dataset
   c.data.split = "train"  # tfds split to train on

@@ -35,7 +35,8 @@ def _parse(*args):
 @pytest.mark.parametrize("preset", ["tiny", "qwen2.5-1.5b", "r1-distill-qwen-7b"])
 def test_every_preset_validates(preset):
   # Real presets read the user's data, weights and tokenizer (not opened by validate).
-  data = {} if preset == "tiny" else {"data.path": "math.jsonl", "model.init_from": "/ckpt/q", "model.tokenizer": "/ckpt/q"}
+  data = {} if preset == "tiny" else {"data.path": "math.jsonl", "model.init_from": "/ckpt/q",
+                                      "model.tokenizer": "/ckpt/q"}
   c = load_config(f"{CONFIG}:{preset}", **data)
   validate(c, num_devices=8)
   m = ModelConfig.from_config(c.model)
@@ -93,7 +94,8 @@ def test_a_real_size_model_needs_weights_and_a_tokenizer(override, field):
 def test_any_model_over_50m_parameters_is_real_size():
   """The tiny model is random and speaks characters by design; made larger than 50M parameters it is refused too."""
   assert validate(load_config(CONFIG)).model.num_params() < 50e6
-  with pytest.raises(ValueError, match=r"^config\.model\.tokenizer='char': a \d+M-parameter model \(preset tiny\) with the 64"):
+  with pytest.raises(ValueError, match=r"^config\.model\.tokenizer='char': a \d+M-parameter model \(preset tiny\) "
+                     r"with the 64"):
     validate(load_config(CONFIG, **{"model.num_layers": 80}))
 
 
@@ -194,9 +196,10 @@ def test_settings_hold_a_typed_record_per_group():
   with pytest.raises(ValueError, match=r"unknown eval config keys \['every'\]"):
     EvalConfig.from_config({"every": 1})
   assert DataConfig.from_config({"source": "synthetic"}) == DataConfig()
-  with pytest.raises(ValueError, match=r"data\.path='': data\.source='jsonl' needs a path"):
-    DataConfig.from_config({"source": "jsonl"})
-  assert DataConfig.from_config({"source": "jsonl"}, source=False).path == ""  # a compile check reads no data
+  with pytest.raises(ValueError, match=r"data\.path='': data\.source='files' needs a path to a \.jsonl or \.parquet"):
+    DataConfig.from_config({"source": "jsonl"})  # the former name of `files`
+  assert DataConfig.from_config({"source": "jsonl"}, source=False).source == "files"  # one name below the config
+  assert DataConfig.from_config({"source": "files"}, source=False).path == ""  # a compile check reads no data
 
 
 def test_a_saved_config_loads_with_fields_added_since(tmp_path):

@@ -16,7 +16,7 @@ def test_every_config_field_has_a_doc_line_and_a_row_in_the_reference():
     assert f"| `{r['key']}` |" in page
   by_key = {r["key"]: r for r in rows}
   assert by_key["learner.lr"]["checks"] == ["0: must be positive", "-1: must be positive"]
-  assert by_key["data.source"]["checks"] == ["'?': choose one of ('synthetic', 'jsonl', 'tfds')"]
+  assert by_key["data.source"]["checks"] == ["'?': choose one of ('synthetic', 'files', 'jsonl', 'tfds')"]
   assert by_key["model.hidden_size"]["defaults"]["qwen2.5-1.5b"] == 1536
   assert by_key["agent.options.attempts"]["defaults"] == {"tiny": "—", "qwen2.5-1.5b": "—",
                                                          "r1-distill-qwen-7b": "—", "agent": 1}

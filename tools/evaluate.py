@@ -1,5 +1,5 @@
-r"""Evaluates a run's checkpoints (local or gs://) or a model directory on JSONL benchmarks: pass@1 over k samples,
-unbiased pass@k, greedy accuracy, mean answer length.
+r"""Evaluates a run's checkpoints (local or gs://) or a model directory on JSONL or Parquet benchmarks: pass@1 over
+k samples, unbiased pass@k, greedy accuracy, mean answer length.
 
   # the latest checkpoint of a run, 32 samples per question (AReaL's protocol)
   python tools/evaluate.py --checkpoint_dir=gs://bucket/run \

@@ -7,13 +7,15 @@ import dataclasses
 from areal_jax.config_records import from_group
 from areal_jax.data import prompts, synthetic
 
-SOURCES = ("synthetic", "jsonl", "tfds")  # data.source
+# data.source: "files" reads data.path and data.eval_path, each JSONL or Parquet (`.parquet`), local or gs://;
+# "jsonl" is its former name (saved configs and commands still load).
+SOURCES = ("synthetic", "files", "jsonl", "tfds")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
   """Field meanings as in configs/math.py. `check_source` (run by `from_config` unless told not to) asks that a
-  jsonl or tfds source names its data; a compile check reads none."""
+  files or tfds source names its data; a compile check reads none."""
 
   source: str = "synthetic"
   path: str = ""
@@ -40,13 +42,15 @@ class DataConfig:
                            ("synthetic_task", synthetic.TASKS)):
       if getattr(self, field) not in choices:
         self._bad(field, f"choose one of {choices}")
+    if self.source == "jsonl":
+      object.__setattr__(self, "source", "files")  # one name below the config
     if not self.max_prompt_len > 0:
       self._bad("max_prompt_len", "must be positive")
 
   def check_source(self) -> DataConfig:
-    """This record, once a jsonl source has a path and a tfds source a dataset name."""
-    if self.source == "jsonl" and not self.path:
-      self._bad("path", "data.source='jsonl' needs a path to a .jsonl file")
+    """This record, once a files source has a path and a tfds source a dataset name."""
+    if self.source == "files" and not self.path:
+      self._bad("path", "data.source='files' needs a path to a .jsonl or .parquet file (local or gs://)")
     if self.source == "tfds" and not self.tfds_name:
       self._bad("tfds_name", "data.source='tfds' needs a dataset name")
     return self

@@ -6,10 +6,10 @@
     train.restore(state)                 # after a restart: continues exactly where it stopped
     evalset = build_dataset(settings.data, tokenizer, split="eval")   # held out; `evalset.records` in fixed order
 
-Sources (`data.source`): "synthetic" (`data.synthetic.generate`), "jsonl" (`data.path`), "tfds" (`data.tfds_name`
-from `data.tfds_data_dir`, split `data.split`). The eval set is `data.eval_path` / `data.eval_split` when given,
-else `data.eval_size` problems held out of the training data (never trained on). Prompts longer than
-`data.max_prompt_len` tokens are dropped and counted with a warning, never truncated.
+Sources (`data.source`): "synthetic" (`data.synthetic.generate`), "files" (`data.path`: JSONL or Parquet, local or
+gs://), "tfds" (`data.tfds_name` from `data.tfds_data_dir`, split `data.split`). The eval set is `data.eval_path` /
+`data.eval_split` when given, else `data.eval_size` problems held out of the training data (never trained on).
+Prompts longer than `data.max_prompt_len` tokens are dropped and counted with a warning, never truncated.
 """
 
 from __future__ import annotations
@@ -110,12 +110,12 @@ def load_problems(data: DataConfig, *, split: str) -> tuple[list[Problem], dict[
       return held, stats
     return synthetic.generate(data.synthetic_size, difficulty=difficulty, seed=data.shuffle_seed, split="train",
                               exclude=frozenset(p.question for p in held), task=task), stats
-  if data.source == "jsonl":
+  if data.source == "files":
     if split == "eval" and data.eval_path:
-      problems, stats["bad_rows"] = sources.read_jsonl(data.eval_path, skip_bad_rows=data.skip_bad_rows,
-                                                       field="data.eval_path")
+      problems, stats["bad_rows"] = sources.read_file(data.eval_path, skip_bad_rows=data.skip_bad_rows,
+                                                      field="data.eval_path")
       return problems, stats
-    problems, stats["bad_rows"] = sources.read_jsonl(data.path, skip_bad_rows=data.skip_bad_rows, field="data.path")
+    problems, stats["bad_rows"] = sources.read_file(data.path, skip_bad_rows=data.skip_bad_rows, field="data.path")
     where = data.path
   elif data.source == "tfds":
     if split == "eval" and data.eval_split:
@@ -127,7 +127,7 @@ def load_problems(data: DataConfig, *, split: str) -> tuple[list[Problem], dict[
     where = f"tfds {data.tfds_name}/{data.split}"
   else:
     raise ValueError(f"data.source={data.source!r}: choose one of {SOURCES}")
-  held_out_elsewhere = data.eval_path if data.source == "jsonl" else data.eval_split
+  held_out_elsewhere = data.eval_path if data.source == "files" else data.eval_split
   if held_out_elsewhere or data.eval_size == 0:
     return problems, stats
   train, held = _hold_out(problems, data.eval_size, data.shuffle_seed, where)

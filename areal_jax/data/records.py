@@ -15,7 +15,8 @@ class DataError(ValueError):
 class Problem:
   """One problem from a source, before prompting."""
 
-  uid: str  # stable id: the row's own `id` when it has one, else "file.jsonl:LINE" / "name/split:INDEX"
+  # stable id: the row's own `id` when it has one, else "FILE:LINE" (JSONL), "FILE:ROW" (Parquet), "name/split:INDEX"
+  uid: str
   question: str
   reference: str  # math: the final answer ("72", "\\frac{3}{4}"); code: the tests as normalised JSON
   solution: str = ""  # a worked solution ending in \boxed{answer} (math) when the source has one

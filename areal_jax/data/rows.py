@@ -4,6 +4,9 @@
   `<<48/2=24>>` calculator notes removed and the `####` line turned into `\\boxed{72}`.
 * MATH / DeepScaleR: `problem` with `answer` (the reference) and/or `solution` (a worked solution; without `answer`
   its last `\\boxed{}` is the reference).
+* AReaL-boba (AReaL's released RL data): `prompt` already in DeepSeek-R1's chat format (`<｜User｜>...<｜Assistant｜>
+  <think>`), `solutions` a list whose first entry's last `\\boxed{}` (or its whole text) is the reference, `query_id`;
+  the chat markers and the math instruction are taken off the question (the run renders its own prompt).
 * Code (TACO, APPS, LiveCodeBench): a question (`question`, `problem`, `prompt` or `question_content`) and tests
   (`input_output`, `tests`, `test_cases` or `public_test_cases`, with `fn_name` or `metadata.func_name` for
   function-call tests). See `areal_jax.reward.code` for the test layouts.
@@ -21,7 +24,9 @@ from areal_jax.data.records import DataError, Problem
 
 QUESTION_FIELDS = ("question", "problem", "prompt", "question_content")
 TEST_FIELDS = ("input_output", "tests", "test_cases", "public_test_cases")
-ID_FIELDS = ("id", "uid", "unique_id", "task_id", "question_id")
+ID_FIELDS = ("id", "uid", "unique_id", "task_id", "question_id", "query_id")
+# DeepSeek-R1's chat markers (`<｜User｜>`, `<｜Assistant｜>`, ...) and its opened thought, in AReaL-boba prompts.
+_CHAT_MARKERS = re.compile(r"<｜[^｜]*｜>|<think>\s*$")
 
 
 def _text(row: dict, field: str, where: str) -> str:
@@ -73,6 +78,28 @@ def _code_problem(row: dict, question: str, uid: str, where: str) -> Problem:
   return Problem(uid=uid, question=question, reference=json.dumps(spec), solution=solution, kind="code")
 
 
+def _untemplated(prompt: str, where: str) -> str:
+  """An AReaL-boba prompt's question: DeepSeek-R1's chat markers and the math instruction taken off."""
+  from areal_jax.data.prompts import INSTRUCTIONS  # pylint: disable=g-import-not-at-top
+
+  text = _CHAT_MARKERS.sub("", prompt).strip()
+  text = text.removesuffix(INSTRUCTIONS["math"]).strip()
+  if not text:
+    raise DataError(f"{where}: field 'prompt' holds no question once its chat markers are taken off")
+  return text
+
+
+def _boba_reference(solutions: Any, where: str) -> str:
+  """The reference in an AReaL-boba row's `solutions`: the first entry's last `\\boxed{}`, or the entry itself."""
+  from areal_jax.reward.math import last_boxed  # pylint: disable=g-import-not-at-top
+
+  first = solutions[0] if isinstance(solutions, list) and solutions else solutions
+  if isinstance(first, bool) or not isinstance(first, (str, int, float)) or not str(first).strip():
+    raise DataError(f"{where}: field 'solutions' must be a list whose first entry is the answer's text")
+  boxed = last_boxed(str(first))
+  return (boxed if boxed and boxed.strip() else str(first)).strip()
+
+
 def parse_row(row: Any, *, where: str, default_uid: str) -> Problem:
   """A Problem from one row; DataError naming `where` and the field otherwise."""
   if not isinstance(row, dict):
@@ -82,8 +109,13 @@ def parse_row(row: Any, *, where: str, default_uid: str) -> Problem:
     raise DataError(f"{where}: missing field 'question' (or 'problem'); the row has fields {sorted(row)}")
   question = _text(row, qfield, where)
   uid = next((str(row[f]) for f in ID_FIELDS if row.get(f) not in (None, "")), default_uid)
+  boba = "solutions" in row and "answer" not in row and not isinstance(row.get("solution"), str)
+  if boba:
+    question = _untemplated(question, where)
   if any(f in row for f in TEST_FIELDS):
     return _code_problem(row, question, uid, where)
+  if boba:
+    return Problem(uid=uid, question=question, reference=_boba_reference(row["solutions"], where))
   solution = row["solution"].strip() if isinstance(row.get("solution"), str) else ""
   if "answer" in row:
     answer = _text(row, "answer", where)

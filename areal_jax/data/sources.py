@@ -1,11 +1,13 @@
-"""Reading problems from JSONL files and local TFDS datasets, with bad rows raised or skipped and counted."""
+"""Reading problems from JSONL and Parquet files (local or `gs://`) and local TFDS datasets, with bad rows raised or
+skipped and counted. Rows take any layout `areal_jax.data.rows` knows (GSM8K, MATH, DeepScaleR, code)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any, Iterable
+
+from etils import epath
 
 from areal_jax.data.records import DataError, Problem
 from areal_jax.data.rows import parse_row
@@ -38,15 +40,28 @@ def _collect(rows: Iterable[tuple[str, str, Any]], *, source: str, skip_bad_rows
   return problems, bad
 
 
-def read_jsonl(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
-  """(problems, number of bad rows skipped) from a JSON-lines file; blank lines are ignored. `field` names the
-  setting the path came from (`data.eval_path`) in the error for a missing file."""
-  if not os.path.isfile(path):
+def read_file(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
+  """(problems, number of bad rows skipped) from a Parquet file (a name ending in `.parquet`, as datasets are released
+  on the HF hub) or a JSON-lines file (any other name), local or `gs://`. `field` names the setting the path came
+  from (`data.eval_path`) in the error for a missing file."""
+  if path.endswith(".parquet"):
+    return read_parquet(path, skip_bad_rows=skip_bad_rows, field=field)
+  return read_jsonl(path, skip_bad_rows=skip_bad_rows, field=field)
+
+
+def _existing(path: str, field: str) -> epath.Path:
+  file = epath.Path(path)
+  if not file.is_file():
     raise DataError(f"{field + ': ' if field else ''}data file {path!r} does not exist")
-  name = os.path.basename(path)
+  return file
+
+
+def read_jsonl(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
+  """(problems, number of bad rows skipped) from a JSON-lines file, local or `gs://`; blank lines are ignored."""
+  file = _existing(path, field)
 
   def rows():
-    with open(path, "rb") as f:
+    with file.open("rb") as f:
       for lineno, raw in enumerate(f, 1):
         where = f"{path}:{lineno}"
         try:
@@ -60,7 +75,29 @@ def read_jsonl(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tu
           row = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
           row = DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
-        yield where, f"{name}:{lineno}", row
+        yield where, f"{file.name}:{lineno}", row
+
+  return _collect(rows(), source=path, skip_bad_rows=skip_bad_rows)
+
+
+def read_parquet(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
+  """(problems, number of bad rows skipped) from a Parquet file, local or `gs://`, read whole (released math sets
+  are megabytes); row i (from 0, as `datasets` counts) is named `PATH row i` in errors."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top  (only when used)
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  file = _existing(path, field)
+  try:
+    table = pq.read_table(pa.BufferReader(file.read_bytes()))
+  except (pa.ArrowException, OSError) as e:
+    raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+  def rows():
+    i = 0
+    for batch in table.to_batches():
+      for row in batch.to_pylist():
+        yield f"{path} row {i}", f"{file.name}:{i}", row
+        i += 1
 
   return _collect(rows(), source=path, skip_bad_rows=skip_bad_rows)
 

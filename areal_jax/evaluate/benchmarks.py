@@ -1,8 +1,9 @@
-"""Benchmarks from JSONL files: GSM8K (`question`, `answer` ending in `#### 72`), MATH500 / AIME-style (`problem`,
-`answer`), or code problems with tests -- any layout `areal_jax.data.sources.read_jsonl` reads.
+"""Benchmarks from JSONL or Parquet files, local or `gs://`, the files training reads (`data.source=files`): GSM8K
+(`question`, `answer` ending in `#### 72`), MATH-500 / AIME-style (`problem`, `answer`), or code problems with tests
+-- any layout `areal_jax.data.rows` knows; `tools/prepare_data.py` writes them from the released files.
 
 A benchmark is named on the command line as `NAME=PATH` or as a bare `PATH` (named after the file):
-`gsm8k=/data/gsm8k_test.jsonl`, `gs://bucket/data/aime24.jsonl`. Prompts are rendered as in training
+`gsm8k=/data/gsm8k_test.jsonl`, `gs://bucket/data/aime24.parquet`. Prompts are rendered as in training
 (`areal_jax.data.dataset.to_records`); prompts longer than `max_prompt_len` tokens are dropped and counted.
 """
 
@@ -11,10 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 from collections.abc import Sequence
-
-from etils import epath
 
 from areal_jax.data import sources
 from areal_jax.data.dataset import to_records
@@ -32,29 +30,16 @@ class Benchmark:
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-  """(name, path) from `NAME=PATH` or `PATH` (name: the file name without `.jsonl`)."""
+  """(name, path) from `NAME=PATH` or `PATH` (name: the file name without `.jsonl` or `.parquet`)."""
   name, sep, path = spec.partition("=")
   if not sep or "://" in name:
     path = spec
     name = os.path.basename(spec.rstrip("/"))
-    name = name[:-len(".jsonl")] if name.endswith(".jsonl") else name
+    name = next((name[:-len(end)] for end in (".jsonl", ".parquet") if name.endswith(end)), name)
   if not _NAME.fullmatch(name):
     raise ValueError(f"benchmark {spec!r}: name {name!r} may only hold letters, digits, '_', '.' and '-' "
                      "(write NAME=PATH)")
   return name, path
-
-
-def _read_problems(path: str):
-  if "://" not in path:
-    return sources.read_jsonl(path)[0]
-  remote = epath.Path(path)
-  if not remote.exists():
-    raise DataError(f"data file {path!r} does not exist")
-  with tempfile.TemporaryDirectory() as tmp:  # read_jsonl reads local files; copy the object once
-    local = os.path.join(tmp, remote.name)
-    with open(local, "wb") as f:
-      f.write(remote.read_bytes())
-    return sources.read_jsonl(local)[0]
 
 
 def load_benchmarks(specs: Sequence[str], tokenizer, *, template: str, instruct: bool,
@@ -68,7 +53,7 @@ def load_benchmarks(specs: Sequence[str], tokenizer, *, template: str, instruct:
     if name in names:
       raise ValueError(f"benchmark name {name!r} given twice ({spec!r}); write NAME=PATH to tell them apart")
     names.add(name)
-    records, too_long = to_records(_read_problems(path), tokenizer, template=template, instruct=instruct,
+    records, too_long = to_records(sources.read_file(path)[0], tokenizer, template=template, instruct=instruct,
                                    max_prompt_len=max_prompt_len, name=name)
     if not records:
       raise DataError(f"benchmark {name!r} ({path}): every prompt is longer than max_prompt_len={max_prompt_len}")
