@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 UNCHANGED, DENSE = -1, 0
 INDEX_BYTES = 4  # int32 indices: a shard holds fewer than 2**31 elements
@@ -59,13 +59,30 @@ def _shard_map(fn, sharding: NamedSharding, in_specs, out_specs):
   return jax.shard_map(fn, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
-@functools.partial(jax.jit, static_argnames="sharding")
-def _count(new, old, *, sharding):
-  """Per shard (laid end to end over the leaf's sharded axes): the elements whose bits differ."""
+def _named(x: jax.Array) -> NamedSharding:
+  """`x`'s sharding by mesh axes; a leaf on one device (not placed on a mesh) as on a one-device mesh."""
+  if isinstance(x.sharding, NamedSharding):
+    return x.sharding
+  if len(x.sharding.device_set) == 1:
+    return NamedSharding(Mesh(np.array(list(x.sharding.device_set)), ("one",)), P())
+  raise ValueError(f"a leaf of shape {x.shape} on {len(x.sharding.device_set)} devices without a mesh "
+                   f"({type(x.sharding).__name__}): place it with a NamedSharding to count its changes")
+
+
+@functools.partial(jax.jit, static_argnames="shardings")
+def _counts(new, old, *, shardings):
   def local(a, b):
     return jnp.sum(bit_pattern(a) != bit_pattern(b), dtype=jnp.int32)[None]
 
-  return _shard_map(local, sharding, (sharding.spec, sharding.spec), _flat_spec(sharding.spec))(new, old)
+  return [_shard_map(local, s, (s.spec, s.spec), _flat_spec(s.spec))(a, b) for a, b, s in zip(new, old, shardings)]
+
+
+def count_changed(new: list[jax.Array], old: list[jax.Array]) -> list[jax.Array]:
+  """Per leaf of two lists of equal shapes, dtypes and shardings: the elements whose bits differ, per shard (laid
+  end to end over the leaf's sharded axes; int32: a shard holds fewer than 2**31 elements). Counted on the devices in
+  one call, dispatched and not waited for: the one counter of `plan` and `weight_transfer.ChangedFraction`."""
+  new, old = list(new), list(old)
+  return _counts(new, old, shardings=tuple(_named(a) for a in new))
 
 
 @functools.partial(jax.jit, static_argnames=("sharding", "bucket"))
@@ -104,7 +121,7 @@ def _code(count: int, x) -> int:
 def plan(new: list[jax.Array], old: list[jax.Array]) -> tuple[list[int], int]:
   """(one code per leaf, elements changed in all): `new` and `old` are leaves of equal shapes, dtypes and shardings.
   Counted on the devices; this waits for the counts (a few integers per leaf)."""
-  counts = jax.device_get([_count(a, b, sharding=a.sharding) for a, b in zip(new, old)])
+  counts = jax.device_get(count_changed(new, old))
   return [_code(int(np.max(c)), a) for c, a in zip(counts, new)], int(sum(int(np.sum(c)) for c in counts))
 
 

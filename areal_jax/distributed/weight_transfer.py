@@ -90,14 +90,6 @@ def transfer(params, shardings, *, dtype=None, block: bool = True):
   return out
 
 
-@jax.jit
-def _changed(new, old) -> list[jax.Array]:
-  """Per leaf of two trees of equal structure, shapes and dtypes: the elements whose bit pattern differs (int32: a
-  leaf holds fewer than 2**31 elements)."""
-  bits = weight_delta.bit_pattern
-  return [jnp.sum(bits(a) != bits(b), dtype=jnp.int32) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old))]
-
-
 class ChangedFraction:
   """The share of a new version's elements whose bits differ from the version before (on the same shardings): what a
   lossless delta of it would carry, as a fraction of a full copy. Counted on the devices as the version is handed
@@ -108,13 +100,14 @@ class ChangedFraction:
     self.value: float | None = None
 
   def count(self, new, old) -> None:
-    self._counts = (_changed(new, old), sum(x.size for x in jax.tree.leaves(new)))
+    leaves = jax.tree.leaves(new)
+    self._counts = (weight_delta.count_changed(leaves, jax.tree.leaves(old)), sum(x.size for x in leaves))
 
   def latest(self) -> float | None:
     """The newest count that has finished (None before the first)."""
     if self._counts is not None and all(c.is_ready() for c in self._counts[0]):
       counts, total = self._counts
-      self.value, self._counts = sum(int(c) for c in jax.device_get(counts)) / max(total, 1), None
+      self.value, self._counts = sum(int(np.sum(c)) for c in jax.device_get(counts)) / max(total, 1), None
     return self.value
 
 
