@@ -270,9 +270,10 @@ def check_learner(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
           for name in lowered]
 
 
-def learner_state_bytes(settings: Settings, topology: str) -> tuple[int, int]:
+def learner_state_bytes(settings: Settings, topology: str, *, scratch: int = 0) -> tuple[int, int]:
   """Per device, (what the learner keeps in HBM between its programs: parameters, optimizer state, the reference
-  policy (with a KL term) and a critic's state; the float32 gradient accumulators a step allocates)."""
+  policy (with a KL term) and a critic's state; what a step allocates beyond it: the float32 gradient accumulators
+  and `scratch`, the most one of its programs needs: `StepFns.working_bytes`, as `Learner.working_bytes`)."""
   mesh = make_mesh(topology_devices(topology), settings.mesh.learner_axes())
   cfg, model_cfg = settings.learner, settings.model
   fns = build_step(model_cfg, cfg, mesh, temperature=settings.sampler.temperature)
@@ -282,7 +283,7 @@ def learner_state_bytes(settings: Settings, topology: str) -> tuple[int, int]:
     critic = build_critic(model_cfg, cfg, mesh, batch_sharding=fns.batch_sharding, replicated=fns.replicated,
                           rules=LEARNER_RULES)
     held += device_bytes(critic.abstract_state()) - device_bytes(critic.abstract_shared())
-  return held, device_bytes(fns.abstract_args(cfg.max_tokens_per_mb)["accumulate"][1])
+  return held, fns.working_bytes(cfg.max_tokens_per_mb, scratch)
 
 
 def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0, held_bytes: int = 0,
@@ -323,8 +324,7 @@ def check_colocated(settings: Settings, topology: str, *, hbm_gib: float = 0.0,
   program's scratch: `Learner.working_bytes`) leave; each role's programs counted with the other's state resident
   beside them."""
   learner = check_learner(settings, topology, hbm_gib=hbm_gib, flop_seq_len=flop_seq_len)
-  learner_held, grads = learner_state_bytes(settings, topology)
-  working = grads + max(r.temp_bytes for r in learner)
+  learner_held, working = learner_state_bytes(settings, topology, scratch=max(r.temp_bytes for r in learner))
   sampler = check_sampler(settings, topology, hbm_gib=hbm_gib, held_bytes=learner_held, reserved_bytes=working)
   decode = next(r for r in sampler if r.program == "decode")
   sampler_held = decode.argument_bytes  # its weights and decode state (the pool), what stays while the learner runs

@@ -141,10 +141,8 @@ class Learner:
     lowered = fns.lower(length)
     if self.critic is not None:
       lowered |= self.critic.lower(fns.abstract_batch(length, BATCH_INT_KEYS + ("loss_mask",)))
-    scratch = fns.scratch_bytes(lowered)
-    grads = device_bytes(fns.abstract_args(length)["accumulate"][1])
     reference = device_bytes(fns.abstract_state()[0]) if self.config.kl_coef and self.ref_params is None else 0
-    return grads + scratch + reference
+    return fns.working_bytes(length, fns.scratch_bytes(lowered)) + reference
 
   def model(self) -> nnx.Module:
     """A module view of the current parameters (shares their arrays; do not keep it across steps)."""

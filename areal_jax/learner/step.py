@@ -43,7 +43,7 @@ from areal_jax.models import lora, moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.logprobs import logprobs_and_entropy
 from areal_jax.models.transformer import create
-from areal_jax.sharding import LEARNER_RULES, Rules, make_mesh, spec, state_shardings, use_rules
+from areal_jax.sharding import LEARNER_RULES, Rules, device_bytes, make_mesh, spec, state_shardings, use_rules
 
 # Micro-batch arrays fed to `accumulate`; `logprobs` reads the first three.
 BATCH_INT_KEYS = ("tokens", "positions", "segment_ids")
@@ -232,6 +232,12 @@ class StepFns:
     (compiles them; a program that exceeds the HBM raises the compiler's RESOURCE_EXHAUSTED error)."""
     analyses = [program.compile().memory_analysis() for program in lowered.values()]
     return max((m.temp_size_in_bytes for m in analyses if m is not None), default=0)
+
+  def working_bytes(self, length: int, scratch: int) -> int:
+    """Per device, what a step on rows of `length` tokens allocates beyond the learner's state: the policy's float32
+    gradient accumulators and `scratch`, the most one of its programs needs (`scratch_bytes`, or the compiler's
+    report of each). The one formula behind `Learner.working_bytes` and `aot_check.check_colocated`."""
+    return device_bytes(self.abstract_args(length)["accumulate"][1]) + scratch
 
 
 def with_rules(fn: Callable, mesh: Mesh, rules: Rules) -> Callable:
