@@ -67,7 +67,8 @@ TABLE3 = {
     "rollout.batch_size": 512, "rollout.group_size": 16, "rollout.max_head_offpolicyness": 8,
     "rollout.max_concurrent_rollouts": 256, "rollout.stall_timeout_s": 3600.0,
     "reward.num_workers": 16, "warmstart.steps": 0, "warmstart.target_match": 0.0,
-    "checkpoint.every_steps": 50, "eval.every_steps": 50, "eval.num_samples": 1, "eval.temperature": 0.6,
+    "checkpoint.every_steps": 50, "eval.every_steps": 50,
+    "eval.num_samples": 1,  # greedy, one answer a problem (tools/evaluate.py: 32 samples at temperature 0.6)
 }
 PRESETS = {
     "tiny": {},
@@ -356,7 +357,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 30  # learner steps between held-out evaluations
   c.eval.num_samples = 4  # 1 = greedy; k > 1 = pass@1 averaged over k samples at eval.temperature
-  c.eval.temperature = 1.0  # the training temperature
+  c.eval.temperature = 1.0  # with eval.num_samples > 1 (with 1 it is unused: another value is refused)
 
   c.sync = ml_collections.ConfigDict()  # weight updates to sampler processes (a multi-process run)
   # True: a sampler that holds the version before is sent only the elements whose bits changed (indices and values,

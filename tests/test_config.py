@@ -153,6 +153,7 @@ def test_unknown_preset():
     ({"sampler.param_dtype": "bf16"}, "sampler.param_dtype"),
     ({"reward.code_isolation": "none"}, "reward.code_isolation"),
     ({"learner.routing_replay": True}, "learner.routing_replay"),  # a dense model
+    ({"eval.num_samples": 1, "eval.temperature": 0.6}, "eval.temperature"),  # greedy: the temperature does nothing
 ])
 def test_validation_names_the_field(override, field):
   c = load_config(CONFIG, **override)

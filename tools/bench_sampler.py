@@ -35,12 +35,12 @@ call: (device - waiting) / host (serial host work waits for every whole call: 0%
 `host per decode call at S slots: X ms, hidden Y%`.
 
 `--replicas=1,2,4` instead runs the long-tail workload on 8 emulated CPU devices split into that many independent
-engines (`mesh.sampler_replicas`, `rl.rollout.LocalRollout`; `--slots` in all, split between them), publishing new
-weights every `--swap_every` decode calls per replica (each replica recomputes its running answers at its own next
-step). One line per count, `replicas=N: tokens/s X, stall per swap Y s`: useful tokens over the wall time, and the
-seconds replicas spent swapping per version over the replicas (the whole sampler's stop it equals: one replica's
-swap stops only its share). Each count runs the workload once untimed first (compiles, with `sampler.warmup`), then
-`--repeats` times; the fastest counts.
+engines (`mesh.sampler_replicas`, `distributed.replicas.LocalRollout`; `--slots` in all, split between them),
+publishing new weights every `--swap_every` decode calls per replica (each replica recomputes its running answers at
+its own next step). One line per count, `replicas=N: tokens/s X, stall per swap Y s`: useful tokens over the wall
+time, and the seconds replicas spent swapping per version over the replicas (the whole sampler's stop it equals: one
+replica's swap stops only its share). Each count runs the workload once untimed first (compiles, with
+`sampler.warmup`), then `--repeats` times; the fastest counts.
 """
 
 from __future__ import annotations

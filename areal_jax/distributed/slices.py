@@ -43,7 +43,7 @@ class MeshConfig:
   colocated: bool = False
   sampler_tensor: int = 1
   # Independent sampler engines the slice is split into, each on its own devices with its own scheduler, KV pool
-  # and weight swap (`rl.rollout.LocalRollout`); `sampler.num_slots` and `num_pages` count per replica.
+  # and weight swap (`distributed.replicas.LocalRollout`); `sampler.num_slots` and `num_pages` count per replica.
   sampler_replicas: int = 1
   learner_tensor: int = 1
   sampler_expert: int = 1  # expert parallelism (a mixture of experts' experts over this many devices)

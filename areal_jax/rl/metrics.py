@@ -94,7 +94,8 @@ def _clock(seconds: float) -> str:
 def run_summary(workdir: str, records: Sequence[Mapping], minutes: float, *, total_steps: int | None = None,
                 tensorboard: bool = True, eval_path: str = "") -> str:
   """The end-of-run text: held-out accuracy (`eval/accuracy`) at the first and last evaluation, the run's minutes,
-  where its logs are, and the commands to evaluate, serve, open TensorBoard and plot it.
+  where its logs are, and the commands to evaluate, serve, open TensorBoard and plot it: each works after the
+  README's `pip install -e .` (TensorBoard's installs it first).
 
   `records` are metrics.jsonl's rows (`read_metrics`); `eval_path` is the held-out JSONL the evaluate command scores
   (`evaluation.heldout_jsonl`); without one (code problems) the command asks for the reader's own benchmark.
@@ -121,7 +122,8 @@ def run_summary(workdir: str, records: Sequence[Mapping], minutes: float, *, tot
       "next:",
       f"  evaluate:    python tools/evaluate.py --checkpoint_dir={q(workdir)} --benchmarks={bench}",
       f"  serve:       python tools/serve.py --checkpoint_dir={q(workdir)} --port=8000",
-      *([f"  tensorboard: tensorboard --logdir {q(tb)}"] if tensorboard else []),
+      # TensorBoard itself is no dependency (the run writes its events with tensorboardX): the command installs it.
+      *([f"  tensorboard: pip install tensorboard && tensorboard --logdir {q(tb)}"] if tensorboard else []),
       f"  plot:        python tools/plot_run.py {q(workdir)}  (writes {epath.Path(workdir) / 'curves.png'})",
   ]
   return "\n".join(lines)

@@ -1,6 +1,6 @@
 """The run's own config groups as frozen, validated records: evaluation, checkpoints, metrics, weight updates and the
-supervised warm-start (field meanings as in configs/math.py). Each `from_config` takes its group of an ml_collections config;
-unknown keys raise."""
+supervised warm-start (field meanings as in configs/math.py). Each `from_config` takes its group of an ml_collections
+config; unknown keys raise."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ class EvalConfig(_Group):
     _positive(self, "every_steps", "num_samples")
     if self.temperature < 0:
       _bad(self, "temperature", "must be >= 0")
+    if self.num_samples == 1 and self.temperature != EvalConfig.temperature:
+      _bad(self, "temperature", f"unused: eval.num_samples=1 answers greedily; set eval.num_samples > 1 to sample "
+           f"at this temperature (pass@1 over the samples), or leave it at {EvalConfig.temperature}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,9 @@
 """The progress line's ETA (`eta_seconds`) and the end-of-run summary (`run_summary`, `MetricsWriter.summarize`)."""
 
 import json
+import os
+import shlex
+import shutil
 
 import pytest
 
@@ -62,8 +65,19 @@ def test_summary_from_a_synthetic_metrics_jsonl(tmp_path):
   assert f"metrics:     {tmp_path}/metrics.jsonl" in text
   assert f"python tools/evaluate.py --checkpoint_dir={tmp_path} --benchmarks=NAME=PATH.jsonl" in text
   assert f"python tools/serve.py --checkpoint_dir={tmp_path} --port=8000" in text
-  assert f"tensorboard --logdir {tmp_path}/tensorboard" in text
+  assert f"pip install tensorboard && tensorboard --logdir {tmp_path}/tensorboard" in text
   assert f"python tools/plot_run.py {tmp_path}" in text
+  # Every next command works after the README's `pip install -e .`: its scripts exist, and a program the package
+  # does not install is installed by the command itself.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  for line in text.split("next:\n", 1)[1].splitlines():
+    command = line.split(":", 1)[1].split("  (")[0].strip()
+    for part in command.split(" && "):
+      words = shlex.split(part)
+      if words[0] == "python":
+        assert os.path.exists(os.path.join(root, words[1])), line
+      elif words[0] != "pip":
+        assert shutil.which(words[0]) or f"pip install {words[0]}" in command, line
   quiet = run_summary(str(tmp_path), rows[1:5], 1.0, tensorboard=False, eval_path="/data/held out.jsonl")
   assert "no evaluation in metrics.jsonl" in quiet and "tensorboard" not in quiet
   assert "--benchmarks=heldout='/data/held out.jsonl'" in quiet
