@@ -40,6 +40,8 @@ import os
 
 import ml_collections
 
+from areal_jax.learner import objectives
+
 # The presets as data: each is the fields it changes from the defaults in `get_config` (which are `tiny`'s), in one
 # place. `TABLE3` holds what the real-size presets share: the paper's Table 3 settings on real data and answers.
 FAST = {  # `tiny` made small and quick with every mechanism on; configs/agent.py:fast applies it too
@@ -271,6 +273,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.learner.gae_lambda = 1.0  # GAE lambda (with a critic)
   c.learner.value_clip = 0.2  # the value loss's clip around the step's starting values
   c.learner.critic_lr = 0.0  # 0 = learner.lr
+  # An objective registered beyond the built-in ones (`objectives.register`): its parameters that no key above names,
+  # at their defaults, set by their names (`--config.learner.beta=0.5`).
+  c.learner.update({k: v for k, v in objectives.declared_params().items() if k not in c.learner})
   # LoRA (docs/models.md): rank > 0 freezes the base and trains adapters; the sampler then takes only the adapters.
   c.learner.lora = ml_collections.ConfigDict()
   c.learner.lora.rank = 0  # tiny, rank 8: learner.lr=7e-4 suggested

@@ -16,6 +16,8 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # (recompute), or interpolated from the behaviour and current logprobs by the tokens' versions (loglinear; AReaL's
 # approximation, one forward pass fewer per step; see `ppo.loglinear_alpha`).
 PROX_LOGP_METHODS = ("recompute", "loglinear")
+# Fields whose 0 means off, passed to an objective as None.
+OFF_AS_NONE = ("eps_clip_higher", "c_clip")
 # learner.critic: "" = critic-free (the paper's), "copy" = a value model copied from the policy, "lora" = a LoRA
 # branch of a LoRA policy (its base shared) with a value head (learner/critic.py).
 CRITICS = ("", "copy", "lora")
@@ -32,7 +34,7 @@ class LearnerConfig:
   adam_eps: float = 1e-5
   grad_clip: float = 1.0
   warmup_steps: int = 0  # learner steps (each `ppo_n_minibatches` optimizer updates) of linear warmup
-  loss: str = "ppo"  # the policy objective (`objectives.OBJECTIVES`); its parameters are the fields below
+  loss: str = "ppo"  # the policy objective (`objectives.OBJECTIVES`); its parameters: `objective_kwargs`
   eps_clip: float = 0.2
   eps_clip_higher: float = 0.0
   c_clip: float = 0.0
@@ -63,6 +65,8 @@ class LearnerConfig:
   gae_lambda: float = 1.0
   value_clip: float = 0.2  # the value loss's clip around the step's starting values
   critic_lr: float = 0.0  # 0 = lr
+  # Parameters of registered objectives that no field above names ({name: value}; in the config, `learner.<name>`).
+  objective_params: dict = dataclasses.field(default_factory=dict, hash=False)
 
   def __post_init__(self):
     def bad(field, why):
@@ -86,6 +90,12 @@ class LearnerConfig:
     for f in ("tau_pos", "tau_neg"):
       if getattr(self, f) <= 0:
         bad(f, "SAPO's gate temperatures must be positive")
+    declared, fields = objectives.declared_params(), {f.name for f in dataclasses.fields(self)}
+    for name in self.objective_params:
+      if name in fields:
+        bad("objective_params", f"sets {name!r}, a field of its own: set learner.{name}")
+      if name not in declared:
+        bad("objective_params", f"no registered objective takes {name!r}; they take {sorted(declared)}")
     if self.use_decoupled_loss and not objectives.OBJECTIVES[self.loss].decoupled:
       bad("loss", "does not compose with the decoupled loss (AReaL refuses it too); set "
           "learner.use_decoupled_loss=False")
@@ -134,15 +144,33 @@ class LearnerConfig:
   def loglinear_proximal(self) -> bool:
     return self.use_decoupled_loss and self.prox_logp_method == "loglinear"
 
+  @property
+  def objective_kwargs(self) -> dict:
+    """The chosen objective's keyword arguments, read by the names it declares (`objectives.register`): the field of
+    that name (0 = off becomes None for `eps_clip_higher` and `c_clip`), else `objective_params`' entry, else the
+    objective's own default."""
+    fields = {f.name for f in dataclasses.fields(self)} - {"objective_params"}
+    out = {}
+    for name in objectives.OBJECTIVES[self.loss].params:
+      if name in fields:
+        value = getattr(self, name)
+        out[name] = (value or None) if name in OFF_AS_NONE else value
+      elif name in self.objective_params:
+        out[name] = self.objective_params[name]
+    return out
+
   @classmethod
   def from_config(cls, c, *, max_new_tokens: int = 0) -> LearnerConfig:
-    """From the `learner` group of an ml_collections config; unknown keys raise. `max_new_tokens` (the sampler's)
-    stands in for `loss_agg_max_tokens=0`. The `lora` group shapes the model (`ModelConfig.with_lora`)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(c.keys()) - names - {"lora"})
+    """From the `learner` group of an ml_collections config; unknown keys raise. A registered objective's parameter
+    that no field names (`learner.beta`) goes into `objective_params`. `max_new_tokens` (the sampler's) stands in for
+    `loss_agg_max_tokens=0`. The `lora` group shapes the model (`ModelConfig.with_lora`)."""
+    names = {f.name for f in dataclasses.fields(cls)} - {"objective_params"}
+    declared = set(objectives.declared_params()) - names
+    unknown = sorted(set(c.keys()) - names - declared - {"lora"})
     if unknown:
-      raise ValueError(f"unknown learner config keys {unknown}; known: {sorted(names | {'lora'})}")
-    fields = {k: v for k, v in c.items() if k != "lora"}
+      raise ValueError(f"unknown learner config keys {unknown}; known: {sorted(names | declared | {'lora'})}")
+    fields = {k: v for k, v in c.items() if k in names}
+    fields["objective_params"] = {k: v for k, v in c.items() if k in declared}
     if "rejection" in fields:  # a group whose level "" is off
       group = dict(fields["rejection"].items())
       try:
@@ -166,14 +194,6 @@ class LearnerConfig:
 
   def replace(self, **kw) -> LearnerConfig:
     return dataclasses.replace(self, **kw)
-
-  @property
-  def objective_params(self) -> dict:
-    """The chosen objective's parameters (`objectives.token_terms`'s keywords; 0 = off becomes None)."""
-    values = dict(eps_clip=self.eps_clip, eps_clip_higher=self.eps_clip_higher or None, c_clip=self.c_clip or None,
-                  importance_sampling_level=self.importance_sampling_level, tau_pos=self.tau_pos,
-                  tau_neg=self.tau_neg)
-    return {k: values[k] for k in objectives.OBJECTIVES[self.loss].params}
 
   @property
   def rejection_rule(self) -> Rejection | None:

@@ -24,8 +24,8 @@ Adding an objective is one function and one `register` line::
       u, adv = ratio(t, "token")
       return -beta * u * adv, {}
 
-and `learner.loss = "my_objective"` chooses it (its keyword parameters become `learner.*` fields where the config
-declares them).
+and `learner.loss = "my_objective"` chooses it; its keyword parameters are set by their names, `learner.beta`
+(`LearnerConfig.objective_kwargs`).
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ Objective = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """A registered objective: its function, its keyword parameters, and whether it composes with the decoupled loss's
-  behaviour weight and correction (AReaL's SAPO does not)."""
+  """A registered objective: its function, its keyword parameters with their defaults, and whether it composes with
+  the decoupled loss's behaviour weight and correction (AReaL's SAPO does not)."""
 
   fn: Objective
   params: tuple[str, ...]
   decoupled: bool
+  defaults: tuple[tuple[str, object], ...] = ()  # (parameter, default) in `params`' order
 
 
 OBJECTIVES: dict[str, Spec] = {}
@@ -75,15 +76,30 @@ OBJECTIVES: dict[str, Spec] = {}
 
 def register(name: str, *, decoupled: bool = True, **fixed) -> Callable[[Objective], Objective]:
   """Registers `fn(t: Tokens, **params) -> (per-token loss, terms)` as objective `name`; `fixed` pins some of its
-  parameters (`gspo` is `ppo` at the sequence level). `terms` may hold `clipped` / `dual_clipped` (bool [rows, T])."""
+  parameters (`gspo` is `ppo` at the sequence level). `terms` may hold `clipped` / `dual_clipped` (bool [rows, T]).
+  Each parameter is keyword-only with a default; the config sets it by its name (`learner.<name>`)."""
 
   def wrap(fn: Objective) -> Objective:
-    params = tuple(p.name for p in inspect.signature(fn).parameters.values()
-                   if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in fixed)
-    OBJECTIVES[name] = Spec(functools.partial(fn, **fixed), params, decoupled)
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in fixed]
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty]
+    if missing:
+      raise ValueError(f"objective {name!r}: parameters {missing} need defaults (the config's, until set)")
+    OBJECTIVES[name] = Spec(functools.partial(fn, **fixed), tuple(p.name for p in params), decoupled,
+                            tuple((p.name, p.default) for p in params))
     return fn
 
   return wrap
+
+
+def declared_params() -> dict[str, object]:
+  """Every registered objective's parameters with their defaults (a name two objectives share: the first
+  registered's): the `learner.*` keys the config sets them by."""
+  out: dict[str, object] = {}
+  for s in OBJECTIVES.values():
+    for name, default in s.defaults:
+      out.setdefault(name, default)
+  return out
 
 
 def spec(name: str) -> Spec:

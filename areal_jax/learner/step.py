@@ -130,7 +130,7 @@ def microbatch_loss(model, batch: dict[str, jax.Array], inv_tokens: jax.Array, c
     proximal = batch["proximal_logprobs"] if cfg.use_decoupled_loss else behavior
   token_loss, terms = objectives.token_terms(
       cfg.loss, logprobs=lp, proximal_logprobs=proximal, behavior_logprobs=behavior, advantages=batch["advantages"],
-      mask=mask, segment_ids=batch["segment_ids"], rejection=cfg.rejection_rule, **cfg.objective_params)
+      mask=mask, segment_ids=batch["segment_ids"], rejection=cfg.rejection_rule, **cfg.objective_kwargs)
   if cfg.kl_coef:
     kl = jnp.where(mask, kl_estimate(lp, batch["ref_logprobs"], cfg.kl_estimator), 0.0)
     token_loss = token_loss + cfg.kl_coef * kl

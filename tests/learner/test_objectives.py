@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.config import load_config, validate
 from areal_jax.learner import objectives
 from areal_jax.learner.config import LearnerConfig
 from areal_jax.learner.learner import Learner
@@ -19,6 +20,7 @@ from areal_functions import load, torch
 from learner_batches import CFG, make_trajectories, one_device_mesh
 
 DATA = pathlib.Path(__file__).parent / "data"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def packed_inputs(seed, rows=3, seqs_per_row=4, length=8, pad=3):
@@ -232,6 +234,37 @@ def test_bad_objectives_and_parameters_are_named():
     LearnerConfig(m2_threshold=0.1, prox_logp_method="loglinear")
   with pytest.raises(ValueError, match="learner.m2_threshold=0.1.*token-mean"):
     LearnerConfig(m2_threshold=0.1, loss_agg="seq-mean-token-mean")
-  assert LearnerConfig(loss="sapo", use_decoupled_loss=False, tau_neg=2.0).objective_params == dict(
+  assert LearnerConfig(loss="sapo", use_decoupled_loss=False, tau_neg=2.0).objective_kwargs == dict(
       tau_pos=1.0, tau_neg=2.0, importance_sampling_level="token")
-  assert set(LearnerConfig(loss="cispo").objective_params) == {"eps_clip", "eps_clip_higher"}
+  assert set(LearnerConfig(loss="cispo").objective_kwargs) == {"eps_clip", "eps_clip_higher"}
+
+
+def test_a_new_objective_s_parameter_is_set_from_the_config_by_its_name(monkeypatch):
+  """An objective registered here, with a parameter no `learner` field names: `--config.learner.pg_scale` (or
+  `objective_params`) sets it, the default holds otherwise, and the loss is computed with it."""
+  monkeypatch.setattr(objectives, "OBJECTIVES", dict(objectives.OBJECTIVES))  # registered for this test only
+
+  @objectives.register("scaled_pg")
+  def scaled_pg(t: objectives.Tokens, *, pg_scale: float = 1.0):
+    u, adv = objectives.ratio(t, "token")
+    return -pg_scale * u * adv, {}
+
+  config = load_config(str(ROOT / "configs/math.py:tiny"), **{"learner.loss": "scaled_pg", "learner.pg_scale": 0.5})
+  cfg = validate(config, data=False).learner
+  assert cfg.objective_params == {"pg_scale": 0.5} and cfg.objective_kwargs == {"pg_scale": 0.5}
+  assert LearnerConfig.from_config(load_config(str(ROOT / "configs/math.py:tiny")).learner).objective_params == {
+      "pg_scale": 1.0}  # the config holds the declared default
+  assert LearnerConfig(loss="scaled_pg").objective_kwargs == {}  # the function's own default
+  assert LearnerConfig(loss="scaled_pg", objective_params={"pg_scale": 2.0}).objective_kwargs == {"pg_scale": 2.0}
+  assert LearnerConfig(objective_params={"pg_scale": 2.0}).objective_kwargs == LearnerConfig().objective_kwargs
+  lt, lp, lb, adv, mask, _ = packed_inputs(4)
+  arrays = dict(logprobs=lt, proximal_logprobs=lp, behavior_logprobs=lb, advantages=adv, mask=mask)
+  half, _ = objectives.loss("scaled_pg", **arrays, **cfg.objective_kwargs)
+  whole, _ = objectives.loss("scaled_pg", **arrays)
+  np.testing.assert_allclose(half, 0.5 * whole, rtol=1e-6)
+  with pytest.raises(ValueError, match="objective_params=.*'eps_clip', a field of its own: set learner.eps_clip"):
+    LearnerConfig(loss="scaled_pg", objective_params={"eps_clip": 0.1})
+  with pytest.raises(ValueError, match="no registered objective takes 'beta'; they take .*'pg_scale'"):
+    LearnerConfig(loss="scaled_pg", objective_params={"beta": 0.1})
+  with pytest.raises(ValueError, match=r"parameters \['beta'\] need defaults"):
+    objectives.register("no_default")(lambda t, *, beta: (t.logprobs, {}))
