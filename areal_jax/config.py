@@ -165,6 +165,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None, da
   if m.colocated and r.max_head_offpolicyness != 0:
     _fail("mesh.colocated", True, f"generates then trains (synchronous RL): needs rollout.max_head_offpolicyness=0, "
           f"not {r.max_head_offpolicyness}")
+  if settings.warmstart.on_init_from and not settings.model_source.init_from:
+    _fail("warmstart.on_init_from", True, "warm-starts model.init_from's weights: set model.init_from (without it the "
+          "random init is warm-started anyway)")
   if data:
     _check_weights(settings)
   _check_mesh(settings, num_devices)

@@ -338,7 +338,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.sampler_expert = 1  # sampler mesh: data x expert x tensor
   c.mesh.learner_expert = 1  # learner mesh: fsdp x expert x tensor
 
-  c.warmstart = ml_collections.ConfigDict()  # supervised warm-start on worked solutions (only without init_from)
+  # Supervised warm-start on worked solutions: of the random init, or of model.init_from's weights with on_init_from.
+  c.warmstart = ml_collections.ConfigDict()
   # At most; 0 = none; the cosine schedule spans all of them. Cached in <workdir>/warmstart.
   c.warmstart.steps = 500
   c.warmstart.lr = 2e-3  # peak of a cosine schedule over `steps`
@@ -354,6 +355,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   # (model, data, tokenizer, warm-start settings, seed, learner mesh): a run finds its own there instead of training
   # it. "" = none (each run keeps its own in <workdir>/warmstart). Default: $AREAL_JAX_WARMSTART_CACHE (tests set it).
   c.warmstart.cache_dir = os.environ.get("AREAL_JAX_WARMSTART_CACHE", "")
+  # True: warm-start model.init_from's weights too (a released checkpoint fine-tuned on worked solutions, e.g. to
+  # answer in \boxed{}, before RL); False: model.init_from's weights go to RL as they are.
+  c.warmstart.on_init_from = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 30  # learner steps between checkpoints

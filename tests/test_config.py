@@ -154,6 +154,7 @@ def test_unknown_preset():
     ({"reward.code_isolation": "none"}, "reward.code_isolation"),
     ({"learner.routing_replay": True}, "learner.routing_replay"),  # a dense model
     ({"eval.num_samples": 1, "eval.temperature": 0.6}, "eval.temperature"),  # greedy: the temperature does nothing
+    ({"warmstart.on_init_from": True}, "warmstart.on_init_from"),  # no model.init_from to warm-start
 ])
 def test_validation_names_the_field(override, field):
   c = load_config(CONFIG, **override)

@@ -83,6 +83,7 @@ class WarmstartConfig(_Group):
   target_loss: float = 0.0  # 0 = off
   accumulate: bool = False
   cache_dir: str = ""  # runs share warm-starts here, keyed by what decides them; "" = only <workdir>/warmstart
+  on_init_from: bool = False  # also warm-start `model.init_from`'s weights (fine-tune a checkpoint before RL)
 
   def __post_init__(self):
     _positive(self, "lr", "batch_size")

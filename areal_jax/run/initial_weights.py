@@ -1,7 +1,8 @@
 """A run's initial weights: the base model from `model.init_from` (HF or Orbax), or the random init warm-started on
-worked solutions (or an agent's demonstrations), cached in `<workdir>/warmstart`; under LoRA, the learner's fresh
-adapters on that base. With `warmstart.cache_dir` runs share warm-starts: one trained by a run with the same model,
-data, tokenizer, warm-start settings, seed and learner mesh is copied into the workdir instead of trained again."""
+worked solutions (or an agent's demonstrations; `model.init_from`'s weights too with `warmstart.on_init_from`), cached
+in `<workdir>/warmstart`; under LoRA, the learner's fresh adapters on that base. With `warmstart.cache_dir` runs share
+warm-starts: one trained by a run with the same model (and `model.init_from`), data, tokenizer, warm-start settings,
+seed and learner mesh is copied into the workdir instead of trained again."""
 
 from __future__ import annotations
 
@@ -49,9 +50,16 @@ def initial_params(settings: config_lib.Settings, learner: Learner, train, token
   return nnx.merge_state(base, adapters)
 
 
+def _warm_started(settings: config_lib.Settings) -> bool:
+  """Whether the run's base is warm-started: the random init when there are warm-start steps, `model.init_from`'s
+  weights only with `warmstart.on_init_from`."""
+  w = settings.warmstart
+  return bool(w.steps) and (not settings.model_source.init_from or w.on_init_from)
+
+
 def base_source(settings: config_lib.Settings, workdir: epath.Path) -> dict:
   """Where a run's base weights come from, for its LoRA checkpoints' `meta` (`initial_base`'s order)."""
-  if settings.model_source.init_from:
+  if settings.model_source.init_from and not _warm_started(settings):
     return {"init_from": settings.model_source.init_from}
   if settings.warmstart.steps:
     return {"warmstart": str(workdir / "warmstart")}
@@ -59,8 +67,8 @@ def base_source(settings: config_lib.Settings, workdir: epath.Path) -> dict:
 
 
 def initial_base(settings: config_lib.Settings, fns, params, train, tokenizer, workdir: epath.Path):
-  """HF or Orbax weights from `model.init_from`; else the random init `params`, warm-started on worked solutions
-  (cached) by `fns` (every weight trains, adapters or not)."""
+  """HF or Orbax weights from `model.init_from`, else the random init `params`; warm-started on worked solutions
+  (cached) by `fns` (every weight trains, adapters or not) when `_warm_started`."""
   init, dtype = settings.model_source.init_from, settings.model.dtype
   shardings = fns.param_shardings
   if init:
@@ -68,8 +76,8 @@ def initial_base(settings: config_lib.Settings, fns, params, train, tokenizer, w
       model = hf_io.load_hf(init, dtype=dtype, param_dtype=settings.model_source.param_dtype)
     else:
       model = orbax_io.load_orbax(init, dtype=dtype)
-    return place(nnx.state(model, nnx.Param), shardings)
-  if not settings.warmstart.steps:
+    params = place(nnx.state(model, nnx.Param), shardings)
+  if not _warm_started(settings):
     return params
   cache = workdir / "warmstart"
   shared = _shared_cache(settings, fns)

@@ -6,10 +6,12 @@ import logging
 import jax
 import numpy as np
 from etils import epath
+from flax import nnx
 
 from areal_jax import config as config_lib
 from areal_jax.data import build_dataset
 from areal_jax.learner.step import build_step, make_learner_mesh
+from areal_jax.models import orbax_io
 from areal_jax.run import initial_weights
 from areal_jax.tokenizer import load_tokenizer
 from run_checks import FAST
@@ -58,3 +60,30 @@ def test_a_second_run_takes_the_shared_warm_start_and_a_racing_copy_stays(tmp_pa
   _share(epath.Path(tmp_path / "b" / "warmstart"), shared)
   assert sorted(p.name for p in shared.iterdir()) == before  # another run's copy stays; no staging left behind
   assert sorted(p.name for p in shared.parent.iterdir()) == [shared.name]
+
+
+def test_init_from_weights_are_warm_started_only_with_on_init_from(tmp_path):
+  """`model.init_from`'s weights go to RL as they are, unless `warmstart.on_init_from` fine-tunes them on the worked
+  solutions first (then the checkpoints' base is that warm-start); the random init is warm-started either way."""
+  plain = _settings("")
+  fns = _fns(plain)
+  released = str(tmp_path / "released")
+  orbax_io.save_orbax(nnx.merge(fns.graphdef, fns.init_params(5)), released)
+  tokenizer = load_tokenizer(plain.model_source.tokenizer)
+  train = build_dataset(plain.data, tokenizer, split="train")
+  loaded = np.concatenate([np.ravel(x) for x in jax.tree.leaves(orbax_io.load_orbax(released))])
+
+  def base(workdir, **overrides):
+    settings = _settings("", **{"model.init_from": released, **overrides})
+    out = initial_weights.initial_base(settings, fns, fns.init_params(0), train, tokenizer, epath.Path(workdir))
+    return settings, np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(out)])
+
+  as_released, params = base(tmp_path / "a")
+  np.testing.assert_array_equal(params, loaded)
+  assert initial_weights.base_source(as_released, epath.Path(tmp_path / "a")) == {"init_from": released}
+  tuned, params = base(tmp_path / "b", **{"warmstart.on_init_from": True})
+  assert params.shape == loaded.shape and not np.allclose(params, loaded)  # two warm-start steps moved them
+  assert 0 < np.abs(params - loaded).max() < 0.1  # from the released weights, not from a fresh init
+  assert (tmp_path / "b" / "warmstart" / "model_config.json").exists()
+  assert initial_weights.base_source(tuned, epath.Path(tmp_path / "b")) == {
+      "warmstart": str(tmp_path / "b" / "warmstart")}
