@@ -36,7 +36,8 @@ from collections.abc import Sequence
 
 from areal_jax.devices import device_subset_env, local_accelerators
 from areal_jax.distributed import zygote
-from areal_jax.distributed.roles import AUTHKEY_ENV, ProcessLayout
+from areal_jax.distributed.job import JobSpec
+from areal_jax.distributed.roles import AUTHKEY_ENV
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 FINISH_GRACE_S = 60.0  # after the leader finished: how long the others get to exit on their own
@@ -155,37 +156,30 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
   `restart_samplers`, restarted samplers are forked from a zygote that imported `preload` (the script's modules).
   `learner_devices`/`sampler_devices`: accelerators per process (`device_blocks`) of `accelerators` (kind, count;
   default: this host's, `devices.local_accelerators`)."""
-  port = free_port_pair()
-  address = f"127.0.0.1:{port}"
-  layouts = [ProcessLayout.create(num_processes=num_processes, process_id=i, coordinator_address=address,
-                                  sampler_processes=sampler_processes) for i in range(num_processes)]
+  kind, available = accelerators or local_accelerators()
+  spec = JobSpec.create(num_processes=num_processes, sampler_processes=sampler_processes, accelerator=kind,
+                        learner_devices=learner_devices, sampler_devices=sampler_devices, port=free_port_pair())
+  host = "127.0.0.1"
   # The environment's key if it has one, so that more samplers can be started by hand against the running job.
   env = dict(os.environ, **{AUTHKEY_ENV: os.environ.get(AUTHKEY_ENV) or secrets.token_hex(16)})
   if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
     env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
-  kind, available = accelerators or local_accelerators()
-  roles = ["sampler" if layout.role == "sampler" else "learner" for layout in layouts]
-  if (learner_devices or sampler_devices) and kind == "cpu":
-    raise ValueError(f"--learner_devices={learner_devices} --sampler_devices={sampler_devices}: this machine has no "
-                     "GPU or TPU (on CPU each process emulates config.mesh.cpu_devices devices)")
-  blocks = device_blocks(roles, learner_devices=learner_devices, sampler_devices=sampler_devices,
-                         available=available)
-  print(f"local: the job's control address is {address}", flush=True)
+  blocks = device_blocks([p.role for p in spec.processes], learner_devices=learner_devices,
+                         sampler_devices=sampler_devices, available=available)
+  print(f"local: the job's control address is {spec.coordinator_address(host)}", flush=True)
   children: list[_Child] = []
-  for i, (layout, cores) in enumerate(zip(layouts, core_sets(num_processes, cpus_per_process))):
-    argv = [script, *args, f"--num_processes={num_processes}", f"--process_id={layout.process_id}",
-            f"--coordinator_address={address}"]
+  for p, cores in zip(spec.processes, core_sets(num_processes, cpus_per_process)):
     child_env = dict(env, OMP_NUM_THREADS=str(len(cores)), OPENBLAS_NUM_THREADS=str(len(cores)),
                      MKL_NUM_THREADS=str(len(cores)))
     where = ""
     if blocks:
-      child_env.update(device_subset_env(kind, blocks[i], port=free_port_pair()))
-      where = f", {kind.upper()}s {','.join(map(str, blocks[i]))}"
-    child = _Child(layout.name, argv, cores, child_env, python, sampler=layout.role == "sampler")
+      child_env.update(device_subset_env(kind, blocks[p.process_id], port=free_port_pair()))
+      where = f", {kind.upper()}s {','.join(map(str, blocks[p.process_id]))}"
+    child = _Child(p.name, [script, *args, *spec.argv(p.process_id, host)], cores, child_env, python,
+                   sampler=p.role == "sampler")
     child.start()
     children.append(child)
-    print(f"local: {layout.name} is process {layout.process_id} (pid {child.proc.pid}) on cores {cores}{where}",
-          flush=True)
+    print(f"local: {p.name} is process {p.process_id} (pid {child.proc.pid}) on cores {cores}{where}", flush=True)
 
   samplers = [c for c in children if c.sampler]
   forker = zygote.Zygote(preload, samplers[0].env, python) if restart_samplers and preload and samplers else None

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from areal_jax.errors import ConfigError
 
 ENV_PREFIX = "AREAL_JAX_"
 AUTHKEY_ENV = ENV_PREFIX + "AUTHKEY"
+DEFAULT_PORT = 8476  # the leader's control port when none is given; + 1: the learners' jax.distributed coordinator
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,24 +114,34 @@ def authkey() -> bytes:
 
 def from_flags_or_env(*, num_processes: int | None, process_id: int | None, coordinator_address: str | None,
                       sampler_processes: int) -> ProcessLayout:
-  """Flags win; unset ones come from $AREAL_JAX_NUM_PROCESSES / _PROCESS_ID / _COORDINATOR_ADDRESS, then from
-  SLURM ($SLURM_NTASKS, $SLURM_PROCID); no flags and no environment is the single-process mode."""
+  """Flags win; unset ones come from $AREAL_JAX_NUM_PROCESSES / _PROCESS_ID / _COORDINATOR_ADDRESS, then from SLURM:
+  a task of a SLURM step of several tasks ($SLURM_NTASKS > 1) is process $SLURM_PROCID, and the first host of
+  $SLURM_JOB_NODELIST is the coordinator (port $AREAL_JAX_PORT, default 8476). No flags and no environment (or a
+  SLURM step of one task) is the single-process mode."""
   env = os.environ
 
-  def pick(flag, name, slurm=None):
+  def pick(flag, name, slurm):
     if flag is not None:
       return flag
-    if f"AREAL_JAX_{name}" in env:
-      return env[f"AREAL_JAX_{name}"]
-    return env.get(slurm) if slurm else None
+    return env.get(f"{ENV_PREFIX}{name}", env.get(slurm))
 
-  coordinator = pick(coordinator_address, "COORDINATOR_ADDRESS")
-  if not coordinator:  # SLURM alone does not make a multi-process job: a task may run a single-process run
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
   n = int(pick(num_processes, "NUM_PROCESSES", "SLURM_NTASKS") or 1)
+  coordinator = coordinator_address if coordinator_address is not None else env.get(f"{ENV_PREFIX}COORDINATOR_ADDRESS")
+  if not coordinator and n > 1 and env.get("SLURM_JOB_NODELIST"):
+    coordinator = f"{first_slurm_host(env['SLURM_JOB_NODELIST'])}:{env.get(f'{ENV_PREFIX}PORT', DEFAULT_PORT)}"
   return ProcessLayout.create(num_processes=n, process_id=int(pick(process_id, "PROCESS_ID", "SLURM_PROCID") or 0),
-                              coordinator_address=str(coordinator or ""),
-                              sampler_processes=sampler_processes)
+                              coordinator_address=str(coordinator or ""), sampler_processes=sampler_processes)
+
+
+def first_slurm_host(nodelist: str) -> str:
+  """The first host of a SLURM node list ("gpu[07-09,12],cpu3" -> "gpu07"), as `scontrol show hostnames` would
+  print it first."""
+  m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist.strip())
+  if not m or not m.group(1):
+    raise ValueError(f"$SLURM_JOB_NODELIST={nodelist!r}: expected host names such as node[01-04]")
+  prefix, ranges, suffix = m.groups()
+  first = ranges.split(",")[0].split("-")[0] if ranges else ""
+  return f"{prefix}{first}{suffix}"
 
 
 def start_jax(layout: ProcessLayout) -> None:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from areal_jax.distributed import local_job, zygote
-from areal_jax.distributed.roles import ProcessLayout, from_flags_or_env
+from areal_jax.distributed.roles import ProcessLayout, first_slurm_host, from_flags_or_env
 
 Child, tend = local_job._Child, local_job._tend_samplers  # pylint: disable=protected-access
 CORES = sorted(os.sched_getaffinity(0))[:1]
@@ -46,21 +46,37 @@ def test_bad_layouts_name_the_value(kw, match):
 
 
 def test_flags_win_then_environment_then_slurm(monkeypatch):
-  for k in ("AREAL_JAX_NUM_PROCESSES", "AREAL_JAX_PROCESS_ID", "AREAL_JAX_COORDINATOR_ADDRESS"):
+  for k in ("AREAL_JAX_NUM_PROCESSES", "AREAL_JAX_PROCESS_ID", "AREAL_JAX_COORDINATOR_ADDRESS", "AREAL_JAX_PORT",
+            "SLURM_JOB_NODELIST"):
     monkeypatch.delenv(k, raising=False)
-  monkeypatch.setenv("SLURM_NTASKS", "4")
-  monkeypatch.setenv("SLURM_PROCID", "3")
-  # SLURM alone (no coordinator anywhere) is not a multi-process job.
+  monkeypatch.setenv("SLURM_NTASKS", "1")  # a SLURM step of one task is the single-process mode
+  monkeypatch.setenv("SLURM_PROCID", "0")
+  monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-09,12]")
   assert not from_flags_or_env(num_processes=None, process_id=None, coordinator_address=None,
                                sampler_processes=1).multi_process
-  monkeypatch.setenv("AREAL_JAX_COORDINATOR_ADDRESS", "node0:9000")
+  # SLURM's variables alone: the task's rank, and the node list's first host as the coordinator.
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  monkeypatch.setenv("SLURM_PROCID", "3")
   layout = from_flags_or_env(num_processes=None, process_id=None, coordinator_address=None, sampler_processes=1)
   assert (layout.num_processes, layout.process_id, layout.role) == (4, 3, "sampler")
+  assert layout.coordinator_address == "gpu07:8476" and layout.learner_coordinator == "gpu07:8477"
+  monkeypatch.setenv("AREAL_JAX_PORT", "9100")
+  assert from_flags_or_env(num_processes=None, process_id=None, coordinator_address=None,
+                           sampler_processes=1).coordinator_address == "gpu07:9100"
+  monkeypatch.setenv("AREAL_JAX_COORDINATOR_ADDRESS", "node0:9000")
+  layout = from_flags_or_env(num_processes=None, process_id=None, coordinator_address=None, sampler_processes=1)
+  assert (layout.num_processes, layout.process_id, layout.coordinator_address) == (4, 3, "node0:9000")
   monkeypatch.setenv("AREAL_JAX_PROCESS_ID", "1")
   layout = from_flags_or_env(num_processes=None, process_id=None, coordinator_address=None, sampler_processes=1)
   assert layout.process_id == 1 and layout.coordinator_address == "node0:9000"
   layout = from_flags_or_env(num_processes=2, process_id=0, coordinator_address="127.0.0.1:7000", sampler_processes=1)
   assert (layout.num_processes, layout.process_id, layout.coordinator_address) == (2, 0, "127.0.0.1:7000")
+
+
+@pytest.mark.parametrize("nodelist,first", [("gpu[07-09,12]", "gpu07"), ("node1,node2", "node1"),
+                                            ("a[3]-ib,b1", "a3-ib"), ("tpu-vm-[000-003]", "tpu-vm-000")])
+def test_the_first_host_of_a_slurm_node_list(nodelist, first):
+  assert first_slurm_host(nodelist) == first
 
 
 def test_cores_are_split_in_blocks_and_wrap(monkeypatch):
