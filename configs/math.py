@@ -172,8 +172,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.model = _model()
 
   c.data = ml_collections.ConfigDict()
-  # synthetic | files (data.path: JSONL, or Parquet if it ends in .parquet; local or gs://; "jsonl" is its old name) |
-  # tfds. Released datasets to files: tools/prepare_data.py.
+  # synthetic | files (data.path: JSONL, Parquet if it ends in .parquet, or a .json array; local or gs://; "jsonl" is
+  # its old name) | tfds. Released datasets to files: tools/prepare_data.py.
   c.data.source = "synthetic"
   c.data.path = ""  # training problems (source=files): a .jsonl or .parquet file
   c.data.eval_path = ""  # held-out problems (source=files); "" = data.eval_size problems held out of data.path

@@ -19,8 +19,8 @@ from absl import app, flags
 
 from areal_jax.data import prepare
 
-_INPUTS = flags.DEFINE_list("inputs", None, "Released files (JSONL, or Parquet ending in .parquet), local or gs://.",
-                            required=True)
+_INPUTS = flags.DEFINE_list("inputs", None, "Released files (JSONL, Parquet ending in .parquet, a .json array), "
+                            "local or gs://.", required=True)
 _OUT = flags.DEFINE_string("out_dir", None, "Where train.FORMAT and eval.FORMAT go (local or gs://).", required=True)
 _EVAL = flags.DEFINE_integer("eval_size", 0, "Problems held out into eval.FORMAT (a seeded draw); 0 = none.")
 _EXCLUDE = flags.DEFINE_list("exclude", [], "Benchmark files whose questions neither file may hold.")

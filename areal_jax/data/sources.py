@@ -42,10 +42,15 @@ def _collect(rows: Iterable[tuple[str, str, Any]], *, source: str, skip_bad_rows
 
 def read_file(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
   """(problems, number of bad rows skipped) from a Parquet file (a name ending in `.parquet`, as datasets are released
-  on the HF hub) or a JSON-lines file (any other name), local or `gs://`. `field` names the setting the path came
-  from (`data.eval_path`) in the error for a missing file."""
+  on the HF hub), a JSON array (a `.json` file starting with `[`, as DeepScaleR is released) or a JSON-lines file
+  (any other), local or `gs://`. `field` names the setting the path came from (`data.eval_path`) in the error for a
+  missing file."""
   if path.endswith(".parquet"):
     return read_parquet(path, skip_bad_rows=skip_bad_rows, field=field)
+  if path.endswith(".json"):
+    with _existing(path, field).open("rb") as f:
+      if f.read(4096).lstrip().startswith(b"["):
+        return read_json_array(path, skip_bad_rows=skip_bad_rows, field=field)
   return read_jsonl(path, skip_bad_rows=skip_bad_rows, field=field)
 
 
@@ -78,6 +83,20 @@ def read_jsonl(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tu
         yield where, f"{file.name}:{lineno}", row
 
   return _collect(rows(), source=path, skip_bad_rows=skip_bad_rows)
+
+
+def read_json_array(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:
+  """(problems, number of bad rows skipped) from a file holding one JSON array of rows; row i (from 0) is named
+  `PATH row i` in errors."""
+  file = _existing(path, field)
+  try:
+    rows = json.loads(file.read_bytes().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise DataError(f"{path}: not a JSON array of rows ({e})") from None
+  if not isinstance(rows, list):
+    raise DataError(f"{path}: not a JSON array of rows (a {type(rows).__name__})")
+  return _collect(((f"{path} row {i}", f"{file.name}:{i}", row) for i, row in enumerate(rows)), source=path,
+                  skip_bad_rows=skip_bad_rows)
 
 
 def read_parquet(path: str, *, skip_bad_rows: bool = False, field: str = "") -> tuple[list[Problem], int]:

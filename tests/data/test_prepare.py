@@ -62,6 +62,21 @@ def test_each_released_layout_reads_from_parquet_and_jsonl(tmp_path):
   assert math_.reference == "6" and math_.question == "What is $2 \\cdot 3$?"
 
 
+def test_a_json_array_reads_as_its_rows_and_a_json_file_of_lines_as_lines(tmp_path):
+  """DeepScaleR is released as one JSON array (`deepscaler.json`); other `.json` files hold JSON lines."""
+  (tmp_path / "deepscaler.json").write_text(json.dumps(DEEPSCALER, indent=2))
+  array, _ = sources.read_file(str(tmp_path / "deepscaler.json"))
+  lines, _ = sources.read_file(_jsonl(tmp_path / "lines.json", DEEPSCALER))
+  assert [p.reference for p in array] == [p.reference for p in lines] == ["2", "3", "4", "5"]
+  assert array[0].uid == "deepscaler.json:0" and lines[0].uid == "lines.json:1"
+  (tmp_path / "bad.json").write_text(json.dumps([DEEPSCALER[0], {"problem": "p"}]))
+  with pytest.raises(DataError, match=r"bad\.json row 1: missing field 'answer'"):
+    sources.read_file(str(tmp_path / "bad.json"))
+  (tmp_path / "torn.json").write_text("[{")
+  with pytest.raises(DataError, match=r"torn\.json: not a JSON array of rows"):
+    sources.read_file(str(tmp_path / "torn.json"))
+
+
 def test_a_bad_parquet_row_is_named_by_file_and_row(tmp_path):
   path = _parquet(tmp_path / "bad.parquet", [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": ""}])
   with pytest.raises(DataError, match=r"bad\.parquet row 1: field 'answer' is empty"):
