@@ -88,6 +88,20 @@ def test_the_docs_show_commands_of_the_run_and_the_tools():
   assert {"launch/tpu_run.py", "launch/local.py", "tools/aot_check.py", "tools/chaos.py"} <= scripts, scripts
 
 
+def test_the_recipe_shows_every_step_of_a_real_run():
+  """docs/recipes.md: data prepared, a run on one TPU VM (v5p-8, v6e-8) and one 8-GPU host, each from a checkpoint
+  and its tokenizer, then evaluation with pass@k, serving and export (each command parsed and validated below)."""
+  shown = [shlex.split(c) for where, c in documented_commands() if where == os.path.join("docs", "recipes.md")]
+  scripts = [words[1] for words in shown]
+  assert {"tools/prepare_data.py", "tools/aot_check.py", "launch/local.py", "tools/evaluate.py", "tools/serve.py",
+          "tools/convert_hf.py"} <= set(scripts) and scripts.count("launch/tpu_run.py") == 2, scripts
+  for words in shown:
+    if words[1].startswith("launch/"):
+      assert any(w.startswith("--config.model.init_from=") for w in words), words
+      assert any(w.startswith("--config.model.tokenizer=") for w in words), words
+  assert any(w.startswith("--pass_k=") for words in shown if words[1] == "tools/evaluate.py" for w in words)
+
+
 @pytest.mark.slow
 def test_every_documented_command_parses_and_its_config_validates():
   shown = {}  # (script, args) -> where it is shown

@@ -24,7 +24,7 @@ from areal_jax.evaluate import evaluate
 
 _DIR = flags.DEFINE_string("checkpoint_dir", None, "Run directory, its checkpoints/ directory, an Orbax policy "
                            "directory or a local HF model directory; local or gs://.", required=True)
-_BENCH = flags.DEFINE_list("benchmarks", None, "NAME=PATH or PATH of JSONL files (GSM8K, MATH500, AIME-style).",
+_BENCH = flags.DEFINE_list("benchmarks", None, "NAME=PATH or PATH of JSONL or Parquet files (GSM8K, MATH500, AIME-style).",
                            required=True)
 _STEP = flags.DEFINE_string("step", "latest", "'latest', 'all' or a step number (without --watch).")
 _WATCH = flags.DEFINE_bool("watch", False, "Evaluate each new checkpoint as it appears.")
