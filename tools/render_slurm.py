@@ -27,25 +27,10 @@ from absl import flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from areal_jax import cli  # pylint: disable=g-import-not-at-top  # does not import JAX
-from areal_jax.distributed.job import JobSpec  # pylint: disable=g-import-not-at-top
+from areal_jax.distributed.job import JobSpec, config_args  # pylint: disable=g-import-not-at-top
 from areal_jax.distributed.roles import DEFAULT_PORT  # pylint: disable=g-import-not-at-top
 
 TEMPLATE = os.path.join(ROOT, "launch", "slurm", "job.sbatch")
-
-
-def config_args(argv: list[str]) -> list[str]:
-  """The `--config` and `--config.KEY=VALUE` flags of `argv`, each as one `--flag=value` argument."""
-  out, i = [], 0
-  while i < len(argv):
-    arg = argv[i]
-    if arg == "--config" or arg.startswith("--config."):
-      if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-        arg, i = f"{arg}={argv[i + 1]}", i + 1
-      out.append(arg)
-    elif arg.startswith("--config="):
-      out.append(arg)
-    i += 1
-  return out
 
 
 def render(*, nodes: int, gpus_per_node: int, sampler_processes: int, config: list[str], workdir: str,
@@ -106,12 +91,9 @@ def main(argv):
   del argv
   f = flags.FLAGS
   config = config_args(sys.argv[1:])
-  if not any(a.startswith("--config=") for a in config):
-    config.insert(0, "--config=configs/math.py")  # the default, named
   try:
     text = render(nodes=f.nodes, gpus_per_node=f.gpus_per_node, sampler_processes=_CONFIG.value.mesh.sampler_processes,
-                  config=config, workdir=f.workdir,
-                  repo=os.path.abspath(f.repo), partition=f.partition, account=f.account, time=f.time,
+                  config=config, workdir=f.workdir, repo=os.path.abspath(f.repo), partition=f.partition, account=f.account, time=f.time,
                   job_name=f.job_name, cpus_per_task=f.cpus_per_task, setup=f.setup, python=f.python, port=f.port,
                   log=f.log, stamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
   except ValueError as e:

@@ -144,6 +144,16 @@ class TpuSlice:
     """The generation as `ray.util.tpu` names it."""
     return {"v5e": "v5litepod"}.get(self.device.name, self.device.name)
 
+  @property
+  def gke_accelerator(self) -> str:
+    """The generation as GKE's node label `cloud.google.com/gke-tpu-accelerator` names it."""
+    return GKE_TPU_ACCELERATORS[self.device.name]
+
+
+# GKE's names for the TPU generations (node label `cloud.google.com/gke-tpu-accelerator`).
+GKE_TPU_ACCELERATORS = {"v4": "tpu-v4-podslice", "v5e": "tpu-v5-lite-podslice", "v5p": "tpu-v5p-slice",
+                        "v6e": "tpu-v6e-slice"}
+
 
 def tpu_slice(name: str) -> TpuSlice:
   """Parses "v5p-32", "v5e-8", "v6e-16", "v4-8"; a ValueError names the value and the known generations."""
@@ -160,3 +170,20 @@ def tpu_slice(name: str) -> TpuSlice:
   if chips & (chips - 1):
     raise ValueError(f"TPU slice {name!r}: {chips} chips; slices hold a power of two")
   return TpuSlice(name.strip(), device, chips)
+
+
+def config_args(argv: list[str], default: str = "configs/math.py") -> list[str]:
+  """The `--config=FILE[:PRESET]` and `--config.KEY=VALUE` flags of a launcher's `argv`, each as one `--flag=value`
+  argument, `--config=<default>` first where `argv` names no file: what a renderer (tools/render_slurm.py,
+  tools/render_jobset.py) passes on to every process."""
+  out, i = [], 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "--config" or arg.startswith("--config."):
+      if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+        arg, i = f"{arg}={argv[i + 1]}", i + 1
+      out.append(arg)
+    elif arg.startswith("--config="):
+      out.append(arg)
+    i += 1
+  return out if any(a.startswith("--config=") for a in out) else [f"--config={default}", *out]

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from areal_jax.distributed import roles
+from areal_jax.distributed.job import config_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = ["--config=configs/math.py:qwen2.5-1.5b", "--config.mesh.sampler_processes=2",
@@ -119,8 +120,8 @@ def test_a_job_that_cannot_run_is_refused_naming_the_flag(kw, message):
 
 
 def test_config_flags_are_passed_on_as_given():
-  tool = _tool()
-  assert tool.config_args(["--nodes=3", "--config", "configs/math.py:tiny", "--config.learner.lr", "1e-5",
+  assert config_args(["--nodes=3", "--config", "configs/math.py:tiny", "--config.learner.lr", "1e-5",
                            "--config.sampler.greedy", "--workdir=x", "--config.total_steps=3"]) == [
       "--config=configs/math.py:tiny", "--config.learner.lr=1e-5", "--config.sampler.greedy",
       "--config.total_steps=3"]
+  assert config_args(["--config.total_steps=3"]) == ["--config=configs/math.py", "--config.total_steps=3"]
