@@ -112,8 +112,9 @@ class RolloutSampling:
   def _submit(self, i: int, request: Request, on_tokens) -> concurrent.futures.Future:
     sampling = dataclasses.replace(self.sampling, max_new_tokens=request.sampling.max_new_tokens,
                                    stop=request.sampling.stop, ignore_eos=request.sampling.ignore_eos)
-    answers = self.rollout.submit(dataclasses.replace(request, group_id=next(_GROUP_IDS), sampling=sampling))
-    episode = _EPISODE.get()  # the route runs in the episode's task
+    episode = _EPISODE.get()  # the route runs in the episode's task; its turns go to one sampler replica
+    answers = self.rollout.submit(dataclasses.replace(request, group_id=next(_GROUP_IDS), sampling=sampling,
+                                                      episode=episode))
     out = concurrent.futures.Future()
     out.set_running_or_notify_cancel()
     left = [len(answers)]

@@ -61,10 +61,11 @@ def summed_stats(per: Sequence[dict[str, float]]) -> dict[str, float]:
 
 class LocalRollout:
   """`Sampler`s on this process's sampler slice, one per replica mesh (`mesh.sampler_replicas`), running from
-  construction. A group goes whole to one replica (`dispatch.least_loaded`: fewest tokens of work outstanding, then
-  most free pages); each replica swaps weights at its own step boundary, so one replica's recompute never stops
-  another's decoding. With several replicas, one whose sampler fails is dropped: its groups' answers fail with
-  `SamplerLost` (the controller generates them again on the others) and `check()` raises only once none is left."""
+  construction. A group goes whole to one replica (`dispatch.Dispatcher`: an episode's turns to the replica of its last,
+  anything else to the one with the fewest tokens of work outstanding, then the most free pages); each replica swaps
+  weights at its own step boundary, so one replica's recompute never stops another's decoding. With several replicas,
+  one whose sampler fails is dropped: its groups' answers fail with `SamplerLost` (the controller generates them again
+  on the others) and `check()` raises only once none is left."""
 
   def __init__(self, *, abstract_model, config: SamplerConfig, meshes: Sequence[Mesh], params, version: int, eos_ids,
                detokenize, reserved_bytes: int = 0):
@@ -74,6 +75,7 @@ class LocalRollout:
     self._lock = threading.Lock()
     self._bytes = 0
     self._changed = weight_transfer.ChangedFraction()
+    self._dispatcher = dispatch.Dispatcher()
     self.replicas: list[_Replica] = []
     for i, mesh in enumerate(meshes):
       engine = Engine(model=abstract_model, config=config, mesh=mesh, reserved_bytes=reserved_bytes)
@@ -108,7 +110,7 @@ class LocalRollout:
       live = {r.index: r for r in self._live()}
       if not live:
         self.check()
-      r = live[dispatch.least_loaded({i: r.outstanding.load(r.free_pages()) for i, r in live.items()})]
+      r = live[self._dispatcher.choose(request, {i: r.outstanding.load(r.free_pages()) for i, r in live.items()})]
       r.outstanding.add(request)
       r.dispatched += request.num_answers
     try:
@@ -173,14 +175,17 @@ class LocalRollout:
     return {"sync/bytes": float(self._bytes), **({} if changed is None else {"sync/changed_fraction": changed})}
 
   def sampler_metrics(self) -> dict[str, float]:
-    """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`
-    and `/failed`; a sampler's counters move when its step ends."""
+    """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`,
+    `/failed` and `/prefix_hits` (the share of its prompts' tokens found in its prefix cache, not prefilled); a
+    sampler's counters move when its step ends."""
     out = {}
     for r in self.replicas:
       st = r.sampler.stats()
       key = f"sampler/replica{r.index}"
+      hits = st["cached_tokens"] / max(st["cached_tokens"] + st["prefill_tokens"], 1)
       out.update({f"{key}/answers": float(r.dispatched), f"{key}/busy": st["busy_s"], f"{key}/tokens": st["tokens"],
-                  f"{key}/swaps": st["weight_updates"], f"{key}/failed": float(r.failed is not None)})
+                  f"{key}/swaps": st["weight_updates"], f"{key}/failed": float(r.failed is not None),
+                  f"{key}/prefix_hits": hits})
     return out
 
   def check(self) -> None:

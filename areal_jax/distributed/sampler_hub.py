@@ -1,15 +1,15 @@
 """The leader's view of the sampler processes: a `Rollout` (rollout.py) over samplers that come and go.
 
 The rollout controller submits prompt groups to it exactly as to an in-process loop, so admission (paper Eq. 3) is
-decided in one place for all sampler processes. A group goes whole to the live sampler with the fewest tokens of work
-outstanding (`dispatch.Outstanding`; with none live it waits here for one); `submit` returns one future per answer,
-completed when the answer arrives. `publish` offers a version with `jax.experimental.transfer` and
-tells every live sampler to pull it; the notice carries the published fingerprint, and the sampler checks its pull
-against it before the swap. With `delta` a sampler that holds the version before is offered only what changed
-(`weight_delta.py`; one that joined or restarted gets the full copy). With `overlap` the learner only dispatches the
-copy: the rest (the copy itself, the delta, the offer) runs on the `hub-publish` thread while the learner trains, one
-version at a time (the next publish waits for it), under the same bound on versions live as before. The messages each
-way are the typed records of `messages.py` (its diagram).
+decided in one place for all sampler processes. A group goes whole to the live sampler that served its episode's last
+turn, else the one with the fewest tokens of work outstanding (`dispatch.Dispatcher`; with none live it waits here for
+one); `submit` returns one future per answer, completed when the answer arrives. `publish` offers a version with
+`jax.experimental.transfer` and tells every live sampler to pull it; the notice carries the published fingerprint, and
+the sampler checks its pull against it before the swap. With `delta` a sampler that holds the version before is offered
+only what changed (`weight_delta.py`; one that joined or restarted gets the full copy). With `overlap` the learner only
+dispatches the copy: the rest (the copy itself, the delta, the offer) runs on the `hub-publish` thread while the learner
+trains, one version at a time (the next publish waits for it), under the same bound on versions live as before. The
+messages each way are the typed records of `messages.py` (its diagram).
 
 Samplers are elastic; learners are not:
 
@@ -91,6 +91,7 @@ class SamplerHub:
     now = time.monotonic()
     # The loop's state: nothing else reads or writes it.
     self._live = {pid: RemoteSampler(peer, now) for pid, peer in peers.items()}
+    self._dispatcher = dispatch.Dispatcher()  # on the loop
     self._futures: dict[tuple[int, int], Future] = {}  # (group id, answer) -> its future, until the answer arrives
     self._waiting: list[Request] = []  # submitted while no sampler was live
     # For samplers that join: the latest published copy of each part (version, staged): the whole model, and under
@@ -283,7 +284,7 @@ class SamplerHub:
     if not self._live:
       self._waiting.append(request)
       return None
-    pid = dispatch.least_loaded({pid: s.groups.load() for pid, s in self._live.items()})
+    pid = self._dispatcher.choose(request, {pid: s.groups.load() for pid, s in self._live.items()})
     s = self._live[pid]
     s.groups.add(request)
     return self._send_work(pid, s, request)

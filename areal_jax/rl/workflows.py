@@ -114,16 +114,19 @@ class GroupSampler:
     self.sampling, self.turns, self.agent = sampling, turns, agent
     self._rollout, self._rewards, self._on_reward_failure = rollout, rewards, on_reward_failure
 
-  def generate(self, prompt_ids, *, num_answers: int | None = None, stream: int = 0) -> list[Awaitable[Trajectory]]:
+  def generate(self, prompt_ids, *, num_answers: int | None = None, stream: int = 0,
+               episode: int | None = None) -> list[Awaitable[Trajectory]]:
     """`num_answers` (default G) answers to `prompt_ids` under the run's sampling settings; each awaits to its
     `Trajectory` (or raises the sampler's error: `SamplerLost` has the group generated again). `stream` numbers
     the group's requests: 0 draws from the group's own random streams, and each other request a workflow makes
-    takes a number of its own (not two in flight at once), so its draws are independent and reproducible."""
+    takes a number of its own (not two in flight at once), so its draws are independent and reproducible.
+    `episode` numbers the group's multi-turn series: the requests of one go to one sampler replica, whose prefix
+    cache holds the turn before."""
     if not 0 <= stream < 1 << 19:
       raise ValueError(f"stream={stream}: must lie in [0, 2**19)")
     request = Request(group_id=self.group_id + (stream << 44), prompt_ids=np.asarray(prompt_ids, np.int32),
                       num_answers=num_answers or self.group_size, sampling=self.sampling,
-                      min_version=self.min_version)
+                      min_version=self.min_version, episode=None if episode is None else f"{self.group_id}/{episode}")
     return [awaitable(f) for f in self._rollout.submit(request)]
 
   async def verify(self, item: PromptRecord, response: str, *, index: int = 0, turn: int = 0) -> RewardResult:
@@ -190,7 +193,7 @@ async def multi_turn_math(sampler: GroupSampler, item: PromptRecord) -> Episodes
   async def episode(index: int) -> tuple[list[Trajectory], float, int]:
     completions, prompt, reward = [], np.asarray(item.prompt_ids, np.int32), 0.0
     for turn in range(turns.max_turns):
-      [answer] = sampler.generate(prompt, num_answers=1, stream=1 + index * turns.max_turns + turn)
+      [answer] = sampler.generate(prompt, num_answers=1, stream=1 + index * turns.max_turns + turn, episode=index)
       t = await answer
       completions.append(Completion(response_id=str(turn), prompt_ids=prompt, tokens=t.response_ids,
                                     logprobs=t.logprobs, versions=t.versions, finish_reason=t.finish_reason,

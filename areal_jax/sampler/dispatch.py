@@ -2,13 +2,15 @@
 sampler processes of a job (`distributed.sampler_hub`) and the simulator's samplers (`sim.job`). A group goes whole to
 one sampler, so its answers share the prompt's pages there.
 
-Each owner keeps one `Outstanding` per sampler (the groups it was given and has not finished) and asks
-`least_loaded` for the sampler whose outstanding work, in tokens, is least: a sampler holding 16 answers of 20k tokens
-left is busier than one holding 16 of 100.
+Each owner keeps one `Outstanding` per sampler (the groups it was given and has not finished) and one `Dispatcher`,
+which sends an episode's next turn where its last went (`Request.episode`: that sampler's prefix cache holds the turn
+before) and anything else to `least_loaded`, the sampler whose outstanding work, in tokens, is least: a sampler
+holding 16 answers of 20k tokens left is busier than one holding 16 of 100.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Hashable, Iterator, Mapping
 
@@ -81,3 +83,28 @@ class Outstanding:
 
   def __len__(self) -> int:
     return len(self._groups)
+
+
+class Dispatcher:
+  """Which sampler takes a request: the one that served its episode's last request (`Request.episode`) while that
+  one is among `loads` (alive), else `least_loaded`. Remembers the newest `remember` episodes. Not thread-safe, as
+  `Outstanding`."""
+
+  def __init__(self, remember: int = 1 << 16):
+    self._where: collections.OrderedDict[str, Hashable] = collections.OrderedDict()
+    self._remember = remember
+    self.kept = 0  # requests that went where their episode's last one did
+
+  def choose(self, request: Request, loads: Mapping[Hashable, Load]):
+    episode = request.episode
+    if episode is not None and episode in self._where and self._where[episode] in loads:
+      self._where.move_to_end(episode)
+      self.kept += 1
+      return self._where[episode]
+    key = least_loaded(loads)
+    if episode is not None:
+      self._where[episode] = key
+      self._where.move_to_end(episode)
+      while len(self._where) > self._remember:
+        self._where.popitem(last=False)
+    return key

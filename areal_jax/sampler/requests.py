@@ -46,6 +46,9 @@ class Request:
   num_answers: int = 1
   sampling: SamplingParams = SamplingParams()
   min_version: int = 0  # generated from this policy version or newer (a sampler holds the group until then)
+  # The agent episode or multi-turn series this request is a turn of: its turns go to one sampler while it lives, so
+  # the prefix cache there holds the turn before (`dispatch.Dispatcher`); None: any sampler.
+  episode: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, np.int32).reshape(-1))

@@ -7,7 +7,7 @@ service (an answer is right with probability `success`, or a recorded group is r
 `reward_s`), and the learner, whose loop below follows `run/trainer.py:_train` (a batch from the buffer, a train
 step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
 seconds. The sampler side is `Job.engines` independent engines (replicas of one process, or sampler processes),
-each its own `Sampler` and scheduler, a group going whole to the least loaded one (`dispatch.least_loaded` over
+each its own `Sampler` and scheduler, a group going whole to the least loaded one (`dispatch.Dispatcher` over
 `dispatch.Outstanding`, the rule and accounting `LocalRollout` and `SamplerHub` apply). Everything runs on one
 virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the same inputs give the same timeline.
 
@@ -165,20 +165,21 @@ class _Buffer(RolloutBuffer):
 
 class _Rollout:
   """The controller's samplers: `Sampler`s whose loops run on the virtual clock (`_VirtualClock`), never started; a
-  group goes whole to the least loaded, by `LocalRollout`'s rule and accounting (`dispatch.least_loaded` over each
-  sampler's `dispatch.Outstanding`: tokens of work outstanding, then free pages)."""
+  group goes whole to one, by `LocalRollout`'s rule and accounting (`dispatch.Dispatcher` over each sampler's
+  `dispatch.Outstanding`: an episode's turns where its last went, else the fewest tokens of work outstanding)."""
 
   def __init__(self, samplers: list[Sampler], replay: _Replay | None):
     self.samplers, self.replay = samplers, replay
     self.wakes = [asyncio.Event() for _ in samplers]
     self.outstanding = [Outstanding() for _ in samplers]
+    self.dispatcher = dispatch.Dispatcher()
 
   def submit(self, request):
     if self.replay is not None:
       self.replay.register(request)
     loads = {i: self.outstanding[i].load(sum(s.engine.slots.free_pages(k) for k in range(s.engine.num_shards)))
              for i, s in enumerate(self.samplers)}
-    i = dispatch.least_loaded(loads)
+    i = self.dispatcher.choose(request, loads)
     self.outstanding[i].add(request)
     futures = self.samplers[i].submit(request)
     for f in futures:

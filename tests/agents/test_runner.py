@@ -134,6 +134,26 @@ def test_episodes_are_recorded_as_the_sampler_drew_them(rollout, model):
   assert TOK.decode(t.response_ids[~t.loss_mask.astype(bool)]) == "\nok "
 
 
+def test_an_episode_s_requests_carry_its_name(rollout):
+  """Every completion an episode asks for is tagged with the episode (`Request.episode`): its turns go to one
+  sampler replica, whose prefix cache holds the turn before."""
+  import agent_examples  # pylint: disable=g-import-not-at-top
+
+  seen = []
+
+  class Watched:
+    def submit(self, request):
+      seen.append(request.episode)
+      return rollout.submit(request)
+
+  chat = runner(Watched(), agent_examples.two_turn)
+  try:
+    result = chat.submit(PROBLEMS[0], group_id=5, index=1, min_version=0).result(timeout=300)
+  finally:
+    chat.stop()
+  assert result.failure is None and seen == ["5-1", "5-1"]
+
+
 @pytest.mark.parametrize("agent,config,why,turns", [
     ("raises", {}, "ValueError: the tool crashed", 1),
     ("sleeps", {"timeout_s": 0.5}, "timed out after agent.timeout_s=0.5 s", 0),

@@ -91,6 +91,30 @@ def test_the_replica_with_more_work_in_tokens_is_passed_over(model):
   assert [(r.outstanding.answers, r.outstanding.tokens) for r in rollout.replicas] == [(0, 0), (0, 0)]
 
 
+def test_an_episode_s_next_turn_goes_to_its_replica_and_finds_its_pages(model):
+  """With the prefix cache: an episode's second turn goes to the replica that served its first, though the other is
+  less loaded, and finds the first turn's pages there; the same context without the episode goes to the other
+  replica and prefills it all."""
+  rollout = _rollout(model, 2, cfg=CFG.replace(prefix_cache=True))
+  sp = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=3)
+  prompt = np.arange(3, 12, dtype=np.int32)
+  try:
+    [first] = rollout.submit(Request(group_id=0, prompt_ids=prompt, sampling=sp, episode="e"))  # a tie: replica 0
+    context = np.concatenate([prompt, first.result(timeout=120).response_ids, [7, 8, 9]]).astype(np.int32)
+    rollout.submit(Request(group_id=1, prompt_ids=prompt, sampling=sp, min_version=99))  # held on replica 0
+    [kept] = rollout.submit(Request(group_id=2, prompt_ids=context, sampling=sp, episode="e"))
+    [moved] = rollout.submit(Request(group_id=3, prompt_ids=context, sampling=sp))
+    kept.result(timeout=120), moved.result(timeout=120)
+    stats = [r.sampler.stats() for r in rollout.replicas]
+    metrics = rollout.sampler_metrics()
+  finally:
+    rollout.stop()
+  assert [r.dispatched for r in rollout.replicas] == [3, 1]
+  page = CFG.page_size
+  assert stats[0]["cached_tokens"] == (len(context) - 1) // page * page > 0 and stats[1]["cached_tokens"] == 0
+  assert metrics["sampler/replica0/prefix_hits"] > 0 == metrics["sampler/replica1/prefix_hits"]
+
+
 def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
   rollout = _rollout(model, 2)
   stuck, release = threading.Event(), threading.Event()

@@ -2,6 +2,7 @@
 follow-up turn, a workflow of one's own, and how `rollout.workflow` is resolved and checked."""
 
 import asyncio
+import collections
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,6 +105,9 @@ def test_multi_turn_math_answers_a_wrong_answer_with_feedback_and_trains_both_an
   ids = [r.group_id for r in sampler.requests if r.group_id % (1 << 44) in gids]
   assert len(ids) == len(set(ids)) == 2 * G * len(batch) and not gids & set(ids)
   assert all(r.num_answers == 1 for r in sampler.requests)
+  # Each episode's two tries carry its name (`Request.episode`), so they go to one sampler replica.
+  episodes = collections.Counter(r.episode for r in sampler.requests if r.group_id % (1 << 44) in gids)
+  assert episodes == {f"{g}/{i}": 2 for g in gids for i in range(G)}
 
 
 def test_multi_turn_math_stops_when_a_follow_up_would_not_fit():

@@ -1,12 +1,12 @@
 """`dispatch`: the next group goes to the sampler with the least work outstanding in tokens (prompts not yet answered
 plus the budgets of answers not back), not the fewest answers; the accounting returns to nothing as answers come
-back."""
+back; an episode's turns stay with one sampler."""
 
 import numpy as np
 import pytest
 
 from areal_jax.sampler import Request, SamplingParams
-from areal_jax.sampler.dispatch import Load, Outstanding, least_loaded
+from areal_jax.sampler.dispatch import Dispatcher, Load, Outstanding, least_loaded
 
 
 def _group(group_id: int, answers: int, max_new_tokens: int, prompt: int = 10) -> Request:
@@ -49,3 +49,17 @@ def test_work_leaves_as_answers_come_back():
     out.add(_group(8, 1, 1))
   out.remove(8)
   assert (out.tokens, out.answers, len(out)) == (0, 0, 0)
+
+
+def test_an_episode_s_turns_go_where_its_first_went_while_that_sampler_lives():
+  dispatcher = Dispatcher(remember=2)
+  idle, busy = Load(tokens=0, answers=0), Load(tokens=500, answers=4)
+  turn = lambda episode: Request(group_id=0, prompt_ids=[3, 4], episode=episode)
+  assert dispatcher.choose(turn("a"), {0: idle, 1: busy}) == 0
+  assert dispatcher.choose(turn("a"), {0: busy, 1: idle}) == 0  # kept, though busier now
+  assert dispatcher.choose(turn(None), {0: busy, 1: idle}) == 1  # no episode: the least loaded
+  assert dispatcher.choose(turn("a"), {1: idle, 2: busy}) == 1  # its sampler gone: the least loaded, kept from then
+  assert dispatcher.choose(turn("a"), {1: busy, 2: idle}) == 1 and dispatcher.kept == 2
+  dispatcher.choose(turn("b"), {1: busy, 2: idle})
+  dispatcher.choose(turn("c"), {1: busy, 2: idle})  # the oldest remembered ("a") is forgotten
+  assert dispatcher.choose(turn("a"), {1: busy, 2: idle}) == 2
