@@ -4,7 +4,7 @@ holds its samplers itself (a one-process run's sampler slice, a sampler process'
     rollout = LocalRollout(abstract_model=model, config=sampler_cfg, meshes=replica_meshes(...), params=params,
                            version=0, eos_ids=[tok.eos_id], detokenize=tok.decode)
     futures = rollout.submit(request)  # the group goes whole to the least loaded replica
-    rollout.publish(params, version=1)  # onto every replica, device-to-device; each swaps at its own step
+    rollout.publish(params, version=1)  # a copy per replica, device-to-device; each swaps at its own step
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -74,6 +75,7 @@ class LocalRollout:
       raise ValueError("LocalRollout: no sampler mesh")
     self._lock = threading.Lock()
     self._bytes = 0
+    self._learner_s = 0.0
     self._changed = weight_transfer.ChangedFraction()
     self._dispatcher = dispatch.Dispatcher()
     self.replicas: list[_Replica] = []
@@ -87,10 +89,10 @@ class LocalRollout:
       self.replicas.append(_Replica(index=i, engine=engine, sampler=sampler, base=base))
 
   @staticmethod
-  def _move(params, shardings, dtype):
+  def _move(params, shardings, dtype, *, block: bool = True, owned: bool = False):
     """Onto a replica's shardings, device-to-device, cast to `sampler.param_dtype` on the learner's devices first
-    (so the narrower copy is what crosses over)."""
-    return weight_transfer.transfer(params, shardings, dtype=dtype)
+    (so the narrower copy is what crosses over); see `weight_transfer.transfer` for `block` and `owned`."""
+    return weight_transfer.transfer(params, shardings, dtype=dtype, block=block, owned=owned)
 
   def _live(self) -> list[_Replica]:
     return [r for r in self.replicas if r.failed is None]
@@ -143,36 +145,42 @@ class LocalRollout:
     else:
       outer.set_exception(error)
 
-  def publish(self, params, version: int) -> None:
-    """Moves the learner's weights onto every live replica (under LoRA only the adapters); each swaps them in at its
-    own next step."""
-    moved, nbytes = [], 0
+  def publish(self, params, version: int, *, owned: bool = False) -> None:
+    """Hands each live replica its own copy of the learner's weights (under LoRA only the adapters) as soon as that
+    copy is dispatched: each swaps it in at its own next step, waiting only for its own copy, and the caller waits
+    for none of them (`sync/learner_seconds`: the dispatches alone; `params` may be donated at once, each copy is
+    ordered before). `owned`: `params` are the caller's own arrays, which nothing donates (a sampler process's pull):
+    a replica whose shardings and dtype they already have takes them without a copy."""
+    start = time.perf_counter()
+    nbytes, first = 0, True
     for r in self._live():
       e = r.engine
       if r.base is None:
-        m = self._move(params, e.param_shardings, e.param_dtype)
+        m = self._move(params, e.param_shardings, e.param_dtype, block=False, owned=owned)
         nbytes += lora.nbytes(m)
       else:
-        adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype)
+        adapters = self._move(lora.split(params)[0], lora.split(e.param_shardings)[0], e.param_dtype, block=False,
+                              owned=owned)
         nbytes += lora.nbytes(adapters)
         m = nnx.merge_state(r.base, adapters)
-      moved.append((r, m))
-    self._bytes = nbytes
-    if moved:  # against what the first replica holds now (the same on every one); under LoRA, its adapters
-      r, m = moved[0]
-      old = r.sampler.scheduler.next_params
-      self._changed.count(*((m, old) if r.base is None else (lora.split(m)[0], lora.split(old)[0])))
-    faults.reach("weight_update")
-    for r, m in moved:
+      if first:  # against what the first replica holds now (the same on every one); under LoRA, its adapters
+        old = r.sampler.scheduler.next_params
+        self._changed.count(*((m, old) if r.base is None else (lora.split(m)[0], lora.split(old)[0])))
+        faults.reach("weight_update")
+        first = False
       r.sampler.update_params(m, version)
+    self._bytes = nbytes
+    self._learner_s = time.perf_counter() - start
 
   def stats(self) -> dict[str, float]:
     return summed_stats([r.sampler.stats() for r in self.replicas])
 
   def sync_metrics(self) -> dict[str, float]:
-    """`sync/bytes` moved per version, `sync/changed_fraction` (the newest counted: `ChangedFraction`)."""
+    """`sync/bytes` moved per version, `sync/learner_seconds` (what the latest `publish` held its caller),
+    `sync/changed_fraction` (the newest counted: `ChangedFraction`)."""
     changed = self._changed.latest()
-    return {"sync/bytes": float(self._bytes), **({} if changed is None else {"sync/changed_fraction": changed})}
+    return {"sync/bytes": float(self._bytes), "sync/learner_seconds": self._learner_s,
+            **({} if changed is None else {"sync/changed_fraction": changed})}
 
   def sampler_metrics(self) -> dict[str, float]:
     """Per replica: `sampler/replica{i}/answers` (dispatched to it), `/busy` (seconds stepping), `/tokens`, `/swaps`,

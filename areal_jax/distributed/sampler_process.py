@@ -211,8 +211,8 @@ class SamplerWorker:
 
   def _pull(self, notice: Weights):
     """Pulls one version, checks it against the published fingerprint (a layout mismatch would copy the wrong bytes),
-    reports it and returns it (on the puller's devices: `LocalRollout` moves it onto each replica; under LoRA, after
-    the first version, the adapters only, which each replica joins to its copy of the base)."""
+    reports it and returns it (on the puller's devices: `LocalRollout` moves it onto each other replica; under LoRA,
+    after the first version, the adapters only, which each replica joins to its copy of the base)."""
     start = time.perf_counter()
     part, delta = notice.part, notice.base >= 0
     if delta and self.held.get(part) != notice.base:
@@ -236,7 +236,7 @@ class SamplerWorker:
       # Every published version is pulled (the learner holds each until then); the replicas swap in the newest.
       params = self._pull(notice)
       if notice.version > self.version:  # never back: a sampler that joins may hear of a version twice
-        self.rollout.publish(params, notice.version)
+        self.rollout.publish(params, notice.version, owned=True)  # a replica on the pull's layout takes it as it is
         self.version = notice.version
 
   def _send_answer(self, answer: int, future) -> None:

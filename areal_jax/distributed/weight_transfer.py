@@ -71,14 +71,18 @@ def _stage(x: jax.Array, dst: NamedSharding) -> jax.Array:
   return jax.device_put(replicated, NamedSharding(dst.mesh, P()))
 
 
-def transfer(params, shardings, *, dtype=None, block: bool = True):
+def transfer(params, shardings, *, dtype=None, block: bool = True, owned: bool = False):
   """Puts `params` (e.g. fsdp-sharded on the learner slice) onto `shardings` (the sampler slice), with floating leaves
   cast to `dtype` first (None = as they are) where they live, so a narrower copy is what crosses over.
 
   Shards are copied device-to-device onto the sampler's devices, then resharded there by one compiled program.
   Host↔device copies raise here (explicit or implicit), so a host round-trip cannot slip in. With `block=False` the
-  copy is only dispatched: `params` may then be donated at once (the copy is ordered before it).
+  copy is only dispatched: `params` may then be donated at once (the copy is ordered before it). With `owned` (the
+  caller's own arrays, which nothing donates: a sampler process's pull) `params` already on `shardings` in `dtype`
+  are returned as they are, not copied.
   """
+  if owned and _in_place(params, shardings, dtype):
+    return params
   with jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"), \
       jax.transfer_guard_device_to_host("disallow_explicit"):
     if dtype is not None:
@@ -88,6 +92,16 @@ def transfer(params, shardings, *, dtype=None, block: bool = True):
     if block:
       jax.block_until_ready(out)
   return out
+
+
+def _in_place(params, shardings, dtype) -> bool:
+  """Whether every leaf of `params` already has its sharding in `shardings` and, if floating, `dtype` (None: any)."""
+  leaves, targets = jax.tree.leaves(params), jax.tree.leaves(shardings)
+  if len(leaves) != len(targets):
+    return False
+  return all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+             and (dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype)
+             for x, s in zip(leaves, targets))
 
 
 class ChangedFraction:

@@ -221,3 +221,20 @@ def test_a_delta_without_a_base_is_refused():
                         host="127.0.0.1", keep=True)
   with pytest.raises(RuntimeError, match="holds no earlier version"):
     puller.pull(1, timeout_s=5, codes=[0] * len(jax.tree.leaves(params)))
+
+
+def test_owned_weights_already_in_place_are_taken_as_they_are():
+  """`transfer(owned=True)` (a sampler process's pull onto a replica of the pull's layout): nothing copied where every
+  leaf already has its sharding and dtype; a copy otherwise, and always without `owned`."""
+  mesh = make_mesh(jax.devices()[:2], {"data": 1, "tensor": 2})
+  state = nnx.state(tiny_model(TINY, seed=0))
+  shardings = state_shardings(state, mesh, SAMPLER_RULES)
+  placed = jax.device_put(state, shardings)
+  same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  assert same(weight_transfer.transfer(placed, shardings, dtype=jnp.float32, owned=True), placed)
+  assert not same(weight_transfer.transfer(placed, shardings, owned=False), placed)
+  cast = weight_transfer.transfer(placed, shardings, dtype=jnp.bfloat16, owned=True)  # another dtype: a copy
+  assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+  other = state_shardings(state, make_mesh(jax.devices()[2:4], {"data": 1, "tensor": 2}), SAMPLER_RULES)
+  moved = weight_transfer.transfer(placed, other, owned=True)  # other devices: a copy
+  assert {d.id for x in jax.tree.leaves(moved) for d in x.sharding.device_set} == {d.id for d in jax.devices()[2:4]}

@@ -149,6 +149,35 @@ def test_one_replica_s_swap_does_not_stop_another_s_decoding(model):
     rollout.stop()
 
 
+def test_each_replica_gets_its_copy_as_soon_as_it_is_dispatched(model, monkeypatch):
+  """A publish hands replica i its weights right after dispatching replica i's copy, before replica i + 1's is made,
+  and waits for no copy to finish (`block=False`): no replica waits for the others' copies, nor the learner for any.
+  The swapped-in weights are the published ones, and `sync/learner_seconds` says how long the publish took."""
+  rollout = _rollout(model, 4)
+  events = []
+  move = rollout._move  # pylint: disable=protected-access
+
+  def watched_move(params, shardings, dtype, **kw):
+    events.append(("copy", kw.get("block", True)))
+    return move(params, shardings, dtype, **kw)
+
+  monkeypatch.setattr(rollout, "_move", watched_move)
+  for r in rollout.replicas:
+    monkeypatch.setattr(r.sampler, "update_params", lambda p, v, r=r, f=r.sampler.update_params: (
+        events.append(("swap", r.index)), f(p, v)))
+  try:
+    new = jax.tree.map(lambda x: x + 1, nnx.state(model, nnx.Param))
+    rollout.publish(new, 1)
+    assert events == [e for i in range(4) for e in (("copy", False), ("swap", i))]
+    wait_until(lambda: rollout.stats()["weight_updates"] == 4, what=rollout.stats)
+    for r in rollout.replicas:
+      for got, want in zip(jax.tree.leaves(r.sampler.scheduler.params), jax.tree.leaves(new)):
+        np.testing.assert_array_equal(got, want)
+    assert rollout.sync_metrics()["sync/learner_seconds"] > 0
+  finally:
+    rollout.stop()
+
+
 def test_a_failed_replica_s_groups_are_generated_again_on_the_others(model):
   rollout = _rollout(model, 2)
   broken = rollout.replicas[0].sampler.scheduler
