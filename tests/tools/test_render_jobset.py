@@ -24,9 +24,6 @@ import yaml
 from areal_jax.distributed import roles
 from areal_jax.distributed.job import JobSpec
 
-jsonschema = pytest.importorskip("jsonschema")
-kubernetes = pytest.importorskip("kubernetes")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CRD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobset_crd_v0.12.0.json")
 CONFIG = ["--config=configs/math.py:qwen2.5-1.5b", "--config.mesh.sampler_processes=4",
@@ -60,6 +57,7 @@ def _strict(schema):
 
 
 def _validator():
+  jsonschema = pytest.importorskip("jsonschema")  # setup.py's test extra
   with open(CRD, encoding="utf-8") as f:
     crd = json.load(f)["crd"]
   (version,) = [v for v in crd["spec"]["versions"] if v["served"]]
@@ -91,6 +89,7 @@ def test_the_jobset_is_valid_against_jobsets_api_as_released(kind):
 
 @pytest.mark.parametrize("kind", [TPU, GPU], ids=["tpu", "gpu"])
 def test_job_and_pod_templates_round_trip_through_the_kubernetes_clients_models(kind):
+  kubernetes = pytest.importorskip("kubernetes")  # setup.py's test extra
   client = kubernetes.client.ApiClient()
   deserialize = client._ApiClient__deserialize  # pylint: disable=protected-access  # as for a server's answer
   for rjob in _jobset(**kind)["spec"]["replicatedJobs"]:
