@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+RAY = "ray==2.60.0"
+
 setup(
     name="areal_jax",
     version="0.1.0",
@@ -58,10 +60,19 @@ setup(
                  # the objectives' tests run its own loss functions (tests/areal_functions.py).
                  "grpcio==1.85.3", "prometheus-client==0.26.0", "shortuuid==1.0.13", "tiktoken==0.14.0",
                  # The packages' layers (.importlinter), checked by tests/test_layers.py.
-                 "import-linter==2.17"],
+                 "import-linter==2.17",
+                 # launch/ray_run.py on a local multi-node Ray cluster; the JobSet renderer's pod specs checked
+                 # through the Kubernetes client's models.
+                 RAY, "kubernetes==37.0.2"],
         "gcs": ["gcsfs==2026.10.1"],
         # The documentation site (docs/, mkdocs.yml); its configs reference is generated from the code.
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         "tpu": ["libtpu==0.0.50.1"],
+        # NVIDIA GPUs: JAX's CUDA 12 plugin at our JAX's version, with CUDA's own wheels (cuDNN, NCCL, cuBLAS...).
+        # CUDA 12 rather than 13: its wheels run on NVIDIA drivers from 525 on, where CUDA 13 needs 580 or newer,
+        # which many clusters do not run yet. `.ci/run` checks that pip resolves it against these pins.
+        "cuda": ["jax-cuda12-plugin[with-cuda]==0.12.0.1", "jax-cuda12-pjrt==0.12.0.1"],
+        # launch/ray_run.py: the job on a Ray cluster (TPU slices, GPU nodes, CPU nodes).
+        "ray": [RAY],
     },
 )

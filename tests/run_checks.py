@@ -3,6 +3,7 @@ or run as processes) trained every prompt exactly once."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ from areal_jax.checkpoint.store import Checkpointer
 from areal_jax.data import DataConfig, build_dataset
 from areal_jax.rl.metrics import read_metrics
 from areal_jax.tokenizer import load_tokenizer
+from waiting import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "math.py")
@@ -52,3 +54,22 @@ def assert_every_prompt_once(workdir, config, *, last_step):
   ckpt.close()
   assert not set(undone) & set(logged)
   assert sorted(logged + undone) == sorted(_epoch_order(config, len(logged) + len(undone)))
+
+
+class Log:
+  """The launcher's output, read as it grows."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def text(self) -> str:
+    with open(self.path) as f:
+      return f.read()
+
+  def wait_for(self, pattern: str, timeout: float, proc=None, count: int = 1) -> list:
+    """The matches (`re.findall`) of `pattern` once it has appeared `count` times."""
+    def found():
+      assert proc is None or proc.poll() is None, f"the job ended waiting for {pattern!r}:\n{self.text()[-4000:]}"
+      return len(matches := re.findall(pattern, self.text())) >= count and matches
+
+    return wait_until(found, timeout_s=timeout, what=lambda: f"{pattern!r}:\n{self.text()[-4000:]}", poll_s=0.1)

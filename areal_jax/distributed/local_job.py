@@ -136,6 +136,21 @@ class _Child:
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     threading.Thread(target=_prefix, args=(self.proc.stdout, self.name), daemon=True).start()
 
+  # What `supervise` asks of a process (launch/ray_run.py's actors answer the same).
+  def poll(self) -> int | None:
+    return self.proc.poll()
+
+  def wait(self, timeout: float) -> int:
+    """The exit status; subprocess.TimeoutExpired if it is still running after `timeout` seconds."""
+    return self.proc.wait(timeout)
+
+  def signal(self, signum: int) -> None:
+    _signal_group(self.proc, signum)
+
+  @property
+  def label(self) -> str:
+    return f"{self.name} (pid {self.proc.pid})"
+
 
 # argv: cores, then the python arguments to exec with that affinity (set before JAX starts, so XLA's pool follows it).
 _PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
@@ -183,19 +198,31 @@ def run_local(*, script: str, args: Sequence[str], num_processes: int, sampler_p
 
   samplers = [c for c in children if c.sampler]
   forker = zygote.Zygote(preload, samplers[0].env, python) if restart_samplers and preload and samplers else None
+  try:
+    return supervise(children, restart=(lambda c: c.start(forker)) if restart_samplers else None,
+                     no_restart_hint="--restart_samplers starts it again")
+  finally:
+    if forker is not None:
+      forker.close()
+
+
+def supervise(children: Sequence, *, restart=None, no_restart_hint: str = "", tag: str = "local") -> int:
+  """Waits for the job's processes (in process order, the leader first; each with `name`, `sampler`, `label`,
+  `poll()`, `wait(timeout)`, `signal(signum)`, `started`, `pause_s`, `restart_at`, `gone`), forwarding SIGINT and
+  SIGTERM to them. `restart(child)` starts a sampler that exited again (None: the job goes on without it). Returns
+  0 when every learner process finished cleanly, 1 when one died, 128 + N after forwarding signal N. Its lines start
+  with `tag`."""
   stopped: list[int] = []
 
   def forward(signum, _frame):
     stopped.append(signum)
     for c in children:
-      _signal_group(c.proc, signum)
+      c.signal(signum)
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _supervise(children, stopped, restart_samplers, forker)
+    return _supervise(children, stopped, restart, no_restart_hint, tag)
   finally:
-    if forker is not None:
-      forker.close()
     for s, handler in old.items():
       signal.signal(s, handler)
 
@@ -218,21 +245,20 @@ def _wait_or_kill(children: Sequence[_Child], grace_s: float) -> None:
   deadline = time.monotonic() + grace_s
   for c in children:
     try:
-      c.proc.wait(max(0.0, deadline - time.monotonic()))
+      c.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-      _signal_group(c.proc, signal.SIGKILL)
-      c.proc.wait()
+      c.signal(signal.SIGKILL)
+      c.wait(None)
 
 
 def _stop(children: Sequence[_Child]) -> None:
   for c in children:
-    if c.proc.poll() is None:
-      _signal_group(c.proc, signal.SIGTERM)
+    if c.poll() is None:
+      c.signal(signal.SIGTERM)
   _wait_or_kill(children, STOP_GRACE_S)
 
 
-def _supervise(children: list[_Child], stopped: list[int], restart_samplers: bool,
-               forker: zygote.Zygote | None) -> int:
+def _supervise(children: Sequence, stopped: list[int], restart, hint: str, tag: str = "local") -> int:
   """0 when every learner process finished cleanly; 1 when one died; 128 + N after forwarding signal N (then each
   process gets FINISH_GRACE_S to shut down cleanly; a second signal ends them at once)."""
   leader_done_at = None
@@ -240,51 +266,50 @@ def _supervise(children: list[_Child], stopped: list[int], restart_samplers: boo
   while True:
     if stopped:
       _wait_or_kill(children, FINISH_GRACE_S)
-      print(f"local: stopped by {signal.Signals(stopped[0]).name}; run the same command again to resume from the "
+      print(f"{tag}: stopped by {signal.Signals(stopped[0]).name}; run the same command again to resume from the "
             "last checkpoint", flush=True)
       return 128 + stopped[0]
     for c in learners:
-      code = c.proc.poll()
+      code = c.poll()
       if code is not None and code != 0:
-        print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; stopping the other processes. "
+        print(f"{tag}: {c.label} exited with {_signal_name(code)}; stopping the other processes. "
               "Run the same command again to resume from the last checkpoint.", flush=True)
         _stop(children)
         return 1
     if leader_done_at is None and not stopped:
-      _tend_samplers(children, restart_samplers, forker)
-    if all(c.proc.poll() is not None for c in children):
-      return 0 if all(c.proc.poll() == 0 for c in learners) else 1
-    if children[0].proc.poll() == 0:  # the leader finished: the others are told to stop and should exit soon
+      _tend_samplers(children, restart, hint, tag)
+    if all(c.poll() is not None for c in children):
+      return 0 if all(c.poll() == 0 for c in learners) else 1
+    if children[0].poll() == 0:  # the leader finished: the others are told to stop and should exit soon
       leader_done_at = leader_done_at or time.monotonic()
       if time.monotonic() - leader_done_at > FINISH_GRACE_S:
-        late = [c for c in children if c.proc.poll() is None]
-        print(f"local: {', '.join(c.name for c in late)} still running {FINISH_GRACE_S:.0f} s after the leader "
+        late = [c for c in children if c.poll() is None]
+        print(f"{tag}: {', '.join(c.name for c in late)} still running {FINISH_GRACE_S:.0f} s after the leader "
               "finished; stopping them", flush=True)
         _stop(children)
         return 1 if any(not c.sampler for c in late) else 0
     time.sleep(0.2)
 
 
-def _tend_samplers(children: list[_Child], restart: bool, forker: zygote.Zygote | None) -> None:
+def _tend_samplers(children: Sequence, restart, hint: str, tag: str = "local") -> None:
   """A sampler process that exited (while the leader runs) is restarted when its pause is over, or left gone."""
   now = time.monotonic()
   for c in children:
-    code = c.proc.poll()
+    code = c.poll()
     if not c.sampler or code is None or code == 0:  # 0: the leader told it to stop
       continue
     if c.restart_at is None:
-      if not restart:
+      if restart is None:
         if not c.gone:
           c.gone = True
-          print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; the job goes on without it "
-                "(--restart_samplers starts it again)", flush=True)
+          print(f"{tag}: {c.label} exited with {_signal_name(code)}; the job goes on without it"
+                + (f" ({hint})" if hint else ""), flush=True)
         continue
       # One that fails at once waits longer each time before the next (a broken host, a bad config).
       c.pause_s = 1.0 if now - c.started > QUICK_EXIT_S else min(2 * c.pause_s, MAX_RESTART_PAUSE_S)
       c.restart_at = now + c.pause_s
-      print(f"local: {c.name} (pid {c.proc.pid}) exited with {_signal_name(code)}; restarting it in "
-            f"{c.pause_s:.0f} s", flush=True)
+      print(f"{tag}: {c.label} exited with {_signal_name(code)}; restarting it in {c.pause_s:.0f} s", flush=True)
     elif now >= c.restart_at:
       c.restart_at = None
-      c.start(forker)
-      print(f"local: {c.name} is restarted (pid {c.proc.pid})", flush=True)
+      restart(c)
+      print(f"{tag}: {c.name} is restarted (pid {c.proc.pid})", flush=True)

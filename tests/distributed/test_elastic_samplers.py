@@ -15,7 +15,7 @@ import pytest
 
 from areal_jax.config import load_config
 from areal_jax.rl.metrics import read_metrics
-from run_checks import FAST, ROOT, assert_every_prompt_once, rollouts
+from run_checks import FAST, ROOT, Log, assert_every_prompt_once, rollouts
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
@@ -26,25 +26,6 @@ STEPS = 60
 # pull after a sampler's first is rebuilt from its delta and checked against the version's fingerprint.
 OVERRIDES = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 2, "mesh.sampler_heartbeat_s": HEARTBEAT_S,
              "total_steps": STEPS, "sync.delta": True, "sampler.param_dtype": "bfloat16"}
-
-
-class Log:
-  """The launcher's output, read as it grows."""
-
-  def __init__(self, path):
-    self.path = path
-
-  def text(self) -> str:
-    with open(self.path) as f:
-      return f.read()
-
-  def wait_for(self, pattern: str, timeout: float, proc=None, count: int = 1) -> list:
-    """The matches (`re.findall`) of `pattern` once it has appeared `count` times."""
-    def found():
-      assert proc is None or proc.poll() is None, f"the job ended waiting for {pattern!r}:\n{self.text()[-4000:]}"
-      return len(matches := re.findall(pattern, self.text())) >= count and matches
-
-    return wait_until(found, timeout_s=timeout, what=lambda: f"{pattern!r}:\n{self.text()[-4000:]}", poll_s=0.1)
 
 
 def _steps(workdir) -> int:

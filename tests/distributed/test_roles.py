@@ -102,10 +102,10 @@ def test_a_sampler_that_keeps_failing_at_once_is_restarted_less_and_less_often(m
   try:
     for _ in range(4):
       failing.proc.wait(10)
-      tend([learner, failing], True, forker)
+      tend([learner, failing], lambda c: c.start(forker), "")
       pauses.append(failing.pause_s)
       clock[0] = failing.restart_at
-      tend([learner, failing], True, forker)
+      tend([learner, failing], lambda c: c.start(forker), "")
       assert isinstance(failing.proc, zygote.Forked) == forked  # restarted by a fork of the zygote
   finally:
     learner.proc.kill()
@@ -122,5 +122,5 @@ def test_without_restarts_a_sampler_that_exits_is_left_gone(capsys):
   gone.start()
   gone.proc.wait(10)
   for _ in range(3):
-    tend([gone], False, None)
+    tend([gone], None, "")
   assert capsys.readouterr().out.count("the job goes on without it") == 1 and gone.restart_at is None
