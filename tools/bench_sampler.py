@@ -37,9 +37,10 @@ call: (device - waiting) / host (serial host work waits for every whole call: 0%
 `--replicas=1,2,4` instead runs the long-tail workload on 8 emulated CPU devices split into that many independent
 engines (`mesh.sampler_replicas`, `distributed.replicas.LocalRollout`; `--slots` in all, split between them),
 publishing new weights every `--swap_every` decode calls per replica (each replica recomputes its running answers at
-its own next step). One line per count, `replicas=N: tokens/s X, stall per swap Y s`: useful tokens over the wall
-time, and the seconds replicas spent swapping per version over the replicas (the whole sampler's stop it equals: one
-replica's swap stops only its share). Each count runs the workload once untimed first (compiles, with
+its own next step). One line per count, `replicas=N: tokens/s X, stall per swap Y s, learner's wait per publish Z s`:
+useful tokens over the wall time, the seconds replicas spent swapping per version over the replicas (the whole
+sampler's stop it equals: one replica's swap stops only its share), and the seconds `publish` held the publishing
+thread per version (`sync/learner_seconds`). Each count runs the workload once untimed first (compiles, with
 `sampler.warmup`), then `--repeats` times; the fastest counts.
 """
 
@@ -265,8 +266,8 @@ def host_main(args) -> None:
 
 
 def replicas_run(model, params, prompts, lengths, replicas: int, slots: int, swap_every: int, seed: int):
-  """(useful tokens, wall seconds, seconds swapping summed over replicas, versions published) of one pass of the
-  workload through `replicas` engines on the 8 devices."""
+  """(useful tokens, wall seconds, seconds swapping summed over replicas, versions published, seconds the publisher
+  waited in `publish`, summed) of one pass of the workload through `replicas` engines on the 8 devices."""
   import threading
 
   import jax
@@ -286,14 +287,16 @@ def replicas_run(model, params, prompts, lengths, replicas: int, slots: int, swa
                       num_pages=(per * -(-max_seq_len // 16) + 8 // replicas), max_prefill_tokens=4096, warmup=True)
   rollout = LocalRollout(abstract_model=nnx.eval_shape(lambda: model), config=cfg, meshes=meshes, params=params,
                          version=0, eos_ids=[], detokenize=None)
-  done, versions = threading.Event(), [0]
+  done, versions, waited = threading.Event(), [0], [0.0]
 
   def publisher():  # a new version every `swap_every` decode calls per replica
     next_at = swap_every * replicas
     while not done.wait(0.002):
       if rollout.stats()["decode_calls"] >= next_at:
         versions[0] += 1
+        t = time.perf_counter()
         rollout.publish(params, versions[0])
+        waited[0] += time.perf_counter() - t
         next_at += swap_every * replicas
 
   try:
@@ -310,7 +313,7 @@ def replicas_run(model, params, prompts, lengths, replicas: int, slots: int, swa
   finally:
     done.set()
     rollout.stop()
-  return tokens, wall, swapping, versions[0]
+  return tokens, wall, swapping, versions[0], waited[0]
 
 
 def replicas_main(args) -> None:
@@ -332,9 +335,9 @@ def replicas_main(args) -> None:
     replicas_run(model, params, prompts, lengths, n, args.slots, args.swap_every, args.seed)  # compiles
     runs = [replicas_run(model, params, prompts, lengths, n, args.slots, args.swap_every, args.seed)
             for _ in range(args.repeats)]
-    tokens, wall, swapping, versions = min(runs, key=lambda r: r[1])
-    print(f"replicas={n}: tokens/s {tokens / wall:.0f}, stall per swap {swapping / n / max(1, versions):.3f} s",
-          flush=True)
+    tokens, wall, swapping, versions, waited = min(runs, key=lambda r: r[1])
+    print(f"replicas={n}: tokens/s {tokens / wall:.0f}, stall per swap {swapping / n / max(1, versions):.3f} s, "
+          f"learner's wait per publish {waited / max(1, versions):.4f} s", flush=True)
 
 
 def main():
