@@ -49,3 +49,21 @@ def test_tpu_slices_by_googles_names(name, chips, hosts, topology):
 def test_a_bad_slice_name_is_refused(name, message):
   with pytest.raises(ValueError, match=message):
     tpu_slice(name)
+
+
+def test_ray_placement_asks_for_what_each_process_owns():
+  from areal_jax.distributed.ray_job import Placement  # pylint: disable=g-import-not-at-top  # imports no ray
+  gpu = JobSpec.create(num_processes=3, sampler_processes=2, accelerator="gpu", learner_devices=8, sampler_devices=4)
+  assert Placement().sampler_options(gpu) == {"num_cpus": 1.0, "num_gpus": 4}
+  tpu = JobSpec.create(num_processes=6, sampler_processes=2, accelerator="tpu")
+  placement = Placement(learner_slice="v5p-32", sampler_slice="v5e-8")
+  placement.check(tpu)
+  assert placement.sampler_options(tpu) == {"num_cpus": 1.0, "resources": {"TPU": 8}}
+  cpu = JobSpec.create(num_processes=3, sampler_processes=2)
+  assert Placement(host_resource="host").sampler_options(cpu) == {"num_cpus": 1.0, "resources": {"host": 1}}
+  with pytest.raises(ValueError, match="--learner_slice=v5p-64 has 8 hosts, one learner process each; the job has 4"):
+    Placement(learner_slice="v5p-64", sampler_slice="v5e-8").check(tpu)
+  with pytest.raises(ValueError, match="--sampler_slice=v5e-16 spans 2 hosts"):
+    Placement(learner_slice="v5p-32", sampler_slice="v5e-16").check(tpu)
+  with pytest.raises(ValueError, match="names --learner_slice and --sampler_slice"):
+    Placement().check(tpu)

@@ -2,6 +2,7 @@
 (a custom resource it offers once); a 1-learner + 2-sampler job of the fast preset runs on three of them."""
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the 
 
 HOST = "host"  # the custom resource standing for a host: one process per node
 ETA = 2
+KEY = secrets.token_hex(16)  # the jobs' authkey: it must appear in no log line
 OVERRIDES = {"mesh.cpu_devices": 1, "mesh.sampler_processes": 2, "rollout.max_head_offpolicyness": ETA}
 
 
@@ -43,12 +45,12 @@ def add_host(c):
   return c.add_node(num_cpus=1, resources={HOST: 1}, node_ip_address="127.0.0.1")
 
 
-def start(c, workdir, log_path, total_steps):
+def start(c, workdir, log_path, total_steps, *flags):
   command = [sys.executable, os.path.join(ROOT, "launch", "ray_run.py"), f"--config={FAST}", f"--workdir={workdir}",
-             f"--address={c.address}", "--num_processes=3", f"--host_resource={HOST}",
+             f"--address={c.address}", "--num_processes=3", f"--host_resource={HOST}", *flags,
              *[f"--config.{k}={v}" for k, v in dict(OVERRIDES, total_steps=total_steps).items()]]
   with open(log_path, "a") as out:
-    return subprocess.Popen(command, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command, env=dict(os.environ, JAX_PLATFORMS="cpu", AREAL_JAX_AUTHKEY=KEY), stdout=out, stderr=subprocess.STDOUT,
                             cwd=ROOT, start_new_session=True)
 
 
@@ -68,16 +70,25 @@ def check_staleness(workdir, total_steps):
       assert all((r["step"] - 1) - v <= ETA for v in r["version_start"]), r
 
 
-def test_a_job_runs_on_three_nodes_and_trains_every_group_once(cluster, tmp_path):
+def test_a_job_runs_on_three_nodes_trains_every_group_once_and_a_killed_sampler_comes_back(cluster, tmp_path):
   workdir, log = str(tmp_path / "run"), Log(str(tmp_path / "job.log"))
-  steps = 4
+  steps = 20
   job = start(cluster, workdir, log.path, steps)
-  assert finish(job, log) == 0, log.text()[-4000:]
+  try:
+    wait_until(lambda: len(read_metrics(workdir)) >= 3, timeout_s=400, what="step 2", poll_s=0.2)
+    # Ray restarts a killed sampler actor and runs it again: it rejoins with the current weights.
+    ray.kill(ray.get_actor(ray_job.actor_name("sampler 0")), no_restart=False)
+    log.wait_for(r"sampler 0 joined at version", 120, job)
+  finally:
+    code = finish(job, log)
+  assert code == 0, log.text()[-4000:]
   text = log.text()
   assert "ray: the job's control address is 127.0.0.1:" in text
   assert all(f"[sampler {i}] " in text for i in (0, 1)), text[-4000:]
   assert_every_prompt_once(workdir, load_config(FAST, **OVERRIDES, total_steps=steps), last_step=steps)
   check_staleness(workdir, steps)
+  assert read_metrics(workdir)[-1]["samplers/live"] == 2
+  assert KEY not in text
   wait_until(lambda: not _job_actors(), timeout_s=30, what=lambda: f"the job's actors gone: {_job_actors()}")
 
 
@@ -101,28 +112,29 @@ def test_a_killed_learner_stops_the_job_and_the_same_command_resumes(cluster, tm
   assert_every_prompt_once(workdir, load_config(FAST, **OVERRIDES, total_steps=steps), last_step=steps)
 
 
-def test_a_killed_sampler_comes_back_and_a_lost_node_leaves_the_job_going(cluster, tmp_path):
+def test_a_lost_node_leaves_the_job_going_and_a_new_node_joins_it(cluster, tmp_path):
   workdir, log = str(tmp_path / "run"), Log(str(tmp_path / "job.log"))
-  steps = 40  # long enough to outlast both faults
-  job = start(cluster, workdir, log.path, steps)
+  steps = 30  # long enough to outlast the fault
+  # One sampler more than the job's: it waits for a node, as it would for one an autoscaler adds.
+  job = start(cluster, workdir, log.path, steps, "--extra_samplers=1")
   try:
     wait_until(lambda: len(read_metrics(workdir)) >= 3, timeout_s=400, what="step 2", poll_s=0.2)
-    # Ray restarts a killed sampler actor and runs it again: it rejoins with the current weights.
-    ray.kill(ray.get_actor(ray_job.actor_name("sampler 0")), no_restart=False)
-    log.wait_for(r"sampler 0 joined at version", 120, job)
     # A node that goes away takes its sampler with it; with no host left for it, the job goes on without it.
     sampler1 = ray.get_actor(ray_job.actor_name("sampler 1"))
     node_id = ray.get(sampler1.node_id.remote(), timeout=30)
     [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
     cluster.remove_node(node)
     log.wait_for(r"sampler 1 \(process 2\) is gone", 120, job)
+    # A node added to the cluster takes one of the two samplers waiting for room (sampler 1 restarted, or the extra
+    # one, process 3): it joins the running job.
+    add_host(cluster)
+    log.wait_for(r"sampler [12] joined at version", 120, job)
   finally:
     code = finish(job, log)
-  assert code == 0, log.text()[-4000:]
+  assert code == 0, log.text()[-4000:]  # the one still waiting for a node did not hold the end up
   assert_every_prompt_once(workdir, load_config(FAST, **OVERRIDES, total_steps=steps), last_step=steps)
   check_staleness(workdir, steps)
-  assert read_metrics(workdir)[-1]["samplers/live"] == 1
-  add_host(cluster)  # as it was, for whatever runs next
+  assert read_metrics(workdir)[-1]["samplers/live"] == 2
 
 
 def _job_actors():
