@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 from absl import flags, logging
@@ -140,10 +141,12 @@ def launch(config, workdir: str, processes: int) -> list[dict]:
   path = os.path.join(workdir, "bench_config.json")
   with open(path, "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  rc = local_job.run_local(script=os.path.join(ROOT, "launch", "tpu_run.py"),
-                           args=[f"--config={os.path.join(ROOT, 'configs', 'from_json.py')}:{path}",
-                                 f"--workdir={workdir}"],
-                           num_processes=processes, sampler_processes=1)
+  script = os.path.join(ROOT, "launch", "tpu_run.py")
+  args = [f"--config={os.path.join(ROOT, 'configs', 'from_json.py')}:{path}", f"--workdir={workdir}"]
+  if processes == 1:  # one process: the script on its own
+    rc = subprocess.run([sys.executable, script, *args], check=False).returncode
+  else:
+    rc = local_job.run_local(script=script, args=args, num_processes=processes, sampler_processes=1)
   if rc:
     raise RuntimeError(f"bench run in {workdir} failed (exit status {rc}); its output is above")
   return read_metrics(workdir)

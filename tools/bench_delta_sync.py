@@ -98,7 +98,7 @@ def main(args) -> None:
   import optax
   from flax import nnx
 
-  from areal_jax.distributed import weight_transfer
+  from areal_jax.distributed import weight_delta
   from areal_jax.distributed.weight_transfer import WeightPublisher, _leaf_paths
   from areal_jax.learner.optimizer import make_optimizer
   from areal_jax.models import create
@@ -165,7 +165,8 @@ def main(args) -> None:
       delta = pub.delta(staged, previous)
       jax.block_until_ready(delta.payload)
       t2 = time.perf_counter()
-      changed = [int(c) for c in jax.device_get(weight_transfer._changed(staged, previous))]  # per leaf
+      changed = [int(np.sum(c)) for c in jax.device_get(  # per leaf (summed over its shards)
+          weight_delta.count_changed(jax.tree.leaves(staged), jax.tree.leaves(previous)))]
       share = {g: sum(c for c, gg in zip(changed, groups) if gg == g) / max(1, sum(n for n, gg in zip(sizes, groups)
                                                                                 if gg == g))
                for g in ("embeddings", "head", "layers")}

@@ -37,7 +37,8 @@ def test_bench_sampler_host_work_and_replicas_lines():
   assert [n for n, _, _ in lines] == ["256", "512"] and all(0 <= int(h) <= 100 for _, _, h in lines), out
   out = _run("bench_sampler.py", "--replicas=2", "--requests=8", "--mean-len=6", "--slots=8", "--repeats=1",
              "--swap_every=2")
-  lines = re.findall(r"^replicas=(\d+): tokens/s (\d+), stall per swap ([\d.]+) s$", out, re.M)
+  lines = re.findall(r"^replicas=(\d+): tokens/s (\d+), stall per swap ([\d.]+) s, "
+                     r"learner's wait per publish [\d.]+ s$", out, re.M)
   assert [n for n, _, _ in lines] == ["2"] and all(int(t) > 0 for _, t, _ in lines), out
 
 
