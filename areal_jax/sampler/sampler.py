@@ -8,12 +8,19 @@ simulator all hold one.
     sampler.update_params(new_params, version=4)  # from any thread; swapped in between two decode calls
     sampler.stop()
     answers = Sampler(...).run([request, ...])  # no thread: stepped in the caller's until every answer is done
-    await sampler.serve(clock)                 # no thread: the loop on the caller's event loop and `clock`
 
-The loop runs on a `Clock`: the wall clock in its own thread (`start`) or in the caller's (`run`), or a virtual one
-that the simulator gives `serve` (a call then lasts what the cost model says, on the simulator's event loop). With
-the wall clock a second thread detokenises finished answers and completes their futures (callbacks run there and must
-not block), so tokenizer work never delays a decode call.
+The loop is plain and synchronous, on the wall clock: in a thread of its own (`start`) or in the caller's (`run`).
+Its pieces are public, so that the simulator drives them from outside on its virtual clock (`sim/job.py`, where a
+decode call lasts what the cost model says):
+
+    sampler.take(block=False)                 # new requests in (blocking: an idle loop's wait)
+    if not sampler.idle:
+      finished = sampler.step()               # one scheduler step: the answers its call finished
+      sampler.record(finished)                # their futures completed, streams reported
+      sampler.account(seconds)                # the step's seconds into `busy_s`; stats published
+
+With `start()` a second thread detokenises finished answers and completes their futures (callbacks run there and
+must not block), so tokenizer work never delays a decode call.
 
 Options, each for whoever needs it:
 - `gather`: an idle sampler that gets a request gathers the ones arriving right behind it (each within `GATHER_GAP_S`
@@ -32,7 +39,6 @@ it. `stop()` ends the loop after the current step and fails what is still open (
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import dataclasses
@@ -41,7 +47,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence as Seq
-from typing import Protocol
 
 from areal_jax import faults
 from areal_jax.sampler.engine import Engine
@@ -70,31 +75,6 @@ class Tokens:
   finish_reason: str | None
 
 
-class Clock(Protocol):
-  """What the loop waits on. `idle` returns once work may have arrived (a request, new weights); `device` returns
-  once the decode call just dispatched has run (the wall clock's calls block while they run: it returns at once);
-  `now` is in seconds."""
-
-  def now(self) -> float: ...
-
-  async def idle(self, sampler: Sampler) -> None: ...
-
-  async def device(self) -> None: ...
-
-
-class WallClock:
-  """Real time: an idle loop blocks its thread on the inbox (gathering a burst with `gather`)."""
-
-  def now(self) -> float:
-    return time.perf_counter()
-
-  async def idle(self, sampler: Sampler) -> None:
-    sampler._take(block=True)  # pylint: disable=protected-access
-
-  async def device(self) -> None:
-    return None
-
-
 def end_futures(futures: Iterable[concurrent.futures.Future], error: BaseException | None) -> None:
   """Fails every future not done with `error`; with None, cancels them (answers abandoned at a stop)."""
   for f in futures:
@@ -102,16 +82,6 @@ def end_futures(futures: Iterable[concurrent.futures.Future], error: BaseExcepti
       f.cancel()
     elif not f.done():
       f.set_exception(error)
-
-
-def _at_once(coro):
-  """Runs a coroutine that never suspends (the wall clock's loop) to its end in this thread."""
-  try:
-    coro.send(None)
-  except StopIteration as done:
-    return done.value
-  coro.close()
-  raise RuntimeError("the sampler's loop suspended on the wall clock")
 
 
 @dataclasses.dataclass(eq=False)
@@ -276,63 +246,19 @@ class Sampler:
   def run(self, requests: Seq[Request]) -> list[list[Sequence]]:
     """Every request's answers, stepping the scheduler in the caller's thread (a sampler never started)."""
     futures = self.submit_many(requests)
-    self._take(block=False)
+    self.take(block=False)
     if self._held:
       raise ValueError(f"request of group {self._held[0].request.group_id} waits for policy version "
                        f"{self._held[0].request.min_version}; this sampler holds {self.version}")
-    _at_once(self.serve(WallClock(), until_idle=True))
+    self._serve(until_idle=True)
     return [f.result() for f in futures]
 
-  async def serve(self, clock: Clock, *, until_idle: bool = False) -> None:
-    """The loop, on `clock`, until `stop()` (or, `until_idle`, until nothing is left to do); finished answers are
-    completed on this thread unless `start()`'s detokeniser runs. An error fails every open future and is raised."""
-    try:
-      while not self._stop.is_set():
-        self._take(block=False)
-        if self.scheduler.idle and not self.scheduler.has_update:
-          if until_idle:
-            return
-          await clock.idle(self)
-          continue
-        await self._step(clock)
-        faults.reach("generation")
-    except asyncio.CancelledError:  # the caller's task ended: as a stop
-      self._end_all(None)
-      raise
-    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check() and every open future
-      self.error = e
-      self._end_all(e)
-      raise
+  # --- the loop's pieces (the loop's thread, or whoever drives the sampler instead) --------------------------------
 
-  # --- the loop -------------------------------------------------------------------------------------------------
-
-  def _loop(self) -> None:
-    try:
-      _at_once(self.serve(WallClock()))
-    except BaseException:  # pylint: disable=broad-except  # kept in self.error
-      pass
-    if self.error is not None:  # e.g. the detokeniser's: the requests still open fail with it
-      self._end_all(self.error)
-
-  async def _step(self, clock: Clock) -> None:
-    """One scheduler step. Its results are its own call's (recorded once the call has run) or, with
-    `sampler.overlap`, the previous call's (done when this one began: recorded while it runs)."""
-    start = clock.now()
-    finished = self.scheduler.step()
-    overlap = self.scheduler.overlap
-    if not overlap:
-      await clock.device()
-    self._record(finished)
-    if overlap:
-      await clock.device()
-    self._last_step_s = clock.now() - start
-    self._busy_s += self._last_step_s
-    with self._lock:
-      self._stats = self._snapshot()
-
-  def _take(self, block: bool) -> None:
-    """New requests to the scheduler, each once the next step generates from its `min_version` or newer; with
-    `gather`, a blocking take waits for the requests right behind the first."""
+  def take(self, block: bool) -> None:
+    """New requests to the scheduler, each once the next step generates from its `min_version` or newer. A
+    blocking take (an idle loop's wait) waits up to `idle_wait_s` for one and, with `gather`, for the requests right
+    behind it."""
     try:
       entry = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
       deadline = time.perf_counter() + (GATHER_SHARE * self._last_step_s if block and self.gather else 0.0)
@@ -356,25 +282,19 @@ class Sampler:
       with self._lock:
         self._stats = self._snapshot()
 
-  def _report(self, batch: list[Sequence]) -> None:
-    """New tokens of streamed requests' answers to their `on_tokens`."""
-    for seq in batch:
-      e = self._entries.get(id(seq.request))
-      if e is None or e.on_tokens is None:
-        continue
-      sent = e.sent[seq.answer]
-      if len(seq.tokens) > sent or seq.finish_reason:
-        e.sent[seq.answer] = len(seq.tokens)
-        try:
-          e.on_tokens(Tokens(answer=seq.answer, tokens=seq.tokens[sent:], logprobs=seq.logprobs[sent:],
-                             versions=seq.versions[sent:], finish_reason=seq.finish_reason))
-        except Exception:  # pylint: disable=broad-except  # e.g. the reader's event loop closed: stop reporting
-          _log.exception("on_tokens of a streamed request failed; its answers run on unreported")
-          e.on_tokens = None
+  @property
+  def idle(self) -> bool:
+    """Nothing to step: no answer in the scheduler and no new weights to swap in."""
+    return self.scheduler.idle and not self.scheduler.has_update
 
-  def _record(self, finished: list[Sequence]) -> None:
-    """Reports new tokens, hands on finished answers, resolves finished requests and counts the requests that got
-    their first slot in this step."""
+  def step(self) -> list[Sequence]:
+    """One scheduler step; the answers finished in the call it read: its own (read once the call has run) or, with
+    `sampler.overlap`, the previous step's (done when this one's call was dispatched). Hand them to `record`."""
+    return self.scheduler.step()
+
+  def record(self, finished: list[Sequence]) -> None:
+    """After a step: reports new tokens, hands on finished answers, resolves finished requests and counts the
+    requests that got their first slot in this step."""
     sched = self.scheduler
     batch = list(sched.running.values()) + finished  # every answer the step's decode call advanced
     self._report(batch)
@@ -402,6 +322,65 @@ class Sampler:
       c["max_batch_requests"] = max(c["max_batch_requests"], len({id(s.request) for s in batch}))
     for e in done:
       e.future.set_result(e.answers)
+
+  def account(self, seconds: float) -> None:
+    """A step's seconds (from its `step` to its results recorded) into `busy_s`; publishes the stats."""
+    self._last_step_s = seconds
+    self._busy_s += seconds
+    with self._lock:
+      self._stats = self._snapshot()
+
+  def fail(self, error: BaseException) -> None:
+    """The loop failed: `error` is kept (`check()` re-raises it) and every open future fails with it."""
+    self.error = error
+    self._end_all(error)
+
+  # --- the loop -------------------------------------------------------------------------------------------------
+
+  def _serve(self, *, until_idle: bool = False) -> None:
+    """The loop, until `stop()` (or, `until_idle`, until nothing is left to do); an idle loop blocks on the inbox.
+    On the wall clock a step's call has run once `step` returns its results. An error fails every open future and
+    is raised."""
+    try:
+      while not self._stop.is_set():
+        self.take(block=False)
+        if self.idle:
+          if until_idle:
+            return
+          self.take(block=True)
+          continue
+        start = time.perf_counter()
+        self.record(self.step())
+        self.account(time.perf_counter() - start)
+        faults.reach("generation")
+    except BaseException as e:  # pylint: disable=broad-except  # surfaced by check() and every open future
+      self.fail(e)
+      raise
+
+  def _loop(self) -> None:
+    """The thread's body: the loop until `stop()` or an error (kept in `error`)."""
+    try:
+      self._serve()
+    except BaseException:  # pylint: disable=broad-except  # kept in self.error
+      pass
+    if self.error is not None:  # e.g. the detokeniser's: the requests still open fail with it
+      self._end_all(self.error)
+
+  def _report(self, batch: list[Sequence]) -> None:
+    """New tokens of streamed requests' answers to their `on_tokens`."""
+    for seq in batch:
+      e = self._entries.get(id(seq.request))
+      if e is None or e.on_tokens is None:
+        continue
+      sent = e.sent[seq.answer]
+      if len(seq.tokens) > sent or seq.finish_reason:
+        e.sent[seq.answer] = len(seq.tokens)
+        try:
+          e.on_tokens(Tokens(answer=seq.answer, tokens=seq.tokens[sent:], logprobs=seq.logprobs[sent:],
+                             versions=seq.versions[sent:], finish_reason=seq.finish_reason))
+        except Exception:  # pylint: disable=broad-except  # e.g. the reader's event loop closed: stop reporting
+          _log.exception("on_tokens of a streamed request failed; its answers run on unreported")
+          e.on_tokens = None
 
   def _snapshot(self) -> dict[str, float]:
     s = self.scheduler

@@ -1,15 +1,16 @@
 """A run in virtual time: the project's own orchestration with device calls that cost predicted seconds.
 
 Shared with a real run, unchanged: `RolloutBuffer` (η, target staleness), `RolloutController` (admission, one
-coroutine per prompt group, its rewards), `Sampler`/`Scheduler` (its loop, slots, pages, preemption, the weight swap
-with its re-prefill) and `Engine`'s host side. Simulated: the engine's programs (`engine.SimEngine`), the reward
-service (an answer is right with probability `success`, or a recorded group is replayed whole; scored after
-`reward_s`), and the learner, whose loop below follows `run/trainer.py:_train` (a batch from the buffer, a train
-step, the weights published, the new version admitted) with a step and a transfer that sleep their predicted
-seconds. The sampler side is `Job.engines` independent engines (replicas of one process, or sampler processes),
-each its own `Sampler` and scheduler, a group going whole to the least loaded one (`dispatch.Dispatcher` over
-`dispatch.Outstanding`, the rule and accounting `LocalRollout` and `SamplerHub` apply). Everything runs on one
-virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds and the same inputs give the same timeline.
+coroutine per prompt group, its rewards), `Sampler`/`Scheduler` (the pieces of the sampler's loop, driven here on the
+virtual clock by `_drive`: slots, pages, preemption, the weight swap with its re-prefill) and `Engine`'s host side.
+Simulated: the engine's programs (`engine.SimEngine`), the reward service (an answer is right with probability
+`success`, or a recorded group is replayed whole; scored after `reward_s`), and the learner, whose loop below follows
+`run/trainer.py:_train` (a batch from the buffer, a train step, the weights published, the new version admitted) with
+a step and a transfer that sleep their predicted seconds. The sampler side is `Job.engines` independent engines
+(replicas of one process, or sampler processes), each its own `Sampler` and scheduler, a group going whole to the
+least loaded one (`dispatch.Dispatcher` over `dispatch.Outstanding`, the rule and accounting `LocalRollout` and
+`SamplerHub` apply). Everything runs on one virtual-time loop (`clock.virtual_loop`), so a simulated hour takes seconds
+and the same inputs give the same timeline.
 
     result = simulate(job, costs, lengths)
     result.tokens_per_s(), result.staleness_of(), result.busy()
@@ -164,9 +165,9 @@ class _Buffer(RolloutBuffer):
 
 
 class _Rollout:
-  """The controller's samplers: `Sampler`s whose loops run on the virtual clock (`_VirtualClock`), never started; a
-  group goes whole to one, by `LocalRollout`'s rule and accounting (`dispatch.Dispatcher` over each sampler's
-  `dispatch.Outstanding`: an episode's turns where its last went, else the fewest tokens of work outstanding)."""
+  """The controller's samplers: `Sampler`s driven on the virtual clock (`_drive`), never started; a group goes whole
+  to one, by `LocalRollout`'s rule and accounting (`dispatch.Dispatcher` over each sampler's `dispatch.Outstanding`:
+  an episode's turns where its last went, else the fewest tokens of work outstanding)."""
 
   def __init__(self, samplers: list[Sampler], replay: _Replay | None):
     self.samplers, self.replay = samplers, replay
@@ -200,25 +201,41 @@ class _Rollout:
     return summed_stats([s.stats() for s in self.samplers])
 
 
-class _VirtualClock:
-  """The sampler's `Clock` in virtual time: a decode call lasts what the cost model charged for it (busy while it
-  runs); an idle sampler waits until the rollout wakes it (a request, new weights)."""
+async def _drive(sampler: Sampler, engine: SimEngine, wake: asyncio.Event, busy: _Busy) -> None:
+  """A sampler's loop in virtual time, made of the pieces its wall-clock loop steps (`take`, `step`, `record`,
+  `account`): a decode call lasts what the cost model charged for it (busy while it runs), its results recorded once
+  it has run or, with `sampler.overlap` (the previous call's), while it runs; an idle sampler waits until the rollout
+  wakes it (a request, new weights). An error fails the sampler's open futures and ends the task with it; a cancel
+  ends them as a stop."""
+  loop = asyncio.get_running_loop()
 
-  def __init__(self, loop: asyncio.AbstractEventLoop, engine: SimEngine, wake: asyncio.Event, busy: _Busy):
-    self.loop, self.engine, self.wake, self.busy = loop, engine, wake, busy
-
-  def now(self) -> float:
-    return self.loop.time()
-
-  async def idle(self, sampler) -> None:
-    del sampler
-    self.wake.clear()
-    await self.wake.wait()
-
-  async def device(self) -> None:
-    spent = self.engine.take_spent()
-    self.busy.add(spent)
+  async def device() -> None:
+    spent = engine.take_spent()
+    busy.add(spent)
     await asyncio.sleep(spent)
+
+  try:
+    while True:
+      sampler.take(block=False)
+      if sampler.idle:
+        wake.clear()
+        await wake.wait()
+        continue
+      start = loop.time()
+      finished = sampler.step()
+      overlap = sampler.scheduler.overlap
+      if not overlap:
+        await device()
+      sampler.record(finished)
+      if overlap:
+        await device()
+      sampler.account(loop.time() - start)
+  except asyncio.CancelledError:  # the run ended
+    sampler.stop()
+    raise
+  except BaseException as e:  # pylint: disable=broad-except  # surfaced by sampler.check() and the task
+    sampler.fail(e)
+    raise
 
 
 class _Replay:
@@ -320,7 +337,7 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
                                  buffer=buffer, version=0, group_size=job.answers, sampling=sampling,
                                  filter_uniform=job.filter_uniform, thread=_OnLoop(loop))
   result, busy = Result(job=job), [_Busy(loop) for _ in engines]
-  samplers = [loop.create_task(s.serve(_VirtualClock(loop, e, wake, b)))
+  samplers = [loop.create_task(_drive(s, e, wake, b))
               for s, e, wake, b in zip(rollout.samplers, engines, rollout.wakes, busy)]
   controller.start()
   version, learner_busy, in_flight = 0, 0.0, None
