@@ -9,8 +9,8 @@
 
 `prefill_batch` prefills several prompts (G draws each, each after the pages of the prefix cache that hold its
 start, if any) with rows split over the data shards, `insert_many` places them (named `Placement`s), `generate_steps`
-runs one multi-step decode call and `rewrite` writes recomputed caches after a weight update. JetStream's engine
-contract (one prompt per prefill, one token per generate) is an adapter over this one, `jetstream.JetStreamEngine`.
+runs one multi-step decode call and `rewrite` writes recomputed caches after a weight update. Other engine contracts
+are adapters over this one, in modules of their own beside it.
 
 The device work is in `programs.py`; the host state of the slots (pages held, tokens cached and generated, the page
 pool) is one `SlotTable` (`slots.py`), guarded by its lock. Generation raises `PoolExhausted` before touching the
@@ -127,8 +127,7 @@ class EngineBase(abc.ABC):
     """First tokens of a prefill that draws none, as `insert` takes them."""
 
   def free_resource(self, slot: int) -> None:
-    """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
-    replaced the slot's answer, a no-op."""
+    """Releases the slot's pages (shared ones with their last holder). Idempotent."""
     self.slots.release(slot)
 
   # --- batched calls of the scheduler ----------------------------------------------------------------------------
@@ -183,8 +182,9 @@ class EngineBase(abc.ABC):
 
     `shards[b]`: the data shard whose slots row b's answers go to. Given, the rows are split over the data shards
     (each shard's padded to a power of two, the same for all), and each shard computes and keeps only its own rows'
-    keys and values; `insert_many` then places a row only into slots of its shard. Without it (JetStream's prefill,
-    whose slot comes after), rows are padded to a power of two and every shard computes all of them.
+    keys and values; `insert_many` then places a row only into slots of its shard. Without it (for a caller that
+    picks the slots after the prefill), rows are padded to a power of two and every shard computes all of them, so a
+    row may go into any slot.
 
     `cached[b]` = (shard, pages), if given: pages of that data shard (the prefix cache's, `SlotTable.match`) that
     hold row b's first `len(pages) * page_size` tokens; the row is prefilled on that shard after them, reading their
@@ -302,12 +302,9 @@ class EngineBase(abc.ABC):
                                            np.int32(0))
     return decode_state
 
-  def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements: Sequence[Placement], *,
-                  replace: bool = False, release_owed: bool = True) -> DecodeState:
-    """One device call for several placements of one prefix's rows (see `Placement`). Full pages of a row are
-    written once per data shard and shared by reference count; a partial last page is copied per slot. With
-    `replace`, answers still in the slots are done and are replaced (JetStream's insert; their `free_resource` may
-    still come, and is ignored, where the driver frees every slot it used: `release_owed`)."""
+  def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements: Sequence[Placement]) -> DecodeState:
+    """One device call for several placements of one prefix's rows (see `Placement`) into free slots. Full pages of a
+    row are written once per data shard and shared by reference count; a partial last page is copied per slot."""
     true_length, start = np.asarray(prefix.true_length), np.asarray(prefix.start)
     draw_index, array_row = np.asarray(prefix.draw_index), np.asarray(prefix.array_row)
     for pl in placements:
@@ -321,7 +318,7 @@ class EngineBase(abc.ABC):
       if len(pl.cached) * self.cfg.page_size != start[pl.row]:
         raise ValueError(f"prefix row {pl.row} was prefilled after {start[pl.row]} cached tokens; the placement "
                          f"gives {len(pl.cached)} cached pages of {self.cfg.page_size}")
-    occupied = self.slots.occupy(placements, true_length, replace=replace, release_owed=release_owed)
+    occupied = self.slots.occupy(placements, true_length)
     keys, settings = np.asarray(prefix.keys), (np.asarray(prefix.temperature), np.asarray(prefix.top_p),
                                                np.asarray(prefix.top_k))
     p, chunks, inits = self.cfg.page_size, [], []

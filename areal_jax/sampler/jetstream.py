@@ -20,6 +20,13 @@ to the release's:
 * `0.3` — the GitHub head (version 0.3.0, never released): `prefill` returns the prefix and a `ResultTokens` of the
   first token, `free_resource` ends an answer, `prefill_multisampling` + `bulk_insert` give several samples.
 
+The core engine inserts only into free slots. A JetStream driver inserts into a slot whose answer is still there
+(0.2.2 never frees one; the head may send that answer's `free_resource` after the slot's next insert), so the
+adapter releases such a slot itself before inserting, and, where the driver frees every slot it used
+(`frees_slots`), counts the free the replaced answer still owes and ignores it when it comes: the new answer keeps
+its pages. Prefills run without a data shard (every shard computes the prompt) because the driver picks the slot
+after the prefill.
+
 Both build their tokenizer with `engine.build_tokenizer(engine.get_tokenizer())` and dispatch on
 `isinstance(x, engine_api.ResultTokens)`: `JetStreamTokenizer` follows JetStream's `tokenizer_api.Tokenizer`, and
 `register_result_tokens` makes the engine's `ResultTokens` a virtual subclass of JetStream's (no conversion).
@@ -148,6 +155,7 @@ class JetStreamEngine(engine_api.EngineApi):
     self.sampling = sampling or SamplingParams(temperature=0.0)
     self._tokenizer = tokenizer
     self._prefills = itertools.count()  # names the draws of prefills without `rng`
+    self._late_frees = np.zeros(config.num_slots, np.int64)  # per slot: frees owed by answers an insert replaced
 
   @property
   def slots(self):
@@ -167,7 +175,9 @@ class JetStreamEngine(engine_api.EngineApi):
     return self.core.load_params(params)
 
   def init_decode_state(self) -> DecodeState:
-    return self.core.init_decode_state()
+    with self.slots.lock:
+      self._late_frees[:] = 0
+      return self.core.init_decode_state()
 
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int, sampler=None,
               request_id=None) -> tuple[Prefix, ResultTokens] | Prefix:
@@ -205,9 +215,15 @@ class JetStreamEngine(engine_api.EngineApi):
     return self.bulk_insert(prefix, decode_state, [slot])
 
   def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-    """Sample i of the prefix into slots[i]; the samples share the prompt's full pages."""
-    return self.core.insert_many(prefix, decode_state, [Placement.new(0, list(slots))], replace=True,
-                                 release_owed=self.frees_slots)
+    """Sample i of the prefix into slots[i]; the samples share the prompt's full pages. An answer still in one of
+    the slots is done: it is released here, and its own `free_resource`, if the driver sends one, is ignored."""
+    table = self.slots
+    with table.lock:  # a free from the driver's other thread waits until the slots are counted and taken
+      for slot in sorted(set(slots)):
+        if table.active[slot]:
+          self.core.free_resource(slot)
+          self._late_frees[slot] += self.frees_slots
+      return self.core.insert_many(prefix, decode_state, [Placement.new(0, list(slots))])
 
   def generate(self, params, decode_state: DecodeState, sampler=None) -> tuple[DecodeState, ResultTokens]:
     """One token for every occupied slot with room: prompt and answer together hold at most `sampler.max_seq_len`
@@ -234,9 +250,13 @@ class JetStreamEngine(engine_api.EngineApi):
     return decode_state, tokens, valid, lengths, steps.log_prob[:, 0]
 
   def free_resource(self, slot: int) -> None:
-    """Releases the slot's pages (shared ones with their last holder). Idempotent; after an insert has already
-    replaced the slot's answer, a no-op."""
-    self.core.free_resource(slot)
+    """Releases the slot's pages (shared ones with their last holder). Idempotent; the free owed by an answer that an
+    insert already replaced is ignored (the slot's new answer keeps its pages)."""
+    with self.slots.lock:
+      if self._late_frees[slot]:
+        self._late_frees[slot] -= 1
+      else:
+        self.core.free_resource(slot)
 
   def get_prefix_destination_sharding(self) -> Prefix:
     mesh = self.core.mesh

@@ -2,9 +2,8 @@
 tokens each has cached and generated, and the page pool they draw from.
 
 Slots are split evenly over the mesh's data shards and a slot only holds pages of its own shard. Every method takes
-the table's lock, so an orchestrator may free slots from one thread while another inserts and generates (JetStream's
-detokenize and generate threads). `release` is idempotent, and a release that arrives after an insert has already
-replaced the slot's answer (`occupy(..., replace=True)`) is recognised as late and ignored.
+the table's lock, so an orchestrator may free slots from one thread while another inserts and generates. `release` is
+idempotent; `occupy` takes free slots only (release a slot before inserting into it again).
 """
 
 from __future__ import annotations
@@ -65,8 +64,6 @@ class SlotTable:
     self.cached = np.zeros(num_slots, np.int64)  # tokens whose keys/values are in the slot's pages
     self.generated = np.zeros(num_slots, np.int64)  # tokens the slot's answer has drawn (the pending one included)
     self.active = np.zeros(num_slots, bool)
-    self._late_releases = np.zeros(num_slots, np.int64)  # releases owed by answers an insert replaced
-    self.replaced = 0  # answers an insert replaced before their release came
     self.lock = threading.RLock()
 
   def reset(self) -> None:
@@ -75,7 +72,7 @@ class SlotTable:
       self.pool = PagePool(num_shards=self.num_shards, pages_per_shard=self.pool.pages_per_shard)
       self.prefixes = PrefixCache(self.pool, self.page_size)
       self.pages = [[] for _ in range(self.num_slots)]
-      self.cached[:] = self.generated[:] = self._late_releases[:] = self.held[:] = 0
+      self.cached[:] = self.generated[:] = self.held[:] = 0
       self.active[:] = False
 
   # --- queries -----------------------------------------------------------------------------------------------------
@@ -148,26 +145,20 @@ class SlotTable:
 
   # --- changes -----------------------------------------------------------------------------------------------------
 
-  def occupy(self, placements: Sequence[Placement], lengths: Sequence[int], *, replace: bool = False,
-             release_owed: bool = True) -> list[list[Occupancy]]:
+  def occupy(self, placements: Sequence[Placement], lengths: Sequence[int]) -> list[list[Occupancy]]:
     """Takes the placements' slots for prefix rows of `lengths[row]` tokens after their `cached` pages; returns each
     placement's new pages, by shard. `PoolExhausted` (nothing taken) if a shard lacks pages, after evicting cached
-    prefixes. A slot still in use is an error unless `replace`: its answer is done and freed here, and its own
-    release, still on its way (`release_owed`; an orchestrator that never releases owes none), will be ignored."""
+    prefixes; a ValueError (nothing taken) if a slot is still in use."""
     with self.lock:
       demand = np.zeros(self.num_shards, np.int64)
       for pl in placements:
         for shard in {self.shard_of(s) for s in pl.slots}:
           demand[shard] += self.pages_to_insert(lengths[pl.row], sum(self.shard_of(s) == shard for s in pl.slots))
         busy = [s for s in pl.slots if self.active[s]]
-        if busy and not replace:
+        if busy:
           raise ValueError(f"slot {busy[0]} is in use; release it before inserting")
         if pl.cached and len({self.shard_of(s) for s in pl.slots}) > 1:
           raise ValueError(f"placement of row {pl.row} with cached pages spans slots {pl.slots} of several shards")
-      for slot in sorted({s for pl in placements for s in pl.slots if self.active[s]}):
-        self._free(slot)  # replaced: its answer is done, and its own release comes later
-        self._late_releases[slot] += release_owed
-        self.replaced += 1
       self._reserve(demand)
       out = []
       for pl in placements:
@@ -222,12 +213,9 @@ class SlotTable:
 
   def release(self, slot: int, tokens: np.ndarray | None = None) -> None:
     """Frees the slot's pages (shared ones return to the pool with their last holder). With `tokens`, the sequence
-    the slot held (its cached tokens first), its full pages go to the prefix cache first. Idempotent; a release owed
-    by an answer that an insert already replaced is ignored."""
+    the slot held (its cached tokens first), its full pages go to the prefix cache first. Idempotent."""
     with self.lock:
-      if self._late_releases[slot]:
-        self._late_releases[slot] -= 1
-      elif self.active[slot]:
+      if self.active[slot]:
         if tokens is not None:
           n = min(int(self.cached[slot]), len(tokens)) // self.page_size
           self.prefixes.add(self.shard_of(slot), tokens, self.pages[slot][:n])

@@ -12,6 +12,7 @@ gives both to JetStream's modules alone, and the server tests run through it. Je
 
 import dataclasses
 import inspect
+import pathlib
 import socket
 import subprocess
 import sys
@@ -98,9 +99,12 @@ def test_a_free_that_arrives_after_the_next_insert_is_ignored(model, engine):
   b, _ = engine.prefill(params=params, padded_tokens=np.arange(3, 9), true_length=6)
   state = engine.insert(a, state, 2)
   state = engine.insert(b, state, 2)  # a is done; its free has not come yet
+  pages = list(engine.slots.pages[2])
   engine.free_resource(2)  # a's free, late: b keeps its pages
-  assert engine.slots.active[2] and engine.slots.cached[2] == 6
-  state, _ = engine.generate(params, state)
+  assert engine.slots.active[2] and engine.slots.cached[2] == 6 and engine.slots.pages[2] == pages
+  assert all(engine.slots.pool.refcount(0, p) for p in pages)
+  state, result = engine.generate(params, state)  # b keeps running
+  assert bool(result.convert_to_numpy().get_result_at_slot(2).valid[0, 0]) and engine.slots.cached[2] == 7
   engine.free_resource(2)
   engine.free_resource(2)
   engine.slots.check()
@@ -143,6 +147,10 @@ def test_api_0_2_prefill_returns_the_prefix_and_generate_reports_the_first_token
     assert row.valid[0, 0] and row.lengths[0] == step + 1
     tokens.append(int(row.tokens[0, 0]))
   assert tokens == list(generate(model, [prompt], max_new_tokens=3, temperature=0.0)[0][0].tokens)
+  state = engine.insert(prefix, state, 2)  # 0.2.2 inserts over a done answer and never frees it: no free is owed
+  engine.free_resource(2)
+  engine.slots.check()
+  assert not engine.slots.active.any() and engine.slots.pool.num_free(0) == engine.slots.pool.capacity
 
 
 # --- JetStream's own server ---------------------------------------------------------------------------------------
@@ -290,3 +298,10 @@ def test_importing_any_module_and_jetstream_changes_nothing_in_jax_or_sys_module
           "print(hasattr(jax, 'tree_map'), 'seqio' in sys.modules, hasattr(orchestrator.jax, 'tree_map'))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
   assert out.stdout.split() == ["False", "False", "True"], out.stdout + out.stderr[-2000:]
+
+
+def test_the_core_engine_names_nothing_of_jetstream():
+  """JetStream's contract lives in its adapter (`sampler/jetstream.py`); the core engine knows shards and slots."""
+  root = pathlib.Path(__file__).parents[2] / "areal_jax" / "sampler"
+  for name in ("engine.py", "slots.py"):
+    assert "jetstream" not in (root / name).read_text().lower(), name

@@ -10,6 +10,7 @@ from flax import nnx
 
 from areal_jax.models import create
 from areal_jax.sampler import Engine, PagePool, PoolExhausted, Request, SamplerConfig, SamplingParams, Scheduler
+from areal_jax.sampler.slots import Placement, SlotTable
 from areal_jax.sampler.state import DecodeSteps
 from helpers import TINY, tiny_model
 
@@ -34,6 +35,21 @@ def test_pool_refcounts():
   assert pool.num_free(1) == 5
   with pytest.raises(ValueError, match="released more often"):
     pool.release(1, a[:1])
+
+
+def test_slot_table_inserts_into_free_slots_only():
+  table = SlotTable(num_slots=4, num_shards=2, pages_per_shard=6, page_size=4, max_seq_len=16)
+  table.occupy([Placement.new(0, [1])], [6])
+  held = list(table.pages[1])
+  with pytest.raises(ValueError, match="slot 1 is in use; release it before inserting"):
+    table.occupy([Placement.new(0, [0, 1])], [5])
+  assert not table.active[0] and table.pages[1] == held and table.pool.num_free(0) == 5 - 2  # nothing taken
+  table.release(1)
+  table.release(1)  # idempotent
+  table.occupy([Placement.new(0, [1])], [5])
+  table.release(1)
+  table.check()
+  assert table.pool.num_free(0) == table.pool.capacity
 
 
 class FakePrograms:
