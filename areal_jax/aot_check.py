@@ -288,8 +288,8 @@ def learner_state_bytes(settings: Settings, topology: str, *, scratch: int = 0) 
 
 def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0, held_bytes: int = 0,
                   reserved_bytes: int = 0) -> list[ProgramReport]:
-  """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_expert × mesh.sampler_tensor), and
-  `prefill_after` with `sampler.prefix_cache`. With `mesh.sampler_replicas` the programs of one replica, on its
+  """`prefill`, `decode`, `insert` of the run's sampler on `topology` (mesh data × mesh.sampler_expert × mesh.sampler_tensor),
+  `prefill_after` with `sampler.prefix_cache` and `speculate` with `sampler.speculation`. With `mesh.sampler_replicas` the programs of one replica, on its
   share of the topology's devices (every replica's are the same). `held_bytes`: per device, another role's state
   resident beside every program (colocated); the KV pool is sized from what it and `reserved_bytes` (another role's
   working memory) leave, as a run sizes it from the device's free memory."""
@@ -302,7 +302,8 @@ def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0, he
   free = hbm - held_bytes - reserved_bytes
   state, pages = abstract_decode_state(model_cfg, cfg, mesh, params, free_bytes=free)
   resident = {k: v + held_bytes for k, v in
-              {"prefill": device_bytes(state), "prefill_after": 0, "decode": 0, "insert": device_bytes(params)}.items()}
+              {"prefill": device_bytes(state), "prefill_after": 0, "decode": 0, "speculate": 0,
+               "insert": device_bytes(params)}.items()}
   note = (f"{cfg.num_slots // mesh.shape['data']} slots, {pages} pages of {cfg.page_size} per data shard"
           f" (max {cfg.pages_per_seq} per sequence)")
   # Prefill: one row on every data shard, split over tensor; decode: one token per slot at the full context.
@@ -310,11 +311,14 @@ def check_sampler(settings: Settings, topology: str, *, hbm_gib: float = 0.0, he
   flops = {"prefill": _model_flops(model_cfg, cfg.max_seq_len, cfg.max_seq_len, tensor),
            "decode": _model_flops(model_cfg, cfg.num_slots, cfg.max_seq_len, data * tensor), "insert": 0.0}
   flops["prefill_after"] = flops["prefill"]  # the same row, after pages of the prefix cache
+  # Speculation: one forward of spec_tokens + 1 positions per slot (weights and each slot's cache read once).
+  flops["speculate"] = _model_flops(model_cfg, cfg.num_slots * (cfg.spec_tokens + 1), cfg.max_seq_len, data * tensor)
   lowered = lower_sampler(model_cfg, cfg, mesh, free_bytes=free)
   return [_compile(lowered[name], role="sampler", program=name, topology=topology, mesh=dict(mesh.shape),
                    hbm_bytes=hbm, resident_bytes=resident[name], flops=flops[name],
-                   note=note if name == "decode" else "")
-          for name in ("prefill", "decode", "insert") + ("prefill_after",) * cfg.prefix_cache]
+                   note=note if name in ("decode", "speculate") else "")
+          for name in ("prefill", "decode", "insert") + ("prefill_after",) * cfg.prefix_cache
+          + ("speculate",) * (cfg.speculation != "off")]
 
 
 def check_colocated(settings: Settings, topology: str, *, hbm_gib: float = 0.0,

@@ -215,6 +215,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.vocab_limit = 0  # ids at or above are never drawn; 0 = the tokenizer's vocab_size (padded rows unused)
   c.sampler.recompute_on_swap = True  # new weights recompute running answers' caches; False keeps them (stale)
   c.sampler.warmup = False  # compile every prefill bucket and decode first: no compile stalls mid-run, a slower start
+  # Speculative decoding: "suffix" drafts from the rollouts already drawn (own context, the same prompt's finished
+  # answers, recent answers), verified exactly (same distribution, same logprobs); "off" = one token per forward.
+  c.sampler.speculation = "off"
+  c.sampler.spec_tokens = 4  # draft tokens verified per slot and forward (the forward covers spec_tokens + 1)
 
   c.learner = ml_collections.ConfigDict()
   c.learner.lr = 1e-4  # Adam learning rate

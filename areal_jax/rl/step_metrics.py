@@ -41,7 +41,9 @@ class Timer:
   The sampler's work in the step: `decode_steps`, `tokens_per_decode_step` (about the mean number of live slots),
   `prefill_rows` (prompts started, one row for all the answers that share it, or answers resumed), `prefill_tokens`
   (the tokens those rows prefilled), `cached_tokens` (tokens they found in the prefix cache instead) and `recomputed`
-  (answers whose keys/values were computed again under new weights), summed over the samplers."""
+  (answers whose keys/values were computed again under new weights), summed over the samplers. With
+  `sampler.speculation`: `spec_tokens_per_call` (tokens emitted per slot and forward of the target) and
+  `spec_acceptance` (the share of drafted tokens accepted)."""
 
   def __init__(self, sampler_stats: dict):
     self.last_t, self.last_stats, self.learner_busy = time.time(), sampler_stats, 0.0
@@ -61,6 +63,11 @@ class Timer:
            "sampler/step_busy_s": sampler_stats.get("busy_s", 0.0) - self.last_stats.get("busy_s", 0.0),
            "learner/busy_s": self.learner_busy, "learner/wait_s": busy_start - wait_start,
            "sync/seconds": now - sync_start}
+    if "spec_forwards" in sampler_stats:  # speculation: tokens per slot and target forward, drafts accepted
+      spec = {k: sampler_stats[k] - self.last_stats.get(k, 0)
+              for k in ("spec_forwards", "spec_tokens", "spec_drafted", "spec_accepted")}
+      out["sampler/spec_tokens_per_call"] = spec["spec_tokens"] / max(spec["spec_forwards"], 1)
+      out["sampler/spec_acceptance"] = spec["spec_accepted"] / max(spec["spec_drafted"], 1)
     self.last_t, self.last_stats = now, sampler_stats
     return out
 

@@ -63,11 +63,11 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
   i32 = jnp.int32
   b = mesh.shape["data"]
   prefill_args = (_sds((b, t), i32, mesh, P("data")), _sds((b,), i32, mesh, P("data")), _sds((s,), i32, mesh))
+  decode_args = (_sds((s,), i32, mesh, P("data")), _sds((s,), jnp.bool_, mesh, P("data")),
+                 _sds((MAX_EOS_IDS,), i32, mesh), _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh),
+                 _sds((), i32, mesh))
   lowered = {
-      "decode": programs.decode.lower(params, state, _sds((s,), i32, mesh, P("data")),
-                                     _sds((s,), jnp.bool_, mesh, P("data")), _sds((MAX_EOS_IDS,), i32, mesh),
-                                     _sds((3, s * -(-cfg.decode_steps // cfg.page_size)), i32, mesh),
-                                     _sds((), i32, mesh)),
+      "decode": programs.decode.lower(params, state, *decode_args),
       "prefill": programs.prefill.lower(params, *prefill_args, sharded=True),
       "prefill_after": programs.prefill_after.lower(
           params, state.k, state.v, _sds((b, m), i32, mesh, P("data")), _sds((b,), i32, mesh, P("data")),
@@ -82,4 +82,7 @@ def lower_sampler(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, *, pre
                    keys=_sds((s, 2), jnp.uint32, mesh), temperature=vec(jnp.float32), top_p=vec(jnp.float32),
                    top_k=vec())
   lowered["insert"] = programs.insert.lower(state, prefix, vec(), chunks, upd)
+  if programs.speculate is not None:  # with sampler.speculation: the decode call that verifies drafts
+    lowered["speculate"] = programs.speculate.lower(params, state, *decode_args,
+                                                    _sds((s, cfg.draft_width), i32, mesh), vec(), vec())
   return lowered

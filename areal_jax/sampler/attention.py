@@ -6,6 +6,7 @@ over the mesh's `data` axis and heads over `tensor`. Both attention implementati
 
 * `paged_attention`: pure JAX (CPU/GPU, and the TPU fallback). An online-softmax loop over blocks of pages that stops
   at the longest live sequence, so a step costs what the sequences hold, not the cache's maximum length.
+* `paged_attention_queries`: several queries per sequence over its pages (a speculative call's verified positions).
 * `prefill_attention_after`: a prefill's queries over the pages a row continues (the prefix cache's) and its own
   keys, pure JAX, one program for any number of cached pages.
 * `pallas_paged_attention`: `jax.experimental.pallas.ops.tpu.paged_attention` (TPU; on CPU under Pallas' TPU
@@ -87,6 +88,33 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   num_blocks = (jnp.max(lengths) + block - 1) // block
   out = _softmax_result(jax.lax.fori_loop(0, num_blocks, body, _softmax_init(qg.shape[:-1], d)))
   return out.reshape(s, h, d).astype(q.dtype)
+
+
+def paged_attention_queries(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                            page_table: jax.Array, *, pages_per_block: int = 8) -> jax.Array:
+  """`paged_attention` of Q queries per sequence (a speculative call's verified positions), each over its own number
+  of keys, reading each block of a sequence's pages once for all its queries.
+
+  q: [S, Q, H, D]; lengths: [S, Q] keys query j attends to (0 gives a zero output). Returns [S, Q, H, D].
+  """
+  s, nq, h, d = q.shape
+  kh, _, page, _ = k_pages.shape
+  page_table, ppb = _in_blocks(page_table, pages_per_block)
+  block = ppb * page
+  qg = q.reshape(s, nq, kh, h // kh, d)
+  scale = 1.0 / math.sqrt(d)
+
+  def body(i, carry):
+    pages = jax.lax.dynamic_slice_in_dim(page_table, i * ppb, ppb, axis=1)  # [S, ppb]
+    k = k_pages[:, pages].reshape(kh, s, block, d)
+    v = v_pages[:, pages].reshape(kh, s, block, d)
+    scores = jnp.einsum("sqkgd,kstd->skgqt", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = (i * block + jnp.arange(block))[None, None, :] < lengths[:, :, None]  # [S, Q, block]
+    return _softmax_update(carry, jnp.where(visible[:, None, None], scores, -jnp.inf), v, "skgqt,kstd->skgqd")
+
+  num_blocks = (jnp.max(lengths) + block - 1) // block
+  out = _softmax_result(jax.lax.fori_loop(0, num_blocks, body, _softmax_init((s, kh, h // kh, nq), d)))
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(s, nq, h, d).astype(q.dtype)
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
@@ -267,6 +295,27 @@ def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_
 
   act, pages = P("data", heads, None), P(heads, "data", None, None)
   return jax.shard_map(local, mesh=mesh, in_specs=(act, act, act, pages, pages, P("data", None), P("data"), P("data")),
+                       out_specs=(act, pages, pages), check_vma=False)
+
+
+def sharded_verify_attention(mesh: Mesh, num_kv_heads: int, *, pages_per_block: int):
+  """`f(q [S,Q,H,D], k, v [S,Q,K,D], k_pages, v_pages, page_table, positions [S], written [S], live [S]) -> (out,
+  k_pages, v_pages)` per device with `shard_map`: a speculative call's Q positions per slot, `positions + j`; the
+  first `written[s]` of a live slot write their keys/values (the rest go to the scratch page), then query j attends
+  over `positions + j + 1` keys (`paged_attention_queries`, pure JAX)."""
+  heads = kv_head_axis(mesh, num_kv_heads)
+
+  def local(q, k, v, k_pages, v_pages, page_table, positions, written, live):
+    nq = q.shape[1]
+    for j in range(nq):
+      k_pages, v_pages = write_decode_kv(k_pages, v_pages, k[:, j], v[:, j], page_table, positions + j,
+                                         live & (j < written))
+    lengths = jnp.where(live[:, None], positions[:, None] + jnp.arange(1, nq + 1)[None, :], 0)
+    out = paged_attention_queries(q, k_pages, v_pages, lengths, page_table, pages_per_block=pages_per_block)
+    return out, k_pages, v_pages
+
+  act, pages, idx = P("data", None, heads, None), P(heads, "data", None, None), P("data")
+  return jax.shard_map(local, mesh=mesh, in_specs=(act, act, act, pages, pages, P("data", None), idx, idx, idx),
                        out_specs=(act, pages, pages), check_vma=False)
 
 

@@ -8,6 +8,7 @@ from areal_jax.models.config import DTYPES
 from areal_jax.sampler.requests import SamplingParams
 
 ATTENTION_IMPLS = ("auto", "jax", "pallas_tpu", "pallas_gpu")
+SPECULATION = ("off", "suffix")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,11 @@ class SamplerConfig:
   # Dispatch each decode call before reading the previous one's tokens, so that the host's bookkeeping runs while
   # the device decodes (`scheduler.py`); False reads each call before the next (one call sooner, nothing hidden).
   overlap: bool = True
+  # Speculative decoding (`drafts.py`, `sampling.verify`): "suffix" drafts up to `spec_tokens` tokens per answer and
+  # step from the rollouts already drawn (the answer's own context, the finished answers to the same prompt, recent
+  # answers) and verifies them exactly in one forward over spec_tokens + 1 positions; "off": one token per step.
+  speculation: str = "off"
+  spec_tokens: int = 4
   # Record a mixture of experts' routing of every position (`Trajectory.routes`), for the learner's routing replay;
   # not a config key: set by `learner.routing_replay`.
   record_routes: bool = False
@@ -83,6 +89,12 @@ class SamplerConfig:
       bad("attention", f"choose one of {ATTENTION_IMPLS}")
     if self.param_dtype not in DTYPES:
       bad("param_dtype", f"choose one of {tuple(DTYPES)}")
+    if self.speculation not in SPECULATION:
+      bad("speculation", f"choose one of {SPECULATION}")
+    if self.spec_tokens <= 0:
+      bad("spec_tokens", "must be positive")
+    if self.speculation != "off" and self.record_routes:
+      bad("speculation", "cannot record a mixture of experts' routes (learner.routing_replay) yet")
     if self.max_prefill_tokens and self.max_prefill_tokens < self.pages_per_seq * self.page_size:
       bad("max_prefill_tokens", f"must hold one sequence of max_seq_len={self.max_seq_len} (rounded up to pages)")
 
@@ -90,6 +102,12 @@ class SamplerConfig:
   def prefill_budget(self) -> int:
     """Tokens (rows x padded length) one batched prefill may hold on each data shard."""
     return self.max_prefill_tokens or max(8192, self.pages_per_seq * self.page_size)
+
+  @property
+  def draft_width(self) -> int:
+    """Draft tokens the scheduler gives each slot per call: what one call can verify (decode_steps tokens), after the
+    decode_steps a call still in flight may draw, plus spec_tokens."""
+    return 2 * self.decode_steps + self.spec_tokens
 
   @property
   def weight_dtype(self):

@@ -134,7 +134,8 @@ class EngineBase(abc.ABC):
 
   def generate_steps(self, params, decode_state: DecodeState, budget: np.ndarray, *,
                      stop_eos: np.ndarray | None = None, eos_ids: Sequence[int] = (), refill_at: int = 0,
-                     ahead: np.ndarray | None = None) -> tuple[DecodeState, DecodeSteps]:
+                     ahead: np.ndarray | None = None, drafts: np.ndarray | None = None,
+                     draft_at: np.ndarray | None = None) -> tuple[DecodeState, DecodeSteps]:
     """Up to `budget[s]` (at most `sampler.decode_steps`) tokens for every active slot s in one device call; a slot
     with `stop_eos[s]` stops early once it draws one of `eos_ids` (its pending token is never cached then). With
     `refill_at` > 0 the call ends as soon as that many slots have stopped, so that waiting answers can take them.
@@ -142,6 +143,10 @@ class EngineBase(abc.ABC):
     Pages for the whole budget are allocated first (`PoolExhausted` if a shard lacks them), after `ahead[s]` tokens
     that calls dispatched before and not yet read may still cache. The device decides how many tokens each slot
     drew: the caller reads `DecodeSteps.count` and passes it to `slots.advance`.
+
+    With `sampler.speculation`, `drafts` [S, draft_width] (-1 past a slot's draft) are guesses of slot s's answer
+    tokens from answer index `draft_at[s]` on (-1: no draft); the call verifies them exactly (`Programs.speculate`),
+    up to `sampler.spec_tokens` per step, and may draw several tokens per step.
     """
     cfg = self.cfg
     with self.slots.lock:
@@ -160,7 +165,24 @@ class EngineBase(abc.ABC):
     stop = np.zeros(cfg.num_slots, bool) if stop_eos is None else np.asarray(stop_eos, bool)
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = list(eos_ids)
-    return self.programs.decode(params, decode_state, budget.astype(np.int32), stop, eos, grow, np.int32(refill_at))
+    args = (params, decode_state, budget.astype(np.int32), stop, eos, grow, np.int32(refill_at))
+    if cfg.speculation == "off":
+      if drafts is not None:
+        raise ValueError("generate_steps: drafts given with sampler.speculation='off'")
+      return self.programs.decode(*args)
+    return self.programs.speculate(*args, *self._drafts(drafts, draft_at))
+
+  def _drafts(self, drafts, draft_at) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(drafts [S, draft_width], answer index of each slot's first draft token (-1: none), draft tokens per slot)."""
+    s, width = self.cfg.num_slots, self.cfg.draft_width
+    if drafts is None:
+      return np.full((s, width), -1, np.int32), np.full(s, -1, np.int32), np.zeros(s, np.int32)
+    drafts = np.asarray(drafts, np.int32)
+    if drafts.shape != (s, width):
+      raise ValueError(f"drafts of shape {drafts.shape}; expected (sampler.num_slots, sampler.draft_width) = "
+                       f"{(s, width)}")
+    length = np.where(drafts >= 0, 1, 0).cumprod(axis=1).sum(axis=1).astype(np.int32)
+    return drafts, np.asarray(draft_at, np.int32), length
 
   @property
   def pages_ahead(self) -> int:
@@ -298,8 +320,10 @@ class EngineBase(abc.ABC):
     s = self.cfg.num_slots
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     grow = np.full((3, s * self.pages_ahead), s, np.int32)
-    decode_state, _ = self.programs.decode(params, decode_state, np.zeros(s, np.int32), np.zeros(s, bool), eos, grow,
-                                           np.int32(0))
+    args = (params, decode_state, np.zeros(s, np.int32), np.zeros(s, bool), eos, grow, np.int32(0))
+    decode_state, _ = self.programs.decode(*args)
+    if self.cfg.speculation != "off":
+      decode_state, _ = self.programs.speculate(*args[:1], decode_state, *args[2:], *self._drafts(None, None))
     return decode_state
 
   def insert_many(self, prefix: Prefix, decode_state: DecodeState, placements: Sequence[Placement]) -> DecodeState:

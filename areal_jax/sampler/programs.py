@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from areal_jax.models.config import ModelConfig
 from areal_jax.sampler import attention
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sampler.sampling import sample
+from areal_jax.sampler.sampling import sample, verify
 from areal_jax.sampler.state import DecodeState, DecodeSteps, PrefixArrays, decode_state_shardings, prefix_shardings
 from areal_jax.sharding import SAMPLER_RULES, use_rules
 
@@ -87,6 +87,7 @@ class Programs:
   sample: Callable
   insert: Callable
   decode: Callable
+  speculate: Callable | None  # with `sampler.speculation`: decode with drafts
   attention: str  # the decode attention implementation in use: "jax" | "pallas_tpu" | "pallas_gpu"
 
 
@@ -183,6 +184,70 @@ def _decode(graphdef, model_cfg: ModelConfig, mesh, decode_attend, draw, k_steps
   return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count, experts=experts)
 
 
+def _speculate(graphdef, mesh, verify_attend, check, k_steps: int, nq: int, params, state: DecodeState, budget,
+               stop_eos, eos, grow, refill_at, drafts, draft_at, draft_len):
+  """`_decode` with drafts (see `Programs.speculate`): each loop step feeds every live slot its pending token and up
+  to Q - 1 = spec_tokens draft tokens, one forward over the Q positions, and emits the accepted drafts + 1 tokens
+  (`sampling.verify`), at most its budget; keys and values of rejected positions are left past the slot's length
+  (overwritten later)."""
+  model = nnx.merge(graphdef, params)
+  state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
+  ends = lambda tokens: stop_eos & jnp.any(tokens[:, None] == eos[None, :], axis=-1)
+  s, width = drafts.shape
+  rows, j = jnp.arange(s), jnp.arange(nq)
+
+  def step(carry):
+    i, st, live, count, out_tokens, out_logp, stats = carry
+    # The draft continues the slot's answer where the host proposed it (`draft_at`, an answer index); a call in flight
+    # since then drew `cursor` tokens, the last of which (the pending one) must be the draft's to go on.
+    cursor = st.index - draft_at
+    prev = jnp.take_along_axis(drafts, jnp.clip(cursor - 1, 0, width - 1)[:, None], axis=1)[:, 0]
+    on = (draft_at >= 0) & (cursor >= 0) & (cursor < draft_len) & ((cursor == 0) | (prev == st.tokens))
+    n = jnp.where(live & on, jnp.clip(jnp.minimum(draft_len - cursor, budget - count - 1), 0, nq - 1), 0)
+    guess = jnp.take_along_axis(drafts, jnp.clip(cursor[:, None] + j[None, :nq - 1], 0, width - 1), axis=1)
+    inputs = jnp.concatenate([st.tokens[:, None], guess], axis=1)
+    pos = st.lengths
+    with use_rules(mesh, SAMPLER_RULES):
+      def attend(layer, q, k, v):
+        out, kp, vp = verify_attend(q, k, v, st.k[layer], st.v[layer], st.page_table, pos, n + 1, live)
+        return out, (kp, vp)
+
+      h, kv = model.run_layers(model.embed_tokens(inputs), pos[:, None] + j[None, :], attend, remat=False,
+                               unroll=True)
+      tokens, log_prob, emitted = check(model.logits(h), guess, n, st.keys, st.index, st.temperature, st.top_p,
+                                        st.top_k)
+    # An EOS among the emitted tokens ends the slot there.
+    stop = stop_eos[:, None] & jnp.any(tokens[:, :, None] == eos[None, None, :], axis=-1) & (j[None] < emitted[:, None])
+    emitted = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, emitted)
+    emitted = jnp.where(live, emitted, 0)
+    last = jnp.take_along_axis(tokens, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+    st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, last, st.tokens),
+                    lengths=pos + emitted, index=st.index + emitted)
+    cols = jnp.where(j[None] < emitted[:, None], count[:, None] + j[None], k_steps)  # past the end: dropped
+    out_tokens = out_tokens.at[rows[:, None], cols].set(tokens, mode="drop")
+    out_logp = out_logp.at[rows[:, None], cols].set(log_prob, mode="drop")
+    drafted = j[None, :nq - 1] < n[:, None]
+    accepted = drafted & (j[None, :nq - 1] < emitted[:, None] - 1)
+    stats = (stats[0] + jnp.sum(live), stats[1] + jnp.sum(drafted, axis=0), stats[2] + jnp.sum(accepted, axis=0))
+    count = count + emitted
+    return i + 1, st, live & (count < budget) & ~ends(last), count, out_tokens, out_logp, stats
+
+  live = (budget > 0) & ~ends(state.tokens)
+  started = jnp.sum(live)
+
+  def more(carry):
+    i, live = carry[0], carry[2]
+    stopped = started - jnp.sum(live)
+    return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
+
+  zeros = jnp.zeros(nq - 1, jnp.int32)
+  init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
+          jnp.zeros((s, k_steps), jnp.float32), (jnp.int32(0), zeros, zeros))
+  _, state, _, count, tokens, log_prob, (forwards, drafted, accepted) = jax.lax.while_loop(more, step, init)
+  return state, DecodeSteps(tokens=tokens, log_prob=log_prob, count=count, forwards=forwards, drafted_at=drafted,
+                            accepted_at=accepted)
+
+
 @functools.lru_cache(maxsize=16)
 def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh) -> Programs:
   """Cached: engines with the same graph, configs and mesh share compiled programs."""
@@ -232,6 +297,17 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
     return _decode(graphdef, model_cfg, mesh, decode_attend, draw, cfg.decode_steps, cfg.record_routes, params, state,
                    budget, stop_eos, eos, grow, refill_at)
 
+  speculate = None
+  if cfg.speculation != "off":
+    verify_attend = attention.sharded_verify_attention(mesh, model_cfg.num_kv_heads, pages_per_block=pages_per_block)
+    check = functools.partial(verify, vocab_limit=cfg.vocab_limit)
+
+    def speculate(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at, drafts, draft_at, draft_len):
+      return _speculate(graphdef, mesh, verify_attend, check, cfg.decode_steps, cfg.spec_tokens + 1, params, state,
+                        budget, stop_eos, eos, grow, refill_at, drafts, draft_at, draft_len)
+
+    speculate = jax.jit(speculate, donate_argnums=1, out_shardings=(state_sh, None))
+
   def prefill_after(params, k_pool, v_pool, page_rows, start, tokens, lengths, rows):
     return prefill(params, tokens, lengths, rows, sharded=True, past=(k_pool, v_pool, page_rows, start))
 
@@ -241,4 +317,5 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
       sample=jax.jit(draw),
       insert=jax.jit(functools.partial(_insert, write_chunks), donate_argnums=0, out_shardings=state_sh),
       decode=jax.jit(decode, donate_argnums=1, out_shardings=(state_sh, None)),
+      speculate=speculate,
       attention=impl)

@@ -32,6 +32,12 @@ numpy, and the tokens go into per-slot buffers in a few numpy operations; an ans
 (`Sequence.tokens` syncs), when it ends, or every 32 calls (a 32nd of the slots in turn). Answers with stop sequences
 are recorded token by token.
 
+With `sampler.speculation="suffix"` each call also carries, per slot, the tokens `drafts.SuffixDrafter` predicts
+after those the host has read of its answer (from the answer's own context, the finished answers to the same
+prompt and recent answers); the device verifies them exactly (`Programs.speculate`), up to `sampler.spec_tokens`
+per forward, picking up where the call in flight left the answer (`Engine.generate_steps`). A call still draws at
+most `sampler.decode_steps` tokens per slot: accepted drafts take fewer forwards to draw them.
+
 Priority is by arrival, so the oldest answer always progresses: no request starves, and the pool (at least one full
 sequence per shard) can never deadlock.
 """
@@ -48,6 +54,7 @@ import time
 import jax
 import numpy as np
 
+from areal_jax.sampler.drafts import SuffixDrafter
 from areal_jax.sampler.engine import Draws, Engine
 from areal_jax.sampler.requests import Request, Sequence
 from areal_jax.sampler.sampling import request_key
@@ -83,6 +90,16 @@ class Scheduler:
     self.counters = collections.Counter(dict.fromkeys(
         ("decode_calls", "decode_steps", "tokens", "prefill_rows", "prefill_tokens", "cached_tokens", "preemptions",
          "weight_updates", "recomputed"), 0))
+    # With `sampler.speculation`: drafts from the rollouts drawn so far (`drafts.SuffixDrafter`), keyed by the serial
+    # of the slot's answer; per slot, the tokens of its answer the drafter holds. Counters: slots' forwards over drafts,
+    # tokens they emitted, drafts verified and accepted (also per draft position, `spec_drafted_at`/`_accepted_at`).
+    self.drafter = None
+    if engine.cfg.speculation == "suffix":
+      self.drafter = SuffixDrafter(max_draft=engine.cfg.draft_width)
+      self.counters.update(dict.fromkeys(("spec_forwards", "spec_tokens", "spec_drafted", "spec_accepted"), 0))
+      self.spec_drafted_at = np.zeros(engine.cfg.spec_tokens, np.int64)
+      self.spec_accepted_at = np.zeros(engine.cfg.spec_tokens, np.int64)
+    self._known = np.zeros(engine.cfg.num_slots, np.int64)
     # Wall time of `step` by part: weight swaps (re-prefills included); admission, page allocation and dispatch;
     # waiting for the device (prefill, insert and decode compute not yet overlapped); recording tokens.
     self.seconds: collections.Counter[str] = collections.Counter()
@@ -185,8 +202,10 @@ class Scheduler:
       # With answers waiting, end the call once an eighth of the slots (at least one) can take them.
       refill_at = max(1, len(budget) // 8) if (self.waiting or self.resume) else 0
       owners = self._occupant.copy()
+      drafts = self._propose(budget) if self.drafter is not None else {}
       self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
-                                                     eos_ids=sorted(self.eos_ids), refill_at=refill_at, ahead=ahead)
+                                                     eos_ids=sorted(self.eos_ids), refill_at=refill_at, ahead=ahead,
+                                                     **drafts)
       self._inflight.append(_Call(steps=steps, fresh=self._fresh, owners=owners, budget=budget,
                                   version=self.version))
       self._fresh = []
@@ -199,6 +218,23 @@ class Scheduler:
     self.seconds["host_record"] += time.perf_counter() - t2 - self._waited
     return finished
 
+  def _propose(self, budget: np.ndarray) -> dict:
+    """`generate_steps`' drafts: for each slot that draws, what the drafter predicts after the tokens it holds."""
+    width = self.engine.cfg.draft_width
+    drafts = np.full((self.engine.cfg.num_slots, width), -1, np.int32)
+    draft_at = np.full(self.engine.cfg.num_slots, -1, np.int32)
+    for slot in np.flatnonzero(budget > 0).tolist():
+      guess = self.drafter.propose(int(self._occupant[slot]), width)
+      if len(guess):
+        drafts[slot, :len(guess)], draft_at[slot] = guess, self._known[slot]
+    return {"drafts": drafts, "draft_at": draft_at}
+
+  def _tell(self, slot: int, tokens) -> None:
+    """Gives the drafter tokens of the answer in `slot` (in order, once each)."""
+    if self.drafter is not None and len(tokens):
+      self.drafter.extend(int(self._occupant[slot]), tokens)
+      self._known[slot] += len(tokens)
+
   def _read_all(self) -> list[Sequence]:
     finished = []
     while self._inflight:
@@ -209,14 +245,17 @@ class Scheduler:
     """Records a decode call's tokens (and the first tokens of the answers admitted before it); returns the answers
     that finished."""
     steps, t = call.steps, time.perf_counter()
-    tokens, logp, count, experts, firsts = jax.device_get(
-        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:5] for f in call.fresh]))
+    tokens, logp, count, experts, firsts, spec = jax.device_get(
+        (steps.tokens, steps.log_prob, steps.count, steps.experts, [f[1:5] for f in call.fresh],
+         (steps.forwards, steps.drafted_at, steps.accepted_at)))
     self._waited += time.perf_counter() - t
     mine = (call.owners == self._occupant) & (call.owners > 0)  # slots still held by the answer that drew
     count = np.where(mine, count, 0)
     self.engine.slots.advance(count)
     self.counters["decode_calls"] += 1
     self.counters["decode_steps"] += int(count.max(initial=0))
+    if spec[0] is not None:
+      self._count_drafts(count, *spec)
     finished = []
     for (seqs, *_, array_row), (first_tokens, first_logp, prompt_experts, starts) in zip(call.fresh, firsts):
       for seq, r, row in seqs:
@@ -224,11 +263,15 @@ class Scheduler:
           continue
         if prompt_experts is not None:
           seq.routes = [_row_routes(prompt_experts, int(array_row[row]), int(starts[row]), len(seq.prompt))]
+        self._tell(seq.slot, [int(first_tokens[r])])
         if self._append(seq, first_tokens[r], first_logp[r], call.version):
           finished.append(seq)
     slots = np.flatnonzero((count > 0) & (call.owners == self._occupant))  # not ended by its first token
     if not len(slots):
       return finished
+    if self.drafter is not None:
+      for slot in slots.tolist():
+        self._tell(slot, tokens[slot, :count[slot]])
     # Where each answer stops, without a stop sequence: the device ends a slot at EOS (when it stops there) and at
     # its budget, so only the call's last token can end it.
     last = tokens[slots, count[slots] - 1]
@@ -259,6 +302,14 @@ class Scheduler:
       finished.append(seq)
     self.counters["tokens"] += int(count[slots].sum())
     return finished
+
+  def _count_drafts(self, count: np.ndarray, forwards, drafted_at, accepted_at) -> None:
+    self.counters["spec_forwards"] += int(forwards)
+    self.counters["spec_tokens"] += int(count.sum())
+    self.counters["spec_drafted"] += int(drafted_at.sum())
+    self.counters["spec_accepted"] += int(accepted_at.sum())
+    self.spec_drafted_at += drafted_at
+    self.spec_accepted_at += accepted_at
 
   def _buffer(self, slots: np.ndarray, n: np.ndarray, tokens: np.ndarray, logp: np.ndarray, version: int) -> None:
     """Records n[i] tokens of a call's block for each of `slots` in their buffers, in a few numpy operations (a
@@ -318,13 +369,20 @@ class Scheduler:
     self.running[slot] = seq
     self._occupant[slot] = next(self._serials)
     self._buf_n[slot] = 0
+    if self.drafter is not None:
+      self.drafter.start(int(self._occupant[slot]), seq.prompt)
+      self._known[slot] = 0
+      self._tell(slot, seq.tokens)
     seq.sync = self._sync
     self._limit[slot] = min(sp.max_new_tokens, self.engine.cfg.max_seq_len - len(seq.prompt))
     self._stop_eos[slot], self._has_stop[slot] = not sp.ignore_eos, bool(sp.stop)
 
-  def _release(self, seq: Sequence) -> None:
+  def _release(self, seq: Sequence, *, finished: bool = True) -> None:
+    """Frees the answer's slot; a `finished` answer's tokens join the drafter's histories."""
     self._sync(seq)
     seq.sync = None
+    if self.drafter is not None:
+      self.drafter.finish(int(self._occupant[seq.slot]), keep=finished)
     if self.engine.cfg.prefix_cache:  # its full pages stay for a prompt that extends it (an agent's next turn)
       self.engine.slots.release(seq.slot, tokens=np.concatenate([seq.prompt, np.asarray(seq.tokens, np.int32)]))
     else:
@@ -450,7 +508,8 @@ class Scheduler:
         if table.demand(budget + ahead)[shard] <= table.free_pages(shard):
           break
         budget[victim.slot] = 0
-        self._release(victim)  # admitted in this step, its first token unread: it restarts as new (same draw)
+        # Admitted in this step, its first token unread: it restarts as new (same draw).
+        self._release(victim, finished=False)
         victim.preemptions += 1
         heapq.heappush(self.resume, (victim.order, victim))
         self.counters["preemptions"] += 1

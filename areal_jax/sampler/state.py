@@ -86,12 +86,18 @@ class FirstTokens:
 @struct.dataclass(frozen=True)
 class DecodeSteps:
   """What one multi-step decode call drew: tokens[s, j] and log_prob[s, j] for j < count[s] (-1 and 0 after); with
-  `sampler.record_routes`, the experts the step's input token was routed to (the routing that gave log_prob[s, j])."""
+  `sampler.record_routes`, the experts the step's input token was routed to (the routing that gave log_prob[s, j]).
+  A speculative call draws up to `sampler.spec_tokens` + 1 tokens per slot and step, decode_steps in all."""
 
   tokens: jax.Array  # int32 [S, decode_steps]
   log_prob: jax.Array  # float32 [S, decode_steps]
   count: jax.Array  # int32 [S]
   experts: jax.Array | None = None  # int16 [S, decode_steps, sparse layers, k], or None
+  # With speculation (`sampler.speculation`): the slots' forwards over their drafts in the call (one per live slot
+  # and loop step), and per draft position j the drafts verified there and those accepted (int32 [spec_tokens]).
+  forwards: jax.Array | None = None
+  drafted_at: jax.Array | None = None
+  accepted_at: jax.Array | None = None
 
 
 def decode_state_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, num_pages: int) -> DecodeState:

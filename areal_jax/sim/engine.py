@@ -50,6 +50,9 @@ class SimEngine(EngineBase):
 
   def __init__(self, *, model_cfg: ModelConfig, cfg: SamplerConfig, num_shards: int, pages_per_shard: int,
                costs: CostModel, lengths: Callable[[np.ndarray], np.ndarray], eos_id: int, scale: int = 1):
+    if cfg.speculation != "off":
+      raise ValueError(f"sampler.speculation={cfg.speculation!r}: the simulator does not price speculative decoding "
+                       "yet; plan with sampler.speculation='off'")
     self.real_cfg, self.scale, self.costs, self.eos_id = cfg, scale, costs, eos_id
     self._lengths = lengths  # real tokens per answer, from PRNG keys [..., 2]
     sim = scaled(cfg, scale)
