@@ -225,7 +225,8 @@ def test_suffix_drafts_change_no_greedy_answer_and_logprobs_are_the_dense_forwar
 
 def test_sampled_answers_with_suffix_drafts_follow_the_model_s_distribution():
   """Temperature 0.7 over 3 drawable ids (`vocab_limit`), answers of 4 tokens: 3,000 answers to one prompt, drafted
-  from the earlier ones, against the exact distribution of the 81 sequences by the dense forward (chi-square)."""
+  from the earlier ones, against the exact distribution of the 81 sequences by the dense forward (chi-square); the
+  recorded logprobs are the dense forward's."""
   model = tiny_model(TINY, seed=7)
   cfg = SCHED_CFG.replace(num_slots=32, num_pages=32 * 12 + 1, speculation="suffix", spec_tokens=3, vocab_limit=3)
   prompt = np.array([5, 0, 1, 2, 0, 1], np.int32)
@@ -242,3 +243,5 @@ def test_sampled_answers_with_suffix_drafts_follow_the_model_s_distribution():
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   p = np.exp(np.take_along_axis(logp, grid[..., None], -1)[..., 0].sum(-1))
   assert stats.chisquare(counts, p / p.sum() * len(seqs)).pvalue > 1e-3
+  for t in list(answers.values())[::60]:  # every recorded logprob is the dense forward's (the whole vocabulary's)
+    np.testing.assert_allclose(t.logprobs, _dense_logprobs(model, t, temperature=0.7), atol=2e-5)
