@@ -42,11 +42,40 @@ useful tokens over the wall time, the seconds replicas spent swapping per versio
 sampler's stop it equals: one replica's swap stops only its share), and the seconds `publish` held the publishing
 thread per version (`sync/learner_seconds`). Each count runs the workload once untimed first (compiles, with
 `sampler.warmup`), then `--repeats` times; the fastest counts.
+
+`--speculation` instead runs speculative rollout off vs `sampler.speculation="suffix"` (drafts from the rollouts
+drawn so far, `sampler/drafts.py`; verified exactly on the device) side by side: the same weights, requests, slots
+and `--decode-steps` (the last value), temperature 1.0, one untimed round of each first (compiles), then `--repeats`
+alternating rounds, the best counting. Workloads (`--spec_workload`, default both):
+
+* `revisit`, RL's pattern, where drafts from history are honest: `--prompts` prompts of the tiny preset's data (its
+  prompt template and char tokenizer) x `--group` answers each, submitted as groups, for `--epochs` epochs (an epoch's
+  prompts again once the last epoch's answers are in: its answers are drafts for the next), EOS ending an answer
+  (at most the preset's `sampler.max_new_tokens`). The policy has learned something: the tiny preset's model
+  warm-started on the synthetic arithmetic worked solutions as a run warm-starts (`--warm_steps`, kept in
+  `--warm_cache`), or `--init_from` (e.g. a run's `<workdir>/warmstart`). Answers differ between the variants
+  (verification draws from other keys than sampling does), so each counts its own tokens;
+* `longtail`: the default workload above on random weights (`--shape`), EOS ignored. Little to draft from there:
+  random prompts and near-uniform random answers, so drafts are few and mostly rejected; it shows what speculation
+  costs where it cannot help.
+
+Per variant, `<workload> speculation=<off|suffix>: tokens N, seconds S, tokens/s R, decode calls C, tokens per
+slot-forward F` (tokens emitted per slot and forward of the loop, `spec_tokens / spec_forwards`; 1 without
+speculation), and with it the drafts verified and accepted, the acceptance overall and by draft position
+(`spec_accepted_at / spec_drafted_at`), on `revisit` also by epoch (of how many drafts); then `<workload> ratio
+suffix / off tokens/s`.
+A forward over `--spec_tokens` + 1 positions costs more than a decode step (on CPU, compute-bound, much more), so
+wall time may be worse even where tokens per forward rise. Compiling the speculative program takes minutes on a
+loaded 2-core CPU (2.5 at load 13: the first round); the timed rounds then take about a minute:
+
+    python tools/bench_sampler.py --speculation [--init_from /tmp/run/warmstart] [--prompts 16 --group 8 --epochs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import pathlib
 import tempfile
 import time
@@ -55,7 +84,8 @@ import time
 def parse_args():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--slots", type=int, default=32, help="decode slots (batch size of the static and hf baselines)")
-  p.add_argument("--requests", type=int, default=256, help="prompts, one answer each")
+  p.add_argument("--requests", type=int, default=None, help="prompts, one answer each (default 256; 96 with "
+                 "--speculation)")
   p.add_argument("--workload", choices=("longtail", "equal"), default="longtail")
   p.add_argument("--mean-len", type=int, default=48, help="longtail: mean answer length; the longest is 3x this")
   p.add_argument("--new-tokens", type=int, default=128, help="equal: every answer's length")
@@ -75,7 +105,24 @@ def parse_args():
   p.add_argument("--host_calls", type=int, default=64,
                  help="--host_slots: decode calls timed per count (enough that every answer's buffered tokens move "
                       "into its lists at least once: every 32 calls)")
-  return p.parse_args()
+  p.add_argument("--speculation", action="store_true",
+                 help="instead: sampler.speculation off vs suffix, side by side (see the module docstring)")
+  p.add_argument("--spec_workload", choices=("both", "revisit", "longtail"), default="both",
+                 help="--speculation: the workloads to run")
+  p.add_argument("--spec_tokens", type=int, default=4, help="--speculation: sampler.spec_tokens")
+  p.add_argument("--prompts", type=int, default=16, help="--speculation revisit: prompts (P)")
+  p.add_argument("--group", type=int, default=8, help="--speculation revisit: answers per prompt (G)")
+  p.add_argument("--epochs", type=int, default=3, help="--speculation revisit: passes over the same prompts (E)")
+  p.add_argument("--init_from", default="",
+                 help="--speculation revisit: the tiny-shaped policy (an Orbax policy or checkpoint directory such as "
+                      "a run's <workdir>/warmstart, or a HF directory); default: warm-start one (--warm_steps)")
+  p.add_argument("--warm_steps", type=int, default=300, help="--speculation revisit: warm-start steps (no --init_from)")
+  p.add_argument("--warm_cache", default=os.path.join(tempfile.gettempdir(), "areal_jax_bench_warmstart"),
+                 help="--speculation revisit: where the warm-start is kept for the next run ('' = not kept)")
+  args = p.parse_args()
+  if args.requests is None:
+    args.requests = 96 if args.speculation else 256
+  return args
 
 
 def workload(args, vocab: int):
@@ -340,8 +387,155 @@ def replicas_main(args) -> None:
           f"learner's wait per publish {waited / max(1, versions):.4f} s", flush=True)
 
 
+def spec_policy(args, data, records, tok):
+  """(the tiny preset's model, how it was made): `--init_from`'s weights (a policy or checkpoint directory, or a HF
+  model directory), else the random init warm-started as a run warm-starts (`rl.warmstart.sft` on the worked
+  solutions of `records`, `--warm_steps` steps at the tiny preset's learning rate and batch), kept in
+  `--warm_cache` under a key of everything that decides it."""
+  import hashlib
+
+  import jax
+  from flax import nnx
+
+  from areal_jax.data.dataset import warmstart_pairs
+  from areal_jax.learner.config import LearnerConfig
+  from areal_jax.learner.step import build_step, make_learner_mesh
+  from areal_jax.models import hf_io, orbax_io
+  from areal_jax.rl import warmstart
+
+  if args.init_from:
+    if os.path.exists(os.path.join(args.init_from, "config.json")):
+      return hf_io.load_hf(args.init_from), f"HF weights from {args.init_from}"
+    return orbax_io.load_orbax(args.init_from), f"weights from {args.init_from}"
+  model_cfg = model_config("tiny")
+  lr, batch_size, max_tokens = data["lr"], data["batch_size"], data["max_tokens"]
+  decides = (model_cfg, [r.uid for r in records], args.warm_steps, lr, batch_size, max_tokens, args.seed)
+  where = None
+  if args.warm_cache:
+    where = os.path.join(args.warm_cache, "tiny-" + hashlib.sha256(repr(decides).encode()).hexdigest()[:16])
+    if os.path.exists(os.path.join(where, "model_config.json")):
+      return orbax_io.load_orbax(where), f"the warm-start kept in {where}"
+  pairs = warmstart_pairs(records, tok, max_response_len=data["max_new_tokens"])
+  fns = build_step(model_cfg, LearnerConfig(max_tokens_per_mb=max_tokens, min_bucket=64),
+                   make_learner_mesh(jax.devices()[:1]))
+  start = time.perf_counter()
+  params, loss, steps = warmstart.sft(fns, fns.init_params(args.seed), pairs, steps=args.warm_steps,
+                                      batch_size=batch_size, lr=lr, max_tokens=max_tokens, seed=args.seed)
+  model = nnx.merge(fns.graphdef, jax.device_get(params))
+  if where is not None:
+    orbax_io.save_orbax(model, where)
+  return model, (f"warm-started {steps} steps on {len(pairs)} worked solutions (loss {loss:.3f}, "
+                 f"{time.perf_counter() - start:.0f} s)" + (f", kept in {where}" if where else ""))
+
+
+def speculation_main(args) -> None:
+  """Speculation off vs `suffix` on the revisited-prompts workload (warm-started tiny model, its own prompts) and the
+  long-tail one (random weights): see the module docstring."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from areal_jax.config import load_config
+  from areal_jax.data.config import DataConfig
+  from areal_jax.data.dataset import build_dataset
+  from areal_jax.models import create
+  from areal_jax.sampler import Engine, Request, SamplerConfig, SamplingParams, Scheduler
+  from areal_jax.tokenizer import load_tokenizer
+
+  k = int(args.decode_steps.split(",")[-1])
+  variants = ("off", "suffix")
+  workloads = ("revisit", "longtail") if args.spec_workload == "both" else (args.spec_workload,)
+
+  def measure(name, model, groups, *, max_new, eos_ids, ignore_eos):
+    """Times `groups` (a list of epochs, each a list of (prompt, answers, max_new_tokens)) under both variants:
+    an untimed round of each, then `--repeats` alternating rounds; prints each variant's best."""
+    max_prompt = max(len(p) for epoch in groups for p, _, _ in epoch)
+    max_seq_len = max_prompt + max_new
+    engines, params = {}, None
+    for v in variants:
+      cfg = SamplerConfig(num_slots=args.slots, page_size=args.page_size, max_seq_len=max_seq_len,
+                          max_new_tokens=max_new, num_pages=args.slots * -(-max_seq_len // args.page_size) + 1,
+                          max_prefill_tokens=4096, decode_steps=k, speculation=v, spec_tokens=args.spec_tokens)
+      engines[v] = Engine(model=model, config=cfg)
+      params = engines[v].load_params(model) if params is None else params
+
+    def run(v):
+      sched = Scheduler(engine=engines[v], params=params, eos_ids=eos_ids)
+      jax.block_until_ready(sched.state)
+      tokens, by_epoch, t = 0, [], time.perf_counter()
+      group = itertools.count()
+      for epoch in groups:  # an epoch's prompts once its predecessor's answers are all in (as RL's epochs are)
+        before = dict(sched.counters)
+        for prompt, n, m in epoch:
+          sched.submit(Request(group_id=next(group), prompt_ids=prompt, num_answers=n, sampling=SamplingParams(
+              temperature=1.0, max_new_tokens=int(m), ignore_eos=ignore_eos, seed=args.seed)))
+        while not sched.idle:
+          tokens += sum(len(x.tokens) for x in sched.step())
+        if v != "off":
+          by_epoch.append((sched.counters["spec_accepted"] - before["spec_accepted"],
+                           sched.counters["spec_drafted"] - before["spec_drafted"]))
+      jax.block_until_ready(sched.state)
+      return tokens, time.perf_counter() - t, sched, by_epoch
+
+    for v in variants:
+      run(v)  # compiles what the rounds run (the same requests draw the same tokens: the same shapes)
+    best = {}
+    for _ in range(args.repeats):
+      for v in variants:
+        r = run(v)
+        if v not in best or r[1] < best[v][1]:
+          best[v] = r
+    rate = {}
+    for v in variants:
+      tokens, seconds, sched, by_epoch = best[v]
+      rate[v] = tokens / seconds
+      line = (f"{name} speculation={v}: tokens {tokens}, seconds {seconds:.2f}, tokens/s {rate[v]:.0f}, decode calls "
+              f"{sched.counters['decode_calls']}")
+      if v == "off":
+        print(line + ", tokens per slot-forward 1.00", flush=True)
+        continue
+      c = sched.counters
+      at = sched.spec_accepted_at / np.maximum(sched.spec_drafted_at, 1)
+      print(line + f", tokens per slot-forward {c['spec_tokens'] / max(1, c['spec_forwards']):.2f}, drafted "
+            f"{c['spec_drafted']}, accepted {c['spec_accepted']}, acceptance "
+            f"{c['spec_accepted'] / max(1, c['spec_drafted']):.3f}, by position "
+            + " ".join(f"{a:.3f}" for a in at), flush=True)
+      if len(by_epoch) > 1:
+        print(f"{name} speculation={v}: acceptance by epoch " + ", ".join(
+            f"{a / max(1, d):.3f} of {d}" for a, d in by_epoch), flush=True)
+    print(f"{name} ratio suffix / off tokens/s: {rate['suffix'] / rate['off']:.2f}x", flush=True)
+
+  print(f"decode_steps {k}, spec_tokens {args.spec_tokens}, {args.slots} slots, temperature 1.0; "
+        f"{jax.devices()[0].platform}", flush=True)
+  if "revisit" in workloads:
+    path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "math.py"
+    c = load_config(f"{path}:tiny")
+    tok = load_tokenizer(c.model.tokenizer)
+    dataset = build_dataset(DataConfig.from_config(c.data), tok)
+    records = list(dataset.records)
+    model, made = spec_policy(args, {"lr": c.warmstart.lr, "batch_size": c.warmstart.batch_size,
+                                     "max_tokens": c.learner.max_tokens_per_mb,
+                                     "max_new_tokens": c.sampler.max_new_tokens}, records, tok)
+    picked = [records[i].prompt_ids for i in range(args.prompts)]
+    print(f"revisit: {args.prompts} prompts of the tiny preset's data x {args.group} answers x {args.epochs} epochs, "
+          f"EOS ends an answer (at most {c.sampler.max_new_tokens} tokens); policy: {made}", flush=True)
+    measure("revisit", model, [[(p, args.group, c.sampler.max_new_tokens) for p in picked]] * args.epochs,
+            max_new=c.sampler.max_new_tokens, eos_ids=[tok.eos_id], ignore_eos=False)
+  if "longtail" in workloads:
+    model_cfg = model_config(args.shape)
+    model = nnx.jit(lambda: create(model_cfg, seed=args.seed))()
+    args.workload = "longtail"
+    prompts, lengths = workload(args, model_cfg.vocab_size)
+    print(f"longtail: {args.requests} answers, mean {lengths.mean():.1f} / max {int(lengths.max())} tokens, EOS "
+          f"ignored; random weights ({args.shape})", flush=True)
+    measure("longtail", model, [[(p, 1, n) for p, n in zip(prompts, lengths)]], max_new=int(lengths.max()),
+            eos_ids=[], ignore_eos=True)
+
+
 def main():
   args = parse_args()
+  if args.speculation:
+    return speculation_main(args)
   if args.host_slots:
     return host_main(args)
   if args.replicas:

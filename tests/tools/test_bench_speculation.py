@@ -1,0 +1,48 @@
+"""tools/bench_sampler.py --speculation end to end at a small size: speculation off vs suffix on the revisited-prompts
+workload (a briefly warm-started tiny model) and the long-tail one (random weights). Its lines parse, acceptance lies
+in [0, 1], both variants draw the same number of tokens on the long tail (EOS ignored), and on the revisited prompts
+drafts from the earlier epoch's answers are accepted."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_LINE = re.compile(r"^(revisit|longtail) speculation=(off|suffix): tokens (\d+), seconds ([\d.]+), tokens/s (\d+), "
+                   r"decode calls (\d+), tokens per slot-forward ([\d.]+)(.*)$", re.M)
+_SPEC = re.compile(r"^, drafted (\d+), accepted (\d+), acceptance ([\d.]+), by position ((?:[\d.]+ ?)+)$")
+
+
+def test_bench_speculation_lines_and_acceptance(tmp_path):
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_sampler.py"), "--speculation",
+                        "--prompts=4", "--group=4", "--epochs=2", "--slots=8", "--warm_steps=40",
+                        f"--warm_cache={tmp_path}", "--requests=12", "--mean-len=8", "--repeats=1"],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  out = out.stdout
+  rows = {(w, v): m for w, v, *m in _LINE.findall(out)}
+  assert set(rows) == {(w, v) for w in ("revisit", "longtail") for v in ("off", "suffix")}, out
+  spec = {}
+  for (w, v), (tokens, _, rate, _, per_forward, rest) in rows.items():
+    assert int(tokens) > 0 and int(rate) > 0, out
+    if v == "off":
+      assert per_forward == "1.00" and not rest, out
+      continue
+    m = _SPEC.match(rest)
+    assert m, rest
+    drafted, accepted, acceptance = int(m[1]), int(m[2]), float(m[3])
+    by_position = [float(x) for x in m[4].split()]
+    assert 0 <= accepted <= drafted and 0 <= acceptance <= 1, out
+    assert len(by_position) == 4 and all(0 <= a <= 1 for a in by_position), out
+    assert float(per_forward) >= 1.0, out  # a forward emits its accepted drafts + 1
+    spec[w] = accepted
+  assert rows["longtail", "off"][0] == rows["longtail", "suffix"][0], out  # EOS ignored: the same lengths
+  assert spec["revisit"] > 0, out  # the earlier epoch's answers draft the later one's
+  assert re.search(r"^revisit speculation=suffix: acceptance by epoch [\d.]+ of \d+, [\d.]+ of \d+$", out, re.M), out
+  assert len(re.findall(r"^(revisit|longtail) ratio suffix / off tokens/s: [\d.]+x$", out, re.M)) == 2, out
