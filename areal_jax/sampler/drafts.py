@@ -352,9 +352,10 @@ class SuffixDrafter:
           m[0], m[2] = g.short(m[0]), len(g.text)  # no longer one can: the state holding it now
         m[0], m[1] = g.walk(m[0], m[1], tokens)
 
-  def propose(self, key: Hashable, n: int) -> np.ndarray:
+  def propose(self, key: Hashable, n: int, at_least: int = 0) -> np.ndarray:
     """Up to min(n, max_draft) tokens (int32) predicted to follow answer `key`'s context; empty if nothing
-    matches."""
+    matches. The match's length sets the draft's (`draft_factor`), but no shorter than `at_least` tokens where the
+    text goes on (a caller whose device runs ahead of what it has read needs the draft to reach past it)."""
     answer = self._answers[key]
     self.stats["proposals"] += 1
     if min(n, self.max_draft) < 1:
@@ -384,7 +385,7 @@ class SuffixDrafter:
     if found is None:
       return _EMPTY
     source, g, e = found
-    k = min(n, self.max_draft, math.ceil(self.draft_factor * best))
+    k = min(n, self.max_draft, max(at_least, math.ceil(self.draft_factor * best)))
     draft = np.frombuffer(g.follows(e, k), np.int32).copy()
     self.stats["drafts"] += 1
     self.stats["tokens"] += len(draft)

@@ -146,7 +146,8 @@ class EngineBase(abc.ABC):
 
     With `sampler.speculation`, `drafts` [S, draft_width] (-1 past a slot's draft) are guesses of slot s's answer
     tokens from answer index `draft_at[s]` on (-1: no draft); the call verifies them exactly (`Programs.speculate`),
-    up to `sampler.spec_tokens` per step, and may draw several tokens per step.
+    up to `sampler.spec_tokens` per step, and may draw several tokens per step. Without drafts the plain decode
+    program runs.
     """
     cfg = self.cfg
     with self.slots.lock:
@@ -166,9 +167,9 @@ class EngineBase(abc.ABC):
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = list(eos_ids)
     args = (params, decode_state, budget.astype(np.int32), stop, eos, grow, np.int32(refill_at))
-    if cfg.speculation == "off":
-      if drafts is not None:
-        raise ValueError("generate_steps: drafts given with sampler.speculation='off'")
+    if cfg.speculation == "off" and drafts is not None:
+      raise ValueError("generate_steps: drafts given with sampler.speculation='off'")
+    if drafts is None:  # nothing to verify: one position per forward (the speculative call would compute k + 1)
       return self.programs.decode(*args)
     return self.programs.speculate(*args, *self._drafts(drafts, draft_at))
 

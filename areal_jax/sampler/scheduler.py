@@ -202,7 +202,7 @@ class Scheduler:
       # With answers waiting, end the call once an eighth of the slots (at least one) can take them.
       refill_at = max(1, len(budget) // 8) if (self.waiting or self.resume) else 0
       owners = self._occupant.copy()
-      drafts = self._propose(budget) if self.drafter is not None else {}
+      drafts = self._propose(budget, ahead) if self.drafter is not None else {}
       self.state, steps = self.engine.generate_steps(self.params, self.state, budget, stop_eos=stop_eos,
                                                      eos_ids=sorted(self.eos_ids), refill_at=refill_at, ahead=ahead,
                                                      **drafts)
@@ -218,16 +218,20 @@ class Scheduler:
     self.seconds["host_record"] += time.perf_counter() - t2 - self._waited
     return finished
 
-  def _propose(self, budget: np.ndarray) -> dict:
-    """`generate_steps`' drafts: for each slot that draws, what the drafter predicts after the tokens it holds."""
-    width = self.engine.cfg.draft_width
-    drafts = np.full((self.engine.cfg.num_slots, width), -1, np.int32)
-    draft_at = np.full(self.engine.cfg.num_slots, -1, np.int32)
+  def _propose(self, budget: np.ndarray, ahead: np.ndarray) -> dict:
+    """`generate_steps`' drafts: for each slot that draws, what the drafter predicts after the tokens it holds, long
+    enough to reach past what calls in flight and unread may draw (`ahead`) by one forward's drafts. None if no slot
+    has a draft (the plain decode program then runs)."""
+    cfg = self.engine.cfg
+    drafts = np.full((cfg.num_slots, cfg.draft_width), -1, np.int32)
+    draft_at = np.full(cfg.num_slots, -1, np.int32)
+    unread = np.where(self._occupant > 0, self.engine.slots.generated - self._known + ahead, 0)
     for slot in np.flatnonzero(budget > 0).tolist():
-      guess = self.drafter.propose(int(self._occupant[slot]), width)
+      guess = self.drafter.propose(int(self._occupant[slot]), cfg.draft_width,
+                                   at_least=int(unread[slot]) + cfg.spec_tokens)
       if len(guess):
         drafts[slot, :len(guess)], draft_at[slot] = guess, self._known[slot]
-    return {"drafts": drafts, "draft_at": draft_at}
+    return {"drafts": drafts, "draft_at": draft_at} if (draft_at >= 0).any() else {}
 
   def _tell(self, slot: int, tokens) -> None:
     """Gives the drafter tokens of the answer in `slot` (in order, once each)."""

@@ -142,6 +142,17 @@ def test_most_recent_occurrence():
   assert d.stats["prompt"] == 1 and d.stats["own"] == 1
 
 
+def test_at_least_lengthens_a_short_match_s_draft_to_the_text_s_end():
+  """A 2-token match earns 2 tokens; `at_least` asks more (a device running ahead), never past the text's end."""
+  d = SuffixDrafter(max_draft=16, global_answers=0)
+  d.start("a", np.array([7, 8, 1, 2, 3, 4, 5, 9]))
+  d.extend("a", [7, 8])
+  assert d.propose("a", 16).tolist() == [1, 2]
+  assert d.propose("a", 16, at_least=5).tolist() == [1, 2, 3, 4, 5]
+  assert d.propose("a", 16, at_least=12).tolist() == [1, 2, 3, 4, 5, 9, 7, 8]
+  assert d.propose("a", 3, at_least=12).tolist() == [1, 2, 3]
+
+
 def test_a_full_length_match_moves_to_a_newer_sibling():
   """An answer matching max_match tokens keeps that length when a sibling finishes with the same tokens, and its
   draft moves to that sibling's (newer) continuation."""
