@@ -14,13 +14,33 @@ round of each counts. Prints completions/s and tokens/s of each, the sampler's w
 calls, steps, prefill rows, tokens drawn) and both overheads. 1-3 minutes on a 2-core CPU (`--shape=100m`: 5-12):
 
     python tools/bench_agents.py [--episodes 64] [--turns 2] [--max-tokens 24] [--repeats 3] [--shape tiny]
+
+`--agent calculator` measures instead what keeping an episode's turns on one sampler replica does for the prefix
+cache, on the bundled calculator agent (`agents/calculator.py`) and its task (products of two-digit numbers):
+`--episodes` episodes at once through `EpisodeRunner` on a `LocalRollout` of `--replicas` engine replicas (one CPU
+device each), `sampler.prefix_cache` on, greedy, configs/agent.py:fast's model shape. Its policy is the random init
+warm-started as a run warm-starts (`rl.warmstart.sft` on `agents.demonstration_episodes`, `--warm-steps` steps) on the
+calculator's demonstrations of these very problems, every one calling the tool: its episodes call `calc` and answer
+from the result in a second turn that extends the first. `--policy-dir` keeps it for the next run. The episodes run
+twice, each time on fresh replicas (empty caches): with the tag dropped on the way to the rollout (each turn to the
+least loaded replica, as before the tag; the same agent, client, routes and recording otherwise), then with each
+request tagged with its episode as the runner tags it (`Request.episode`: every turn on the replica of the first).
+Prints, per variant, the turns, tool calls and solved episodes, how many episodes' turns all landed on one replica
+(from `sampler/replica{i}/answers`), and the share of prompt tokens found in the cache (`sampler/replica{i}/
+prefix_hits`, overall and per replica). About 2 minutes on a 2-core CPU, 1 with the policy kept:
+
+    python tools/bench_agents.py --agent calculator --replicas 2 [--policy-dir /tmp/calculator_policy]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import hashlib
 import itertools
+import os
+import threading
 import time
 
 
@@ -32,9 +52,37 @@ def parse_args():
   p.add_argument("--repeats", type=int, default=3, help="timed rounds of each, alternating; the best counts")
   p.add_argument("--decode-steps", type=int, default=8, help="sampler.decode_steps: decode steps per device call (an "
                  "answer arriving during a call waits for its end)")
-  p.add_argument("--shape", choices=("tiny", "100m"), default="tiny", help="model shape (random weights), as in "
-                 "bench_sampler.py: a longer decode step hides more of the per-request cost")
-  return p.parse_args()
+  p.add_argument("--shape", choices=("tiny", "100m", "fast"), default=None, help="model shape (random weights), as "
+                 "in bench_sampler.py: a longer decode step hides more of the per-request cost; fast: configs/agent.py"
+                 ":fast's (hidden 64, 2 layers). Default: tiny, and fast for the calculator (its warm-start is ~15x "
+                 "cheaper; the cache's hits do not depend on the width)")
+  p.add_argument("--agent", choices=("chat", "calculator"), default="chat", help="chat: the overheads above; "
+                 "calculator: the prefix cache's hits with an episode's turns kept on one replica vs scattered")
+  p.add_argument("--replicas", type=int, default=2, help="calculator: sampler engine replicas (one CPU device each)")
+  p.add_argument("--warm-steps", type=int, default=600, help="calculator: warm-start steps of the policy (600: "
+                 "every episode calls the tool with the right operands and answers right)")
+  p.add_argument("--policy-dir", default="", help="calculator: keep the warm-started policy here (under a key of what "
+                 "decides it) and load it from here next time; empty: warm-start every run")
+  p.add_argument("--page-size", type=int, default=16, help="calculator: tokens per KV page (the cache's unit)")
+  p.add_argument("--seed", type=int, default=0, help="calculator: the problems' and the warm-start's seed")
+  args = p.parse_args()
+  if args.shape is None:
+    args.shape = "fast" if args.agent == "calculator" else "tiny"
+  if args.agent == "calculator" and args.replicas < 2:
+    p.error(f"--replicas={args.replicas}: the calculator mode compares dispatch over >= 2 replicas")
+  return args
+
+
+def shape_config(shape: str):
+  """The model config of `shape`: bench_sampler.py's (`tiny`, `100m`), or configs/agent.py:fast's model (`fast`)."""
+  from bench_sampler import model_config  # pylint: disable=g-import-not-at-top
+  from areal_jax.config import load_config  # pylint: disable=g-import-not-at-top
+  from areal_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
+
+  if shape != "fast":
+    return model_config(shape)
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "agent.py")
+  return ModelConfig.from_config(load_config(f"{path}:fast").model)
 
 
 def make_agent(turns: int, max_tokens: int):
@@ -51,11 +99,14 @@ def make_agent(turns: int, max_tokens: int):
 
 def main():
   args = parse_args()
+  if args.agent == "calculator":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.replicas}").strip()
+    return calculator_main(args)
   from areal_jax import agents  # pylint: disable=g-import-not-at-top  # first: it picks the backend before JAX loads
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from bench_sampler import model_config  # pylint: disable=g-import-not-at-top
   from areal_jax.models import create  # pylint: disable=g-import-not-at-top
   from areal_jax.distributed.replicas import LocalRollout  # pylint: disable=g-import-not-at-top
   from areal_jax.sampler.config import SamplerConfig  # pylint: disable=g-import-not-at-top
@@ -64,7 +115,7 @@ def main():
   from areal_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
   from areal_jax.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
 
-  model_cfg = model_config(args.shape)
+  model_cfg = shape_config(args.shape)
   model = create(model_cfg, 0)
   tok = CharTokenizer()
   seq_len = min(model_cfg.max_position_embeddings, 256)
@@ -157,6 +208,146 @@ def main():
         f"{recording:.3f})")
   print(f"agents' overhead (client, routes and recording): {100 * (ratio - 1):+.1f}% time (episodes / plain "
         f"requests = {ratio:.3f})")
+
+# The calculator's episodes as configs/agent.py runs them: answers of at most 80 tokens, sequences of at most 224.
+CALC_MAX_TOKENS, CALC_SEQ_LEN = 80, 224
+
+
+class Routed:
+  """The rollout as the runner sees it: each request goes on with its episode tag (`keep_tag`) or without it, and
+  `landed` notes where it went ((episode, replica) per request, read from `sampler/replica{i}/answers`). Everything
+  else is the rollout's."""
+
+  def __init__(self, rollout, *, keep_tag: bool):
+    self.rollout, self.keep_tag = rollout, keep_tag
+    self.landed: list[tuple[str, int]] = []
+    self._lock = threading.Lock()  # one submit at a time, so the answers counter that moved is this request's
+
+  def submit(self, request):
+    with self._lock:
+      before = self._answers()
+      futures = self.rollout.submit(request if self.keep_tag else dataclasses.replace(request, episode=None))
+      [replica] = [i for i, (a, b) in enumerate(zip(before, self._answers())) if b > a]
+      self.landed.append((request.episode, replica))
+    return futures
+
+  def _answers(self) -> list[float]:
+    metrics = self.rollout.sampler_metrics()
+    return [metrics[f"sampler/replica{i}/answers"] for i in range(len(self.rollout.replicas))]
+
+  def __getattr__(self, name):
+    return getattr(self.rollout, name)
+
+
+def calculator_policy(args, model_cfg, problems, tok):
+  """(the policy's parameters, how it was made): the random init warm-started as a run's warm-start trains
+  (`rl.warmstart.sft` on `agents.demonstration_episodes`, turns merged) on the calculator's demonstrations of
+  `problems`, every one calling the tool. Kept in `args.policy_dir` under a key of everything that decides it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from areal_jax import agents  # pylint: disable=g-import-not-at-top
+  from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
+  from areal_jax.learner.config import LearnerConfig  # pylint: disable=g-import-not-at-top
+  from areal_jax.learner.step import build_step, make_learner_mesh  # pylint: disable=g-import-not-at-top
+  from areal_jax.models import orbax_io  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl import warmstart  # pylint: disable=g-import-not-at-top
+
+  lr, batch_size, max_tokens = 2e-3, 16, 1024
+  decides = (model_cfg, [p["question"] for p in problems], args.warm_steps, lr, batch_size, max_tokens, args.seed)
+  where = None
+  if args.policy_dir:
+    where = os.path.join(args.policy_dir, "calculator-" + hashlib.sha256(repr(decides).encode()).hexdigest()[:16])
+    if os.path.exists(os.path.join(where, "model_config.json")):
+      return nnx.state(orbax_io.load_orbax(where), nnx.Param), f"the warm-start kept in {where}"
+  demos = [Calculator(demo_tool_share=1.0).demonstration(p) for p in problems]
+  examples = agents.demonstration_episodes(demos, tok, max_response_len=CALC_MAX_TOKENS)
+  fns = build_step(model_cfg, LearnerConfig(max_tokens_per_mb=max_tokens, min_bucket=64),
+                   make_learner_mesh(jax.devices()[:1]))
+  start = time.perf_counter()
+  params, loss, steps = warmstart.sft(fns, fns.init_params(args.seed), examples, steps=args.warm_steps,
+                                      batch_size=min(batch_size, len(examples)), lr=lr, max_tokens=max_tokens,
+                                      seed=args.seed, accumulate=True)
+  made = (f"warm-started {steps} steps on the episodes' demonstrations (loss {loss:.3f}, "
+          f"{time.perf_counter() - start:.0f} s)")
+  if where is not None:
+    orbax_io.save_orbax(nnx.merge(fns.graphdef, params), where)
+  return params, made
+
+
+def calculator_main(args):
+  """The calculator agent's episodes on `args.replicas` replicas, each episode's turns kept on one replica vs
+  scattered over them: the prefix cache's hits (see the module docstring)."""
+  from areal_jax import agents  # pylint: disable=g-import-not-at-top  # first: it picks the backend before JAX loads
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
+  from areal_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+  from areal_jax.distributed.replicas import LocalRollout  # pylint: disable=g-import-not-at-top
+  from areal_jax.models import create  # pylint: disable=g-import-not-at-top
+  from areal_jax.sampler.config import SamplerConfig  # pylint: disable=g-import-not-at-top
+  from areal_jax.sampler.requests import SamplingParams  # pylint: disable=g-import-not-at-top
+  from areal_jax.serve import tool_calls  # pylint: disable=g-import-not-at-top
+  from areal_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
+  from areal_jax.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
+
+  model_cfg, tok = shape_config(args.shape), CharTokenizer()
+  problems = [{"uid": p.uid, "question": p.question, "reference": p.reference, "kind": p.kind,
+               "solution": p.solution, "prompt": ""}
+              for p in synthetic.generate(args.episodes, difficulty=1, seed=args.seed, task="products", distinct=True)]
+  params, made = calculator_policy(args, model_cfg, problems, tok)
+  pages = -(-CALC_SEQ_LEN // args.page_size)
+  cfg = SamplerConfig(num_slots=args.episodes, page_size=args.page_size, num_pages=2 * args.episodes * pages + 1,
+                      max_seq_len=CALC_SEQ_LEN, max_new_tokens=CALC_MAX_TOKENS, vocab_limit=tok.vocab_size,
+                      decode_steps=args.decode_steps, prefix_cache=True)
+  meshes = [make_mesh(jax.devices()[i:i + 1], {"data": 1, "tensor": 1}) for i in range(args.replicas)]
+  abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
+
+  def run(keep_tag: bool):
+    """Every episode at once on fresh replicas (empty caches): (results, where each request landed, per replica
+    (tokens cached, prefilled), the rollout's sampler metrics)."""
+    rollout = LocalRollout(abstract_model=abstract_model, config=cfg, meshes=meshes, params=params, version=0,
+                           eos_ids=[tok.eos_id], detokenize=tok.decode)
+    routed = Routed(rollout, keep_tag=keep_tag)
+    runner = agents.EpisodeRunner(
+        agent=Calculator(max_tokens=CALC_MAX_TOKENS).run, config=agents.AgentConfig(max_turns=4, timeout_s=600),
+        rollout=routed, tokenizer=tok, sampling=SamplingParams(temperature=0.0, seed=args.seed),
+        limits={"max_seq_len": CALC_SEQ_LEN, "vocab_size": model_cfg.vocab_size}, version=lambda: 0)
+    try:
+      futures = [runner.submit(p, group_id=i, index=0, min_version=0) for i, p in enumerate(problems)]
+      results = [f.result() for f in futures]
+    finally:
+      runner.stop()
+      rollout.stop()  # after its last step: every counter is in
+    stats = [r.sampler.stats() for r in rollout.replicas]
+    per = [(int(st["cached_tokens"]), int(st["prefill_tokens"])) for st in stats]
+    return results, routed.landed, per, rollout.sampler_metrics()
+
+  print(f"calculator agent: {args.episodes} episodes at once over {args.replicas} replicas, prefix cache on, page "
+        f"{args.page_size}, greedy; the policy: {made} ({jax.devices()[0].platform}, {args.shape} shape)")
+  drawn = {}
+  for name, keep_tag in (("scattered (no episode)", False), ("kept (Request.episode)", True)):
+    results, landed, per, metrics = run(keep_tag)
+    cached, prefilled = sum(c for c, _ in per), sum(p for _, p in per)
+    rates = ", ".join(f"{metrics[f'sampler/replica{i}/prefix_hits']:.2f}" for i in range(args.replicas))
+    where = {}
+    for episode, replica in landed:
+      where.setdefault(episode, set()).add(replica)
+    calls = sum(len(tool_calls.parse(c.text)[1] or ()) for r in results for c in r.completions[:-1])  # run by it
+    failed = [r.failure for r in results if r.failure]
+    print(f"  {name:24s} prefix hits {cached / max(cached + prefilled, 1):.3f} (per replica {rates}); {cached} tokens "
+          f"cached, {prefilled} prefilled")
+    print(f"  {'':24s} {len(results)} episodes: {sum(r.turns for r in results)} turns, "
+          f"{sum(r.turns >= 2 for r in results)} episodes of 2 or more, {calls} tool calls, "
+          f"{sum(r.reward == 1.0 for r in results)} solved, {len(failed)} failed; "
+          f"{sum(len(w) == 1 for w in where.values())} episodes' turns all on one replica")
+    if failed:
+      print(f"  {'':24s} e.g. {failed[0]}")
+    drawn[name] = [[c.tokens.tolist() for c in r.completions] for r in results]
+  scattered, kept = drawn.values()
+  same = sum(a == b for x, y in zip(scattered, kept) for a, b in zip(x, y))
+  print(f"answers drawn alike by both: {same} of {sum(len(x) for x in kept)}")
 
 
 if __name__ == "__main__":

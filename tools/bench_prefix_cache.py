@@ -21,6 +21,9 @@ cache (`sampler/replica{i}/prefix_hits`, overall and per replica), the tokens pr
 untimed round of each, which compiles):
 
     python tools/bench_prefix_cache.py --replicas 2
+
+The same comparison on the bundled calculator agent's own episodes (its OpenAI-client requests, its tool calls):
+`tools/bench_agents.py --agent calculator`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""tools/bench_sampler.py, bench_learner.py, bench_agents.py, bench_sandbox.py, bench_lora.py, bench_prefix_cache.py
-and bench_delta_sync.py end to end on small workloads, peers included."""
+"""tools/bench_sampler.py, bench_learner.py, bench_agents.py (its calculator mode too), bench_sandbox.py,
+bench_lora.py, bench_prefix_cache.py and bench_delta_sync.py end to end on small workloads, peers included."""
 
 import json
 import os
@@ -71,6 +71,26 @@ def test_bench_agents_replays_the_recorded_completions():
   assert len(drawn) == 3 and len(set(drawn)) == 1, out  # the sampler did the same work in each
   assert re.search(r"^recording overhead: [+-]\d+\.\d% time", out, re.M), out
   assert re.search(r"^agents' overhead \(client, routes and recording\): [+-]\d+\.\d% time", out, re.M), out
+
+
+def test_bench_agents_calculator_keeps_each_episode_on_one_replica(tmp_path):
+  """The calculator agent on 2 replicas, its policy warm-started to call the tool: its episodes are 2 turns or more
+  with tool calls in both variants, and tagged, every episode's turns land on one replica."""
+  out = _run("bench_agents.py", "--agent=calculator", "--replicas=2", "--episodes=4", "--warm-steps=150",
+             f"--policy-dir={tmp_path}")
+  hits = re.findall(r"^  (scattered \(no episode\)|kept \(Request\.episode\))\s+prefix hits ([\d.]+) \(per replica "
+                    r"([\d.]+), ([\d.]+)\); (\d+) tokens cached, (\d+) prefilled$", out, re.M)
+  assert [h[0] for h in hits] == ["scattered (no episode)", "kept (Request.episode)"], out
+  assert all(0 < float(h[1]) < 1 and 0 <= float(h[2]) <= 1 and 0 <= float(h[3]) <= 1 for h in hits), out
+  counts = [tuple(map(int, m)) for m in re.findall(
+      r"^ +(\d+) episodes: (\d+) turns, (\d+) episodes of 2 or more, (\d+) tool calls, (\d+) solved, (\d+) failed; "
+      r"(\d+) episodes' turns all on one replica$", out, re.M)]
+  assert len(counts) == 2, out
+  for episodes, turns, multi, calls, _, failed, _ in counts:
+    assert episodes == 4 and failed == 0 and multi >= 1 and calls >= 1 and turns >= episodes + multi, out
+  assert counts[1][6] == 4, out  # tagged: every episode's turns on one replica
+  assert re.search(r"^answers drawn alike by both: \d+ of \d+$", out, re.M), out
+  assert len(os.listdir(tmp_path)) == 1, out  # the warm-started policy, kept
 
 
 def test_bench_sandbox_times_both_modes():
