@@ -19,6 +19,13 @@ no colocated row: each split's η = 0 row is its baseline. `sampler.num_slots` c
 (`--slots_per_shard` sets every data shard's instead). The plan prints each efficiency with its source
 (`sim.costs.PUBLISHED`, or `--calibration`).
 
+`--spec_accept=A` (repeatable) prices speculative rollout (`sampler.speculation="suffix"`, `sampler.spec_tokens`
+drafts per slot and forward) at a measured acceptance: every row is simulated again with it, and a line per row gives
+its step time and tokens/s with speculation beside those without (`sim.costs.Acceptance`, `docs/planner.md`).
+
+  python tools/plan.py --config=configs/math.py:qwen2.5-1.5b --device=v5p --chips=64 --sampler_chips=48 --eta=2 \
+      --length_mean=8000 --spec_accept=0.6 --spec_accept=0.6,0.4,0.25,0.15
+
 `--check=DIR` holds the planner to measurement instead: it calibrates the cost model on this machine's CPU (the tiny
 preset's programs in each role's layout; cached in `--calibration`), predicts every run of a
 `tools/bench_async.py --processes` workdir and prints predicted beside measured:
@@ -71,6 +78,13 @@ _PROGRAMS = flags.DEFINE_string("learner_programs", "", "A TPU topology (v5p:2x2
 _SCRATCH = flags.DEFINE_float("learner_scratch_gib", -1, "GiB per chip the learner step's programs need beyond its "
                                "state, which a colocated run's KV pool leaves free; -1 = compiled with "
                                "--learner_programs, else not counted (printed so).")
+_SPEC_ACCEPT = flags.DEFINE_multi_string(
+    "spec_accept", [], "Price speculative rollout (sampler.speculation=suffix) too, at this acceptance: a (each draft "
+    "token accepted with probability a, independently) or a1,...,ak (the share accepted at each of the "
+    "sampler.spec_tokens draft positions, as the sampler counts them); repeat for several. Every row is simulated "
+    "again with it and its step time printed beside the one without.")
+_SPEC_DRAFTED = flags.DEFINE_float("spec_drafted", 1.0, "With --spec_accept: the share of slot-forwards that carry a "
+                                   "draft at all.")
 _JSON = flags.DEFINE_bool("json", False, "Print the result as one JSON object instead of the table.")
 _PLOT = flags.DEFINE_string("plot", "plan.png", "PNG of throughput against split per η ('' = none).")
 _CHECK = flags.DEFINE_string("check", "", "A tools/bench_async.py --processes workdir: predict its runs from this "
@@ -115,6 +129,8 @@ def _setup():
   else:
     dist = lengths.Lengths.parametric(_MEAN.value or max_len / 4, max_len)
   s = s.replace(max_new_tokens=max(s.max_new_tokens, dist.max))
+  if _SPEC_ACCEPT.value:  # the table without speculation, `--spec_accept`'s lines with it
+    s = s.replace(speculation="off")
   prompt_len = _PROMPT_LEN.value or max(1, settings.data.max_prompt_len // 2)
   s = s.replace(max_seq_len=max(s.max_seq_len, prompt_len + s.max_new_tokens))
   remat = {"none": 0.0, "dots": 0.5, "full": 1.0}[model.remat]
@@ -202,9 +218,14 @@ def main(argv):
     _check()
     return
 
+  from areal_jax.sim.costs import Acceptance  # pylint: disable=g-import-not-at-top
+
   try:
     sources, setup = _setup()
+    acceptances = [Acceptance.parse(a, setup.sampler.spec_tokens, _SPEC_DRAFTED.value) for a in _SPEC_ACCEPT.value]
     result = plan.plan(setup, etas=_ints(_ETA.value, "eta"), sampler_chips=_ints(_SPLITS.value, "sampler_chips"))
+    if acceptances:
+      result["speculation"] = [plan.speculation(setup, result, a) for a in acceptances]
   except ValueError as e:
     raise SystemExit(f"FATAL {e}") from None
   if _PLOT.value:
@@ -240,6 +261,8 @@ def main(argv):
         f"({r['layout']}): {vs}{r['speedup_vs_split_sync']:.2f}x sync on the same split, staleness "
         f"{r['staleness_mean']:.2f}"
         + (f"; plot: {_PLOT.value}" if _PLOT.value else ""))
+  for spec in result.get("speculation", []):
+    print(plan.format_speculation(spec))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,66 @@ def from_device_check(report: dict, device: Device, eff: Efficiency = Efficiency
   return eff.replace(**updates)
 
 
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+  """What speculative rollout (`sampler.speculation`) accepts, measured, for pricing it: `accepted[j]` is the share
+  of drafts at position j (of `sampler.spec_tokens`) accepted together with every draft before it, as the scheduler
+  counts them (`spec_accepted_at / spec_drafted_at`); `drafted` the share of slot-forwards that carry a draft at all
+  (each taken as spec_tokens long). A slot-forward then emits 1 + L tokens, L its accepted leading drafts:
+  P(L >= j) = drafted x accepted[j - 1] (made non-increasing), at most the tokens its call has left for it."""
+
+  accepted: tuple[float, ...]
+  drafted: float = 1.0
+
+  def __post_init__(self):
+    if not self.accepted or not all(0.0 <= a <= 1.0 for a in (*self.accepted, self.drafted)):
+      raise ValueError(f"acceptance {self.accepted}, drafted {self.drafted}: shares in [0, 1], at least one position")
+
+  @classmethod
+  def parse(cls, text: str, spec_tokens: int, drafted: float = 1.0) -> Acceptance:
+    """`a` (each draft token accepted with probability a, independently: a^j at position j) or `a1,...,ak`, the
+    shares by position as the scheduler counts them (k = `sampler.spec_tokens`)."""
+    try:
+      values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+      raise ValueError(f"acceptance {text!r}: expected a share or comma-separated shares by draft position") from None
+    if len(values) == 1:
+      values = [values[0] ** (j + 1) for j in range(spec_tokens)]
+    elif len(values) != spec_tokens:
+      raise ValueError(f"acceptance {text!r}: {len(values)} draft positions, sampler.spec_tokens={spec_tokens}")
+    return cls(tuple(values), drafted)
+
+  @property
+  def spec_tokens(self) -> int:
+    return len(self.accepted)
+
+  def leading(self) -> np.ndarray:
+    """P(L >= j) for j = 0..spec_tokens."""
+    return np.minimum.accumulate(np.concatenate([[1.0], self.drafted * np.asarray(self.accepted, np.float64)]))
+
+  def tokens_per_forward(self) -> float:
+    """Tokens a slot-forward emits on average when its call leaves it room for all of them."""
+    return float(self.leading().sum())
+
+  def forwards_cdf(self, tokens: int) -> np.ndarray:
+    """cdf[t, f] = P(a slot emits t tokens in at most f forwards), t, f = 0..`tokens`: each forward emits 1 + its
+    accepted leading drafts, at most the t it has left (the device drafts no further than the slot's budget)."""
+    at_least = self.leading()
+    pmf = at_least - np.append(at_least[1:], 0.0)  # P(L = j)
+    p = np.zeros((tokens + 1, tokens + 1))
+    p[0, 0] = 1.0
+    for t in range(1, tokens + 1):
+      for j, q in enumerate(pmf):
+        p[t, 1:] += q * p[t - 1 - min(j, t - 1), :-1]
+    cdf = np.cumsum(p, axis=1)
+    cdf[np.triu_indices(tokens + 1)] = 1.0  # t tokens take at most t forwards (exactly, not to rounding)
+    return cdf
+
+  def describe(self) -> str:
+    return (f"{self.spec_tokens} drafts, accepted by position " + ", ".join(f"{a:.3g}" for a in self.accepted)
+            + f", drafted {self.drafted:g}: {self.tokens_per_forward():.2f} tokens per slot-forward")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
   """Seconds per device call for one job layout: `sampler_chips` split in `sampler_shards` data shards (on TPUs and
@@ -165,6 +225,7 @@ class CostModel:
   eval_overlap: bool = True  # sampler.overlap, which the evaluation's engine runs with too
   checkpoint_every: int = 0  # checkpoint.every_steps (0 = none)
   learner_scratch: float = 0.0  # bytes per chip the learner step's programs need beyond its state (colocated)
+  acceptance: Acceptance | None = None  # with sampler.speculation: what its drafts are accepted at (`Acceptance`)
   eff: Efficiency = Efficiency()
 
   @property
@@ -197,16 +258,23 @@ class CostModel:
     touched = 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** batch
     return (self.params - experts + experts * touched) * self.weight_bytes
 
-  def decode_step(self, batch: np.ndarray, context: np.ndarray) -> float:
-    """One decode step; per data shard `batch[i]` live answers holding `context[i]` cached tokens in all. The
-    shards run in lockstep: the slowest decides. FLOPs count the weights a token uses (a mixture of experts: its k
-    experts), bytes the weights the step reads (`decode_weight_bytes`)."""
+  def forward_s(self, batch: np.ndarray, context: np.ndarray, positions: int = 1) -> np.ndarray:
+    """Seconds of one decode forward on each data shard (any leading axes broadcast), `batch` live answers holding
+    `context` cached tokens in all, each computing `positions` positions (speculation: its pending token and
+    `sampler.spec_tokens` drafts) against its cache: FLOPs count the weights a token uses (a mixture of experts: its
+    k experts) and attention over the context, for every position; bytes the weights the forward reads
+    (`decode_weight_bytes` of all its positions' tokens) and each answer's cache once."""
     m, d, t, e = self.model, self.device, self.shard_chips, self.eff
+    batch, context = np.asarray(batch, np.float64), np.asarray(context, np.float64)
     dense = 2 * m.num_params(active=True) - (0 if m.tie_word_embeddings else 2 * m.vocab_size * m.hidden_size)
-    flops = batch * dense + 4 * m.num_layers * m.num_heads * m.head_dim * context
-    bytes_ = np.where(batch > 0, self.decode_weight_bytes(batch) + context * self.kv_per_token, 0)
-    seconds = np.maximum(flops / (t * d.flops * e.decode_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
-    return float(seconds.max(initial=0.0)) + e.decode_step_s
+    flops = positions * (batch * dense + 4 * m.num_layers * m.num_heads * m.head_dim * context)
+    bytes_ = np.where(batch > 0, self.decode_weight_bytes(batch * positions) + context * self.kv_per_token, 0)
+    return np.maximum(flops / (t * d.flops * e.decode_flops), bytes_ / (t * d.hbm_bw * e.decode_bw))
+
+  def decode_step(self, batch: np.ndarray, context: np.ndarray) -> float:
+    """One decode step; per data shard `batch[i]` live answers holding `context[i]` cached tokens in all
+    (`forward_s`, one position each). The shards run in lockstep: the slowest decides."""
+    return float(self.forward_s(batch, context).max(initial=0.0)) + self.eff.decode_step_s
 
   def decode_call(self, device_s: float, slots: int, *, overlap: bool) -> float:
     """One decode call of an engine of `slots` slots whose device part takes `device_s`: the scheduler's host work

@@ -9,6 +9,10 @@ predicted seconds to `spent_s`, which the simulated sampler sleeps on the virtua
 
 Token scale: one simulated token stands for `scale` real ones (answers of thousands of tokens would otherwise cost the
 host thousands of appends each). Lengths, pages, cache and prefill budgets shrink by `scale`; costs count real tokens.
+
+Speculation (`sampler.speculation`): the real scheduler drafts from the simulated (filler) tokens and calls
+`speculate`; the slots draw the tokens `decode` would, and the call is priced by the forwards they take under the
+measured acceptance (`costs.Acceptance`), drawn per real call with the engine's `seed`.
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ class SimEngine(EngineBase):
   """See the module docstring. `cfg` is the real sampler config; `pages_per_shard` counts real pages."""
 
   def __init__(self, *, model_cfg: ModelConfig, cfg: SamplerConfig, num_shards: int, pages_per_shard: int,
-               costs: CostModel, lengths: Callable[[np.ndarray], np.ndarray], eos_id: int, scale: int = 1):
-    if cfg.speculation != "off":
-      raise ValueError(f"sampler.speculation={cfg.speculation!r}: the simulator does not price speculative decoding "
-                       "yet; plan with sampler.speculation='off'")
+               costs: CostModel, lengths: Callable[[np.ndarray], np.ndarray], eos_id: int, scale: int = 1,
+               seed: int | tuple[int, ...] = 0):
+    if cfg.speculation != "off" and costs.acceptance is None:
+      raise ValueError(f"sampler.speculation={cfg.speculation!r}: the simulator prices it from a measured acceptance "
+                       "(CostModel.acceptance; tools/plan.py --spec_accept)")
+    if costs.acceptance is not None and costs.acceptance.spec_tokens != cfg.spec_tokens:
+      raise ValueError(f"an acceptance of {costs.acceptance.spec_tokens} draft positions for "
+                       f"sampler.spec_tokens={cfg.spec_tokens}")
     self.real_cfg, self.scale, self.costs, self.eos_id = cfg, scale, costs, eos_id
     self._lengths = lengths  # real tokens per answer, from PRNG keys [..., 2]
     sim = scaled(cfg, scale)
@@ -67,6 +75,9 @@ class SimEngine(EngineBase):
     self.drawn = np.zeros(cfg.num_slots, np.int64)
     self.cached = np.zeros(cfg.num_slots, np.int64)
     self.spent_s = 0.0  # predicted device seconds not yet slept by the caller
+    if cfg.speculation != "off":  # forwards a slot takes for t tokens of a real call, drawn from the acceptance
+      self._forwards_cdf = costs.acceptance.forwards_cdf(cfg.decode_steps)
+      self._rng = np.random.default_rng(seed)
 
   def take_spent(self) -> float:
     spent, self.spent_s = self.spent_s, 0.0
@@ -112,6 +123,26 @@ class SimEngine(EngineBase):
     """Every live slot draws up to its budget, stopping at its answer's length; the call ends early once
     `refill_at` slots have stopped, as the device loop does."""
     del params, eos, grow
+    tokens, count, steps = self._draw(budget, stop_eos, refill_at)
+    self.spent_s += self._decode_cost(count, steps)
+    return state, self._advance(tokens, count)
+
+  def speculate(self, params, state, budget, stop_eos, eos, grow, refill_at, drafts, draft_at, draft_len):
+    """`decode` with drafts (`sampler.speculation`): the slots draw the same tokens (the call's grain is the
+    scheduler's), the drafts' content is not looked at (the simulation's tokens are filler); what they save in
+    forwards is priced from `CostModel.acceptance` (`_speculate_cost`). The call's counters of drafts count real
+    slot-forwards, each taken as drafting every position with probability `drafted`, accepted at `accepted`."""
+    del params, eos, grow, drafts, draft_at, draft_len
+    tokens, count, _ = self._draw(budget, stop_eos, refill_at)
+    seconds, forwards = self._speculate_cost(count)
+    self.spent_s += seconds
+    acceptance = self.costs.acceptance
+    drafted = np.full(acceptance.spec_tokens, forwards * acceptance.drafted)
+    return state, self._advance(tokens, count, forwards=np.int64(forwards), drafted_at=drafted.astype(np.int64),
+                                accepted_at=(drafted * np.asarray(acceptance.accepted)).astype(np.int64))
+
+  def _draw(self, budget, stop_eos, refill_at) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens [S, decode_steps], count [S], steps) of a decode call: filler, EOS at each answer's length."""
     s = self.cfg.num_slots
     remaining = np.maximum(self.target - self.drawn, 0)
     live = (budget > 0) & ~(stop_eos & (remaining == 0))  # as on the device: a pending EOS is not live
@@ -128,10 +159,13 @@ class SimEngine(EngineBase):
       tokens[slot, :n] = FILLER
       if stop_eos[slot] and self.drawn[slot] + n >= self.target[slot]:
         tokens[slot, n - 1] = self.eos_id
-    self.spent_s += self._decode_cost(count, steps)
+    return tokens, count, steps
+
+  def _advance(self, tokens: np.ndarray, count: np.ndarray, **spec) -> DecodeSteps:
+    """The call's `DecodeSteps`, its tokens drawn and cached on the (simulated) device."""
     self.drawn += count
     self.cached += count
-    return state, DecodeSteps(tokens=tokens, log_prob=np.zeros(tokens.shape, np.float32), count=count)
+    return DecodeSteps(tokens=tokens, log_prob=np.zeros(tokens.shape, np.float32), count=count, **spec)
 
   def _decode_cost(self, count: np.ndarray, steps: int) -> float:
     """Seconds of `steps` simulated decode steps (each `scale` real ones) of the slots that drew `count` tokens."""
@@ -147,3 +181,30 @@ class SimEngine(EngineBase):
       seconds += self.scale * self.costs.decode_step(batch, tokens)
     calls = math.ceil(steps * self.scale / self.real_cfg.decode_steps)  # real calls this simulated one stands for
     return calls * self.costs.decode_call(seconds / calls, self.real_cfg.num_slots, overlap=self.real_cfg.overlap)
+
+  def _speculate_cost(self, count: np.ndarray) -> tuple[float, int]:
+    """(seconds, slot-forwards) of a speculative call whose slots drew `count` simulated tokens: the real calls it
+    stands for, each slot drawing `decode_steps` real tokens a call (its last call the rest); a real call runs as
+    many forwards as its slowest slot needs, a slot's forwards for its t tokens drawn from the acceptance
+    (`Acceptance.forwards_cdf`); each forward reads the weights and every live slot's cache once and computes
+    spec_tokens + 1 positions for each (`CostModel.forward_s`), the slots that have drawn their tokens no longer
+    live. The context grows by the tokens a slot has emitted, evenly over its forwards."""
+    cfg, k = self.real_cfg, self.real_cfg.decode_steps
+    tokens = count.astype(np.int64) * self.scale
+    live = np.flatnonzero(tokens)
+    if not len(live):
+      return 0.0, 0
+    calls = -(-int(tokens.max()) // k)
+    start = k * np.arange(calls)[:, None]
+    t = np.clip(tokens[live][None, :] - start, 0, k)  # [calls, live slots]
+    u = 1.0 - self._rng.random(t.shape)  # (0, 1]: t > 0 tokens take at least one forward
+    forwards = (self._forwards_cdf[t] < u[..., None]).sum(axis=-1)
+    f = np.arange(int(forwards.max()))[None, :, None]
+    on = forwards[:, None, :] > f  # [calls, forward, live slots]
+    grown = f * (t / np.maximum(forwards, 1))[:, None, :]
+    context = np.where(on, (self.cached[live] * self.scale)[None, None, :] + start[..., None] + grown, 0.0)
+    shards = np.eye(self.num_shards)[np.arange(self.cfg.num_slots)[live] // self.slots.slots_per_shard]
+    batch, context = on @ shards, context @ shards  # [calls, forward, data shards]
+    per = self.costs.forward_s(batch, context, positions=cfg.spec_tokens + 1).max(axis=-1)
+    seconds = float(np.where(batch.sum(axis=-1) > 0, per + self.costs.eff.decode_step_s, 0.0).sum())
+    return calls * self.costs.decode_call(seconds / calls, cfg.num_slots, overlap=cfg.overlap), int(forwards.sum())

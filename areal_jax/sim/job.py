@@ -324,8 +324,9 @@ async def _run(job: Job, costs: CostModel, lengths: Lengths | None) -> Result:
   replay = _Replay(job.recorded, job.seed) if job.recorded is not None else None
   engines = [SimEngine(model_cfg=job.model, cfg=job.sampler, num_shards=job.num_shards,
                        pages_per_shard=costs.pages_per_shard(job.sampler.page_size, job.sampler.memory_fraction),
-                       costs=costs, lengths=replay.lengths if replay else lengths, eos_id=EOS, scale=job.scale)
-             for _ in range(job.engines)]
+                       costs=costs, lengths=replay.lengths if replay else lengths, eos_id=EOS, scale=job.scale,
+                       seed=(job.seed, i))
+             for i in range(job.engines)]
   rollout = _Rollout([Sampler(engine=e, params={}, version=0, eos_ids=[EOS], warmup=False, name=f"sampler{i}")
                       for i, e in enumerate(engines)], replay)
   changed = asyncio.Event()

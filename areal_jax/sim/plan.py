@@ -15,7 +15,7 @@ import numpy as np
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.sampler.config import SamplerConfig
-from areal_jax.sim.costs import CostModel, Efficiency
+from areal_jax.sim.costs import Acceptance, CostModel, Efficiency
 from areal_jax.hardware import Device
 from areal_jax.sim.job import Job, Result, simulate
 from areal_jax.sim.lengths import Lengths, RecordedGroups
@@ -57,6 +57,7 @@ class Setup:
   eval_every: int = 0  # eval.every_steps
   checkpoint_every: int = 0  # checkpoint.every_steps (0 = no checkpoint priced)
   learner_scratch: float = 0.0  # bytes per chip a learner step's programs need beyond its state (colocated pool)
+  acceptance: Acceptance | None = None  # with sampler.speculation: the drafts' measured acceptance (`speculation`)
 
   @property
   def token_scale(self) -> int:
@@ -150,7 +151,8 @@ def cost_model(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = 
                    eval_answers=setup.eval_answers, eval_every=setup.eval_every, eval_len=setup.lengths.mean,
                    eval_prompt=setup.prompt_len, eval_slots=setup.sampler.num_slots,
                    eval_decode_steps=setup.sampler.decode_steps, eval_overlap=setup.sampler.overlap,
-                   checkpoint_every=setup.checkpoint_every, learner_scratch=setup.learner_scratch, eff=setup.eff)
+                   checkpoint_every=setup.checkpoint_every, learner_scratch=setup.learner_scratch,
+                   acceptance=setup.acceptance, eff=setup.eff)
 
 
 def simulate_split(setup: Setup, sampler_chips: int, eta: int, *, colocated: bool = False) -> Result:
@@ -217,6 +219,33 @@ def plan(setup: Setup, etas=(0, 1, 2, 4, 8), sampler_chips=None) -> dict:
           "token_scale": setup.token_scale,
           "learner_passes": setup.passes + setup.remat,
           "lengths": {"source": setup.lengths.source, "mean": setup.lengths.mean, "max": setup.lengths.max}}
+
+
+def speculation(setup: Setup, result: dict, acceptance: Acceptance) -> dict:
+  """`plan`'s rows (and its colocated sync) simulated again with speculative rollout (`sampler.speculation`) whose
+  drafts are accepted at `acceptance`: each row's step time and trained tokens/s with it, beside those without."""
+  spec = dataclasses.replace(setup, sampler=setup.sampler.replace(speculation="suffix"), acceptance=acceptance)
+  rows = []
+  for r in ([result["sync"]] if result["sync"] else []) + result["rows"]:
+    colocated = r is result["sync"]
+    figures = _figures(spec, simulate_split(spec, r["sampler_chips"], r["eta"], colocated=colocated))
+    rows.append({"sampler_chips": r["sampler_chips"], "learner_chips": r["learner_chips"], "eta": r["eta"],
+                 "colocated": colocated, "step_s_off": r["step_s"], "tokens_per_s_off": r["tokens_per_s"],
+                 "sampler_busy_off": r["sampler_busy"], **figures})
+  return {"accepted": list(acceptance.accepted), "drafted": acceptance.drafted,
+          "tokens_per_forward": acceptance.tokens_per_forward(), "describe": acceptance.describe(), "rows": rows}
+
+
+def format_speculation(spec: dict) -> str:
+  lines = [f"with speculation ({spec['describe']}):"]
+  for r in spec["rows"]:
+    name = (f"colocated sync ({r['sampler_chips']})" if r["colocated"]
+            else f"{r['sampler_chips']}+{r['learner_chips']} eta={r['eta']}")
+    lines.append(f"  {name}: step {r['step_s_off']:.1f} s -> {r['step_s']:.1f} s, tokens/s "
+                 f"{r['tokens_per_s_off']:,.0f} -> {r['tokens_per_s']:,.0f} "
+                 f"({r['tokens_per_s'] / r['tokens_per_s_off']:.2f}x), sampler busy {r['sampler_busy_off']:.0%} -> "
+                 f"{r['sampler_busy']:.0%}")
+  return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:

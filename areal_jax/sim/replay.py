@@ -64,6 +64,7 @@ class ReplayCosts:
   eff = Efficiency(decode_call_s=0.0, decode_step_s=0.0, prefill_call_s=0.0)
   transfer_overlaps = False  # a run in one process: its learner waited for each publish as recorded
   colocated = False  # its host's work after a step is replayed beside the sampler, as it ran
+  acceptance = None  # replays price no speculation (a run with it records its decode steps' seconds already)
 
   def __init__(self, steps: list[StepTimings], pages_per_shard: int):
     self.steps, self._pages = steps, pages_per_shard
