@@ -137,6 +137,18 @@ def _experts(routed) -> jax.Array | None:
   return None if routed is None else routed["experts"].astype(jnp.int16)
 
 
+def _more(live, k_steps: int, refill_at):
+  """The decode loop's condition over its carry (step, state, live slots, ...): steps left, a slot live, and, with
+  `refill_at` > 0, fewer than that many of the slots `live` at the start stopped."""
+  started = jnp.sum(live)
+
+  def more(carry):
+    i, now = carry[0], carry[2]
+    return (i < k_steps) & jnp.any(now) & ((refill_at <= 0) | (started - jnp.sum(now) < refill_at))
+
+  return more
+
+
 def _decode(graphdef, model_cfg: ModelConfig, mesh, decode_attend, draw, k_steps: int, record: bool, params,
             state: DecodeState, budget, stop_eos, eos, grow, refill_at):
   """Up to `k_steps` decode steps for every live slot in one `lax.while_loop` (see `Programs.decode`)."""
@@ -167,12 +179,7 @@ def _decode(graphdef, model_cfg: ModelConfig, mesh, decode_attend, draw, k_steps
 
   s = budget.shape[0]
   live = (budget > 0) & ~ends(state.tokens)
-  started = jnp.sum(live)
-
-  def more(carry):
-    i, live = carry[0], carry[2]
-    stopped = started - jnp.sum(live)
-    return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
+  more = _more(live, k_steps, refill_at)
 
   experts = None
   if record and model_cfg.num_experts:
@@ -233,12 +240,7 @@ def _speculate(graphdef, mesh, verify_attend, check, k_steps: int, nq: int, para
     return i + 1, st, live & (count < budget) & ~ends(last), count, out_tokens, out_logp, stats
 
   live = (budget > 0) & ~ends(state.tokens)
-  started = jnp.sum(live)
-
-  def more(carry):
-    i, live = carry[0], carry[2]
-    stopped = started - jnp.sum(live)
-    return (i < k_steps) & jnp.any(live) & ((refill_at <= 0) | (stopped < refill_at))
+  more = _more(live, k_steps, refill_at)
 
   zeros = jnp.zeros(nq - 1, jnp.int32)
   init = (jnp.int32(0), state, live, jnp.zeros(s, jnp.int32), jnp.full((s, k_steps), -1, jnp.int32),
