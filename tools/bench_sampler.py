@@ -59,8 +59,10 @@ alternating rounds, the best counting. Workloads (`--spec_workload`, default bot
   random prompts and near-uniform random answers, so drafts are few and mostly rejected; it shows what speculation
   costs where it cannot help.
 
-Per variant, `<workload> speculation=<off|suffix>: tokens N, seconds S, tokens/s R, decode calls C, tokens per
-slot-forward F` (tokens emitted per slot and forward of the loop, `spec_tokens / spec_forwards`; 1 without
+Per variant, `<workload> speculation=<off|suffix>: tokens N, seconds S, tokens/s R, decode calls C, host s H
+(drafter D), device wait s W, tokens per slot-forward F` (host: the wall time not spent waiting for results, the
+drafter's indexing and matching part of it; on a CPU the "device" shares the host's cores, so host work hidden behind
+a call in flight still slows it; tokens emitted per slot and forward of the loop, `spec_tokens / spec_forwards`; 1 without
 speculation), and with it the drafts verified and accepted, the acceptance overall and by draft position
 (`spec_accepted_at / spec_drafted_at`), on `revisit` also by epoch (of how many drafts); then `<workload> ratio
 suffix / off tokens/s`.
@@ -489,8 +491,10 @@ def speculation_main(args) -> None:
     for v in variants:
       tokens, seconds, sched, by_epoch = best[v]
       rate[v] = tokens / seconds
+      part = sched.seconds
       line = (f"{name} speculation={v}: tokens {tokens}, seconds {seconds:.2f}, tokens/s {rate[v]:.0f}, decode calls "
-              f"{sched.counters['decode_calls']}")
+              f"{sched.counters['decode_calls']}, host s {seconds - part['device_wait']:.2f} (drafter "
+              f"{part['drafts']:.2f}), device wait s {part['device_wait']:.2f}")
       if v == "off":
         print(line + ", tokens per slot-forward 1.00", flush=True)
         continue

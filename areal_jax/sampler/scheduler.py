@@ -45,6 +45,7 @@ sequence per shard) can never deadlock.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -101,7 +102,8 @@ class Scheduler:
       self.spec_accepted_at = np.zeros(engine.cfg.spec_tokens, np.int64)
     self._known = np.zeros(engine.cfg.num_slots, np.int64)
     # Wall time of `step` by part: weight swaps (re-prefills included); admission, page allocation and dispatch;
-    # waiting for the device (prefill, insert and decode compute not yet overlapped); recording tokens.
+    # waiting for the device (prefill, insert and decode compute not yet overlapped); recording tokens. `drafts`: the
+    # drafter's share of the host parts (indexing, matching), with speculation.
     self.seconds: collections.Counter[str] = collections.Counter()
     self._arrivals = itertools.count()
     self._pending: tuple[object, int] | None = None
@@ -226,17 +228,27 @@ class Scheduler:
     drafts = np.full((cfg.num_slots, cfg.draft_width), -1, np.int32)
     draft_at = np.full(cfg.num_slots, -1, np.int32)
     unread = np.where(self._occupant > 0, self.engine.slots.generated - self._known + ahead, 0)
-    for slot in np.flatnonzero(budget > 0).tolist():
-      guess = self.drafter.propose(int(self._occupant[slot]), cfg.draft_width,
-                                   at_least=int(unread[slot]) + cfg.spec_tokens)
-      if len(guess):
-        drafts[slot, :len(guess)], draft_at[slot] = guess, self._known[slot]
+    with self._timed("drafts"):
+      for slot in np.flatnonzero(budget > 0).tolist():
+        guess = self.drafter.propose(int(self._occupant[slot]), cfg.draft_width,
+                                     at_least=int(unread[slot]) + cfg.spec_tokens)
+        if len(guess):
+          drafts[slot, :len(guess)], draft_at[slot] = guess, self._known[slot]
     return {"drafts": drafts, "draft_at": draft_at} if (draft_at >= 0).any() else {}
+
+  @contextlib.contextmanager
+  def _timed(self, part: str):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.seconds[part] += time.perf_counter() - t
 
   def _tell(self, slot: int, tokens) -> None:
     """Gives the drafter tokens of the answer in `slot` (in order, once each)."""
     if self.drafter is not None and len(tokens):
-      self.drafter.extend(int(self._occupant[slot]), tokens)
+      with self._timed("drafts"):
+        self.drafter.extend(int(self._occupant[slot]), tokens)
       self._known[slot] += len(tokens)
 
   def _read_all(self) -> list[Sequence]:
@@ -374,7 +386,8 @@ class Scheduler:
     self._occupant[slot] = next(self._serials)
     self._buf_n[slot] = 0
     if self.drafter is not None:
-      self.drafter.start(int(self._occupant[slot]), seq.prompt)
+      with self._timed("drafts"):
+        self.drafter.start(int(self._occupant[slot]), seq.prompt)
       self._known[slot] = 0
       self._tell(slot, seq.tokens)
     seq.sync = self._sync
@@ -386,7 +399,8 @@ class Scheduler:
     self._sync(seq)
     seq.sync = None
     if self.drafter is not None:
-      self.drafter.finish(int(self._occupant[seq.slot]), keep=finished)
+      with self._timed("drafts"):
+        self.drafter.finish(int(self._occupant[seq.slot]), keep=finished)
     if self.engine.cfg.prefix_cache:  # its full pages stay for a prompt that extends it (an agent's next turn)
       self.engine.slots.release(seq.slot, tokens=np.concatenate([seq.prompt, np.asarray(seq.tokens, np.int32)]))
     else:

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _LINE = re.compile(r"^(revisit|longtail) speculation=(off|suffix): tokens (\d+), seconds ([\d.]+), tokens/s (\d+), "
-                   r"decode calls (\d+), tokens per slot-forward ([\d.]+)(.*)$", re.M)
+                   r"decode calls (\d+), host s ([\d.]+) \(drafter ([\d.]+)\), device wait s ([\d.]+), "
+                   r"tokens per slot-forward ([\d.]+)(.*)$", re.M)
 _SPEC = re.compile(r"^, drafted (\d+), accepted (\d+), acceptance ([\d.]+), by position ((?:[\d.]+ ?)+)$")
 
 
@@ -29,10 +30,11 @@ def test_bench_speculation_lines_and_acceptance(tmp_path):
   rows = {(w, v): m for w, v, *m in _LINE.findall(out)}
   assert set(rows) == {(w, v) for w in ("revisit", "longtail") for v in ("off", "suffix")}, out
   spec = {}
-  for (w, v), (tokens, _, rate, _, per_forward, rest) in rows.items():
+  for (w, v), (tokens, seconds, rate, _, host, drafter, wait, per_forward, rest) in rows.items():
     assert int(tokens) > 0 and int(rate) > 0, out
+    assert float(drafter) <= float(host) <= float(seconds) + 0.01 and float(wait) <= float(seconds) + 0.01, out
     if v == "off":
-      assert per_forward == "1.00" and not rest, out
+      assert per_forward == "1.00" and not rest and float(drafter) == 0, out
       continue
     m = _SPEC.match(rest)
     assert m, rest
