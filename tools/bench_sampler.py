@@ -63,9 +63,12 @@ Per variant, `<workload> speculation=<off|suffix>: tokens N, seconds S, tokens/s
 (drafter D), device wait s W, tokens per slot-forward F` (host: the wall time not spent waiting for results, the
 drafter's indexing and matching part of it; on a CPU the "device" shares the host's cores, so host work hidden behind
 a call in flight still slows it; tokens emitted per slot and forward of the loop, `spec_tokens / spec_forwards`; 1 without
-speculation), and with it the drafts verified and accepted, the acceptance overall and by draft position
-(`spec_accepted_at / spec_drafted_at`), on `revisit` also by epoch (of how many drafts); then `<workload> ratio
-suffix / off tokens/s`.
+speculation), and with it the slot-forwards of the calls that verified drafts and the share of them that carried one
+(`spec_drafted_at[0] / spec_forwards`), the drafts verified and accepted, the acceptance overall and by draft position
+(`spec_accepted_at / spec_drafted_at`: of the slot-forwards whose draft reached that position) and accepted per
+slot-forward by position (`spec_accepted_at / spec_forwards`, P(L >= j) of a forward's L accepted drafts: what
+`tools/plan.py --spec_accept` takes with `--spec_drafted=1`), on `revisit` also by epoch (of how many drafts); then
+`<workload> ratio suffix / off tokens/s`.
 A forward over `--spec_tokens` + 1 positions costs more than a decode step (on CPU, compute-bound, much more), so
 wall time may be worse even where tokens per forward rise. Compiling the speculative program takes minutes on a
 loaded 2-core CPU (2.5 at load 13: the first round); the timed rounds then take about a minute:
@@ -500,10 +503,12 @@ def speculation_main(args) -> None:
         continue
       c = sched.counters
       at = sched.spec_accepted_at / np.maximum(sched.spec_drafted_at, 1)
-      print(line + f", tokens per slot-forward {c['spec_tokens'] / max(1, c['spec_forwards']):.2f}, drafted "
-            f"{c['spec_drafted']}, accepted {c['spec_accepted']}, acceptance "
-            f"{c['spec_accepted'] / max(1, c['spec_drafted']):.3f}, by position "
-            + " ".join(f"{a:.3f}" for a in at), flush=True)
+      forwards = max(1, c["spec_forwards"])
+      print(line + f", tokens per slot-forward {c['spec_tokens'] / forwards:.2f}, slot-forwards {c['spec_forwards']} "
+            f"(drafted share {sched.spec_drafted_at[0] / forwards:.3f}), drafted {c['spec_drafted']}, accepted "
+            f"{c['spec_accepted']}, acceptance {c['spec_accepted'] / max(1, c['spec_drafted']):.3f}, by position "
+            + " ".join(f"{a:.3f}" for a in at) + ", accepted per slot-forward by position "
+            + " ".join(f"{a / forwards:.3f}" for a in sched.spec_accepted_at), flush=True)
       if len(by_epoch) > 1:
         print(f"{name} speculation={v}: acceptance by epoch " + ", ".join(
             f"{a / max(1, d):.3f} of {d}" for a, d in by_epoch), flush=True)

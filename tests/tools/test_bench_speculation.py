@@ -17,7 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _LINE = re.compile(r"^(revisit|longtail) speculation=(off|suffix): tokens (\d+), seconds ([\d.]+), tokens/s (\d+), "
                    r"decode calls (\d+), host s ([\d.]+) \(drafter ([\d.]+)\), device wait s ([\d.]+), "
                    r"tokens per slot-forward ([\d.]+)(.*)$", re.M)
-_SPEC = re.compile(r"^, drafted (\d+), accepted (\d+), acceptance ([\d.]+), by position ((?:[\d.]+ ?)+)$")
+_SPEC = re.compile(r"^, slot-forwards (\d+) \(drafted share ([\d.]+)\), drafted (\d+), accepted (\d+), "
+                   r"acceptance ([\d.]+), by position ((?:[\d.]+ ?)+), accepted per slot-forward by position "
+                   r"((?:[\d.]+ ?)+)$")
 
 
 def test_bench_speculation_lines_and_acceptance(tmp_path):
@@ -38,11 +40,13 @@ def test_bench_speculation_lines_and_acceptance(tmp_path):
       continue
     m = _SPEC.match(rest)
     assert m, rest
-    drafted, accepted, acceptance = int(m[1]), int(m[2]), float(m[3])
-    by_position = [float(x) for x in m[4].split()]
-    assert 0 <= accepted <= drafted and 0 <= acceptance <= 1, out
+    forwards, share, drafted, accepted, acceptance = int(m[1]), float(m[2]), int(m[3]), int(m[4]), float(m[5])
+    by_position = [float(x) for x in m[6].split()]
+    assert 0 <= accepted <= drafted <= 4 * forwards and 0 <= share <= 1 and 0 <= acceptance <= 1, out
     assert len(by_position) == 4 and all(0 <= a <= 1 for a in by_position), out
-    assert float(per_forward) >= 1.0, out  # a forward emits its accepted drafts + 1
+    leading = [float(x) for x in m[7].split()]  # P(L >= j): at most the drafted share, non-increasing
+    assert len(leading) == 4 and share >= leading[0] and leading == sorted(leading, reverse=True), out
+    assert float(per_forward) == pytest.approx(1 + sum(leading), abs=0.01), out  # a forward emits 1 + L tokens
     spec[w] = accepted
   assert rows["longtail", "off"][0] == rows["longtail", "suffix"][0], out  # EOS ignored: the same lengths
   assert spec["revisit"] > 0, out  # the earlier epoch's answers draft the later one's
