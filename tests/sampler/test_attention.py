@@ -1,5 +1,6 @@
 """Paged attention against the dense reference, cache writes, the Pallas TPU and GPU kernels (interpreted on CPU)
-against the pure-JAX path, and the Pallas TPU path compiling for a v5e topology with the pool updated in place."""
+against the pure-JAX path (the decode's, and the speculative verify's `verify_kernel`), and the Pallas TPU path
+compiling for a v5e topology with the pool updated in place."""
 
 import functools
 import os
@@ -103,6 +104,38 @@ def test_pallas_gpu_kernel_interpreted_equals_jax_path(heads, kv_heads):
                                                    interpret=True))(*args)
   np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
   assert np.all(np.asarray(got[0])[0] == 0)  # the idle slot: zeros
+
+
+# A speculative call's key counts per slot and query (Q = 3): a dead slot, one key, lengths ending mid-page and at the
+# table's end (8 pages of 4), a dead query in a live slot.
+VERIFY_LENGTHS = np.array([[0, 0, 0], [1, 2, 3], [7, 8, 9], [30, 31, 32], [13, 0, 15]], np.int32)
+
+
+@pytest.mark.parametrize("heads,kv_heads,pages_per_block", [(4, 2, 3), (6, 2, 2), (4, 1, 8)])
+def test_verify_kernel_interpreted_equals_jax_path(heads, kv_heads, pages_per_block):
+  """The verify attention's Pallas TPU kernel, interpreted, against `paged_attention_queries` (itself, query by
+  query, `paged_attention`) over shuffled pages, in blocks of several pages (the last past the page table with 3),
+  query heads per KV head 2 to 4 (tiles of 6 to 12 rows padded to 8 or 16); a call with every slot dead gives zeros."""
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  from areal_jax.sampler.attention import paged_attention_queries
+  from areal_jax.sampler.verify_kernel import paged_verify_attention
+
+  rng = np.random.default_rng(4)
+  slots, nq, dim, page, m = 5, 3, 8, 4, 8
+  _, _, _, kp, vp, ids = _random_paged(rng, slots=slots, heads=heads, kv_heads=kv_heads, dim=dim, page=page,
+                                       pages_per_seq=m, lengths=None)
+  q = jnp.asarray(rng.normal(size=(slots, nq, heads, dim)), jnp.float32)
+  args = (q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(VERIFY_LENGTHS), jnp.asarray(ids))
+  want = paged_attention_queries(*args, pages_per_block=pages_per_block)
+  for j in range(nq):
+    np.testing.assert_allclose(want[:, j], paged_attention(q[:, j], *args[1:3], args[3][:, j], args[4]), atol=1e-6)
+  kernel = jax.jit(functools.partial(paged_verify_attention, pages_per_block=pages_per_block))
+  with pltpu.force_tpu_interpret_mode():
+    got = kernel(*args)
+    dead = kernel(*args[:3], jnp.zeros_like(args[3]), args[4])
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got)[0] == 0) and np.all(np.asarray(got)[4, 1] == 0)  # dead rows: zeros
+  assert np.all(np.asarray(dead) == 0)
 
 
 def test_write_chunks_keeps_only_this_shard():
