@@ -80,11 +80,12 @@ _SCRATCH = flags.DEFINE_float("learner_scratch_gib", -1, "GiB per chip the learn
                                "--learner_programs, else not counted (printed so).")
 _SPEC_ACCEPT = flags.DEFINE_multi_string(
     "spec_accept", [], "Price speculative rollout (sampler.speculation=suffix) too, at this acceptance: a (each draft "
-    "token accepted with probability a, independently) or a1,...,ak (the share accepted at each of the "
-    "sampler.spec_tokens draft positions, as the sampler counts them); repeat for several. Every row is simulated "
-    "again with it and its step time printed beside the one without.")
+    "token accepted with probability a, independently) or a1,...,ak, k = sampler.spec_tokens (aj: of the drafted "
+    "slot-forwards, the share whose first j drafts were all accepted; with --spec_drafted=1, tools/bench_sampler.py "
+    "--speculation's 'accepted per slot-forward by position'); repeat for several. Every row "
+    "is simulated again with it and its step time printed beside the one without.")
 _SPEC_DRAFTED = flags.DEFINE_float("spec_drafted", 1.0, "With --spec_accept: the share of slot-forwards that carry a "
-                                   "draft at all.")
+                                   "draft at all (each taken as sampler.spec_tokens long).")
 _JSON = flags.DEFINE_bool("json", False, "Print the result as one JSON object instead of the table.")
 _PLOT = flags.DEFINE_string("plot", "plan.png", "PNG of throughput against split per η ('' = none).")
 _CHECK = flags.DEFINE_string("check", "", "A tools/bench_async.py --processes workdir: predict its runs from this "

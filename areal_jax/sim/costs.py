@@ -35,6 +35,12 @@ class Efficiency:
   # On the critical path unless `sampler.overlap` hides it behind the device call (then the longer of the two).
   host_call_s: float = 1.9e-4
   host_slot_s: float = 1.66e-6
+  # With `sampler.speculation`, the drafter's host work per decode call and slot that draws in it (`SuffixDrafter`:
+  # the proposal, indexing the tokens drawn, finished answers' histories), priced as the scheduler's above. Source:
+  # `tools/bench_sampler.py --speculation` (docs/results.md, "Speculative rollout (suffix drafts)", commit 4f7138c,
+  # the quiet 2-core CPU): `Scheduler.seconds["drafts"]` 0.17 s over 69 calls of 32 slots (revisited prompts), 0.10 s
+  # over 42 (long tail): 7.7e-5 and 7.4e-5 s per slot a call, counting every slot (not every one drew: a lower bound).
+  draft_slot_s: float = 7.7e-5
   prefill_flops: float = 0.5
   prefill_call_s: float = 2e-3
   learner_mfu: float = 0.4
@@ -89,6 +95,7 @@ PUBLISHED: dict[str, dict[str, tuple[float, str]]] = {
 HOST_MEASURED: dict[str, str] = {
     "host_call_s": "the scheduler's host work, measured: tools/bench_sampler.py --host_slots",
     "host_slot_s": "the scheduler's host work, measured: tools/bench_sampler.py --host_slots",
+    "draft_slot_s": "the drafter's host work, measured: tools/bench_sampler.py --speculation",
     "step_s": "the learner's host work, measured: tools/bench_learner.py --host_answers",
     "micro_batch_s": "the learner's host work, measured: tools/bench_learner.py --host_answers",
 }
@@ -129,10 +136,13 @@ def from_device_check(report: dict, device: Device, eff: Efficiency = Efficiency
 @dataclasses.dataclass(frozen=True)
 class Acceptance:
   """What speculative rollout (`sampler.speculation`) accepts, measured, for pricing it: `accepted[j]` is the share
-  of drafts at position j (of `sampler.spec_tokens`) accepted together with every draft before it, as the scheduler
-  counts them (`spec_accepted_at / spec_drafted_at`); `drafted` the share of slot-forwards that carry a draft at all
-  (each taken as spec_tokens long). A slot-forward then emits 1 + L tokens, L its accepted leading drafts:
-  P(L >= j) = drafted x accepted[j - 1] (made non-increasing), at most the tokens its call has left for it."""
+  of drafted slot-forwards whose drafts at positions 0..j (of `sampler.spec_tokens`) were all accepted; `drafted` the
+  share of slot-forwards that carry a draft at all (each taken as spec_tokens long). A slot-forward then emits 1 + L
+  tokens, L its accepted leading drafts: P(L >= j) = drafted x accepted[j - 1] (made non-increasing), at most the
+  tokens its call has left for it. Measured drafts are often shorter (`tools/bench_sampler.py --speculation`: 0.340
+  of slot-forwards drafted, fewer at later positions), so the scheduler's by-position shares (`spec_accepted_at /
+  spec_drafted_at`, of the forwards whose draft reached j) times `drafted` overstate P(L >= j); exact: the bench's
+  accepted per slot-forward by position (`spec_accepted_at / spec_forwards`) with drafted 1."""
 
   accepted: tuple[float, ...]
   drafted: float = 1.0
@@ -276,11 +286,12 @@ class CostModel:
     (`forward_s`, one position each). The shards run in lockstep: the slowest decides."""
     return float(self.forward_s(batch, context).max(initial=0.0)) + self.eff.decode_step_s
 
-  def decode_call(self, device_s: float, slots: int, *, overlap: bool) -> float:
+  def decode_call(self, device_s: float, slots: int, *, overlap: bool, drafting: float = 0.0) -> float:
     """One decode call of an engine of `slots` slots whose device part takes `device_s`: the scheduler's host work
-    (`host_call_s` + `host_slot_s` per slot) beside it with `sampler.overlap` (the longer decides), after it
-    without; plus the fixed dispatch cost."""
-    host = self.eff.host_call_s + self.eff.host_slot_s * slots
+    (`host_call_s` + `host_slot_s` per slot, + `draft_slot_s` for each of `drafting` slots the drafter works for with
+    `sampler.speculation`) beside it with `sampler.overlap` (the longer decides), after it without; plus the fixed
+    dispatch cost."""
+    host = self.eff.host_call_s + self.eff.host_slot_s * slots + self.eff.draft_slot_s * drafting
     return (max(device_s, host) if overlap else device_s + host) + self.eff.decode_call_s
 
   def prefill(self, rows: int, length: int, *, sharded: bool = True) -> float:

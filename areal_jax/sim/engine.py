@@ -12,7 +12,9 @@ host thousands of appends each). Lengths, pages, cache and prefill budgets shrin
 
 Speculation (`sampler.speculation`): the real scheduler drafts from the simulated (filler) tokens and calls
 `speculate`; the slots draw the tokens `decode` would, and the call is priced by the forwards they take under the
-measured acceptance (`costs.Acceptance`), drawn per real call with the engine's `seed`.
+measured acceptance (`costs.Acceptance`), drawn per real call with the engine's `seed`. The drafter's host work is
+priced per slot a real call (`Efficiency.draft_slot_s`), in every call, with or without drafts; the wall time the real
+drafter takes here (on filler tokens) is not counted, as no host time of the simulation is.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class SimEngine(EngineBase):
     self.drawn = np.zeros(cfg.num_slots, np.int64)
     self.cached = np.zeros(cfg.num_slots, np.int64)
     self.spent_s = 0.0  # predicted device seconds not yet slept by the caller
-    if cfg.speculation != "off":  # forwards a slot takes for t tokens of a real call, drawn from the acceptance
+    self.drafts = cfg.speculation != "off"
+    if self.drafts:  # forwards a slot takes for t tokens of a real call, drawn from the acceptance
       self._forwards_cdf = costs.acceptance.forwards_cdf(cfg.decode_steps)
       self._rng = np.random.default_rng(seed)
 
@@ -179,8 +182,12 @@ class SimEngine(EngineBase):
       batch = np.bincount(shard[live], minlength=self.num_shards)
       tokens = np.bincount(shard[live], weights=context[live], minlength=self.num_shards) + batch * j * self.scale
       seconds += self.scale * self.costs.decode_step(batch, tokens)
-    calls = math.ceil(steps * self.scale / self.real_cfg.decode_steps)  # real calls this simulated one stands for
-    return calls * self.costs.decode_call(seconds / calls, self.real_cfg.num_slots, overlap=self.real_cfg.overlap)
+    k = self.real_cfg.decode_steps
+    calls = math.ceil(steps * self.scale / k)  # real calls this simulated one stands for
+    # With speculation the drafter works for every slot that draws, in a call without drafts too (slot-calls a call)
+    drafting = float(np.ceil(count * self.scale / k).sum()) / calls if self.drafts else 0.0
+    return calls * self.costs.decode_call(seconds / calls, self.real_cfg.num_slots, overlap=self.real_cfg.overlap,
+                                          drafting=drafting)
 
   def _speculate_cost(self, count: np.ndarray) -> tuple[float, int]:
     """(seconds, slot-forwards) of a speculative call whose slots drew `count` simulated tokens: the real calls it
@@ -188,7 +195,8 @@ class SimEngine(EngineBase):
     many forwards as its slowest slot needs, a slot's forwards for its t tokens drawn from the acceptance
     (`Acceptance.forwards_cdf`); each forward reads the weights and every live slot's cache once and computes
     spec_tokens + 1 positions for each (`CostModel.forward_s`), the slots that have drawn their tokens no longer
-    live. The context grows by the tokens a slot has emitted, evenly over its forwards."""
+    live. The context grows by the tokens a slot has emitted, evenly over its forwards. The host's work per real call
+    (`CostModel.decode_call`) counts the drafter's for each slot that draws in it."""
     cfg, k = self.real_cfg, self.real_cfg.decode_steps
     tokens = count.astype(np.int64) * self.scale
     live = np.flatnonzero(tokens)
@@ -207,4 +215,6 @@ class SimEngine(EngineBase):
     batch, context = on @ shards, context @ shards  # [calls, forward, data shards]
     per = self.costs.forward_s(batch, context, positions=cfg.spec_tokens + 1).max(axis=-1)
     seconds = float(np.where(batch.sum(axis=-1) > 0, per + self.costs.eff.decode_step_s, 0.0).sum())
-    return calls * self.costs.decode_call(seconds / calls, cfg.num_slots, overlap=cfg.overlap), int(forwards.sum())
+    drafting = np.count_nonzero(t) / calls  # the slots the drafter works for, a real call
+    return (calls * self.costs.decode_call(seconds / calls, cfg.num_slots, overlap=cfg.overlap, drafting=drafting),
+            int(forwards.sum()))

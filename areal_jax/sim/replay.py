@@ -77,8 +77,8 @@ class ReplayCosts:
     del context
     return self._step(self.published).decode_step_s if np.any(batch) else 0.0
 
-  def decode_call(self, device_s: float, slots: int, *, overlap: bool) -> float:
-    del slots, overlap  # the recorded step's seconds hold its host work
+  def decode_call(self, device_s: float, slots: int, *, overlap: bool, drafting: float = 0.0) -> float:
+    del slots, overlap, drafting  # the recorded step's seconds hold its host work
     return device_s
 
   def prefill(self, rows: int, length: int, *, sharded: bool = True) -> float:

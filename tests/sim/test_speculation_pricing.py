@@ -16,16 +16,17 @@ from helpers import TINY
 CFG = SamplerConfig(num_slots=8, page_size=4, num_pages=0, max_seq_len=64, decode_steps=10, max_prefill_tokens=64)
 MEMORY_BOUND = Device("memory", flops=1e30, hbm_bw=1e11, hbm=1e9, link=1e10)
 COMPUTE_BOUND = Device("compute", flops=1e9, hbm_bw=1e30, hbm=1e9, link=1e10)
-# The decode forwards alone: free prefills, no fixed costs per call or step, no host work.
+# The decode forwards alone: free prefills, no fixed costs per call or step, no host work (the drafter's neither).
 FORWARDS_ONLY = Efficiency(prefill_flops=1e30, prefill_call_s=0.0, decode_call_s=0.0, decode_step_s=0.0,
-                           host_call_s=0.0, host_slot_s=0.0)
+                           host_call_s=0.0, host_slot_s=0.0, draft_slot_s=0.0)
 
 
-def _run(device: Device, accept: str | None, *, length: int = 41) -> tuple[float, Scheduler]:
+def _run(device: Device, accept: str | None, *, length: int = 41, eff: Efficiency = FORWARDS_ONLY,
+         overlap: bool = True) -> tuple[float, Scheduler]:
   """Device seconds of 24 answers of `length` tokens (the first from the prefill) through the real scheduler,
   plain or speculative."""
-  cfg = CFG if accept is None else CFG.replace(speculation="suffix")
-  costs = CostModel(model=TINY, device=device, sampler_chips=1, learner_chips=1, eff=FORWARDS_ONLY,
+  cfg = CFG.replace(overlap=overlap, speculation="off" if accept is None else "suffix")
+  costs = CostModel(model=TINY, device=device, sampler_chips=1, learner_chips=1, eff=eff,
                     acceptance=None if accept is None else Acceptance.parse(accept, cfg.spec_tokens))
   engine = SimEngine(model_cfg=TINY, cfg=cfg, num_shards=2, pages_per_shard=64, costs=costs,
                      lengths=lambda keys: np.full(np.asarray(keys).shape[:-1], length), eos_id=0)
@@ -63,6 +64,21 @@ def test_every_draft_accepted_emits_spec_tokens_plus_one_per_forward_capped_by_t
   plain, _ = _run(MEMORY_BOUND, None)
   spec, _ = _run(MEMORY_BOUND, "1")
   assert spec < plain / 2  # 2 forwards a call where plain decode takes 10 (once drafts come)
+
+
+def test_the_drafters_host_work_extends_a_short_call_and_hides_behind_a_long_one():
+  """`Efficiency.draft_slot_s` per slot that draws, in every decode call with speculation (with drafts or without):
+  it makes a call whose device part is tiny host-bound; with `sampler.overlap` a longer device part hides it, without
+  overlap it adds to it."""
+  slow = FORWARDS_ONLY.replace(draft_slot_s=1.0)
+  assert _run(MEMORY_BOUND, None, eff=slow)[0] < 1  # no drafter without speculation
+  assert _run(MEMORY_BOUND, "0.5")[0] < 1
+  # Each answer draws its 40 tokens in calls of at most 10: the drafter works for it in 4 calls at least.
+  assert _run(MEMORY_BOUND, "0.5", eff=slow)[0] >= 24 * 4 * 1.0
+  some = FORWARDS_ONLY.replace(draft_slot_s=1e-4)  # a fifth of what one forward of a slot computes here
+  device_s, _ = _run(COMPUTE_BOUND, "0.5")
+  assert _run(COMPUTE_BOUND, "0.5", eff=some)[0] == pytest.approx(device_s, rel=1e-12)
+  assert _run(COMPUTE_BOUND, "0.5", eff=some, overlap=False)[0] >= device_s + 24 * 4 * 1e-4
 
 
 def test_forwards_follow_the_acceptance_and_the_tokens_a_call_has_left():
