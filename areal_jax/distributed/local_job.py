@@ -41,6 +41,7 @@ from areal_jax.distributed.roles import AUTHKEY_ENV
 
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 FINISH_GRACE_S = 60.0  # after the leader finished: how long the others get to exit on their own
+SAMPLER_FINISH_S = 10.0  # after the leader finished: a sampler still running then (one still starting, say) is stopped
 QUICK_EXIT_S = 10.0  # a sampler that exits this soon after its start failed at once (a bad host or config)
 MAX_RESTART_PAUSE_S = 60.0  # a sampler that keeps failing at once is restarted at most this often
 
@@ -282,6 +283,13 @@ def _supervise(children: Sequence, stopped: list[int], restart, hint: str, tag: 
       return 0 if all(c.poll() == 0 for c in learners) else 1
     if children[0].poll() == 0:  # the leader finished: the others are told to stop and should exit soon
       leader_done_at = leader_done_at or time.monotonic()
+      if time.monotonic() - leader_done_at > SAMPLER_FINISH_S:
+        # A sampler the leader could not tell (one still starting or rejoining) has no learner left to serve.
+        late = [c for c in children if c.sampler and c.poll() is None]
+        if late:
+          print(f"{tag}: {', '.join(c.name for c in late)} still running {SAMPLER_FINISH_S:.0f} s after the leader "
+                "finished; stopping them", flush=True)
+          _stop(late)
       if time.monotonic() - leader_done_at > FINISH_GRACE_S:
         late = [c for c in children if c.poll() is None]
         print(f"{tag}: {', '.join(c.name for c in late)} still running {FINISH_GRACE_S:.0f} s after the leader "
