@@ -6,7 +6,8 @@ over the mesh's `data` axis and heads over `tensor`. Both attention implementati
 
 * `paged_attention`: pure JAX (CPU/GPU, and the TPU fallback). An online-softmax loop over blocks of pages that stops
   at the longest live sequence, so a step costs what the sequences hold, not the cache's maximum length.
-* `paged_attention_queries`: several queries per sequence over its pages (a speculative call's verified positions).
+* `paged_attention_queries`: several queries per sequence over its pages (a speculative call's verified positions);
+  beside the Pallas TPU decode kernel, `verify_kernel.paged_verify_attention` (a Pallas TPU kernel) runs instead.
 * `prefill_attention_after`: a prefill's queries over the pages a row continues (the prefix cache's) and its own
   keys, pure JAX, one program for any number of cached pages.
 * `pallas_paged_attention`: `jax.experimental.pallas.ops.tpu.paged_attention` (TPU; on CPU under Pallas' TPU
@@ -298,12 +299,17 @@ def sharded_decode_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_
                        out_specs=(act, pages, pages), check_vma=False)
 
 
-def sharded_verify_attention(mesh: Mesh, num_kv_heads: int, *, pages_per_block: int):
+def sharded_verify_attention(mesh: Mesh, num_kv_heads: int, *, impl: str, pages_per_block: int):
   """`f(q [S,Q,H,D], k, v [S,Q,K,D], k_pages, v_pages, page_table, positions [S], written [S], live [S]) -> (out,
   k_pages, v_pages)` per device with `shard_map`: a speculative call's Q positions per slot, `positions + j`; the
   first `written[s]` of a live slot write their keys/values (the rest go to the scratch page), then query j attends
-  over `positions + j + 1` keys (`paged_attention_queries`, pure JAX)."""
+  over `positions + j + 1` keys. `impl` is the decode attention's: "pallas_tpu" runs the Pallas TPU kernel
+  `verify_kernel.paged_verify_attention` in blocks of 512 keys (the decode kernel's), "jax" and "pallas_gpu"
+  `paged_attention_queries` in blocks of `pages_per_block` pages (pure JAX: no GPU kernel takes several queries per
+  sequence in this layout)."""
   heads = kv_head_axis(mesh, num_kv_heads)
+  if impl == "pallas_tpu":
+    from areal_jax.sampler.verify_kernel import paged_verify_attention  # imported on use, as the other kernels
 
   def local(q, k, v, k_pages, v_pages, page_table, positions, written, live):
     nq = q.shape[1]
@@ -311,7 +317,11 @@ def sharded_verify_attention(mesh: Mesh, num_kv_heads: int, *, pages_per_block: 
       k_pages, v_pages = write_decode_kv(k_pages, v_pages, k[:, j], v[:, j], page_table, positions + j,
                                          live & (j < written))
     lengths = jnp.where(live[:, None], positions[:, None] + jnp.arange(1, nq + 1)[None, :], 0)
-    out = paged_attention_queries(q, k_pages, v_pages, lengths, page_table, pages_per_block=pages_per_block)
+    if impl == "pallas_tpu":
+      out = paged_verify_attention(q, k_pages, v_pages, lengths, page_table,
+                                   pages_per_block=max(1, 512 // k_pages.shape[2]))
+    else:
+      out = paged_attention_queries(q, k_pages, v_pages, lengths, page_table, pages_per_block=pages_per_block)
     return out, k_pages, v_pages
 
   act, pages, idx = P("data", None, heads, None), P(heads, "data", None, None), P("data")

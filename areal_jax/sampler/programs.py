@@ -88,7 +88,7 @@ class Programs:
   insert: Callable
   decode: Callable
   speculate: Callable | None  # with `sampler.speculation`: decode with drafts
-  attention: str  # the decode attention implementation in use: "jax" | "pallas_tpu" | "pallas_gpu"
+  attention: str  # the decode (and verify) attention in use: "jax" | "pallas_tpu" | "pallas_gpu"
 
 
 def resolve_attention(cfg: SamplerConfig, model_cfg: ModelConfig, mesh: Mesh) -> str:
@@ -201,7 +201,7 @@ def _speculate(graphdef, mesh, verify_attend, check, k_steps: int, nq: int, para
   state = state.replace(page_table=state.page_table.at[grow[0], grow[1]].set(grow[2], mode="drop"))
   ends = lambda tokens: stop_eos & jnp.any(tokens[:, None] == eos[None, :], axis=-1)
   s, width = drafts.shape
-  rows, j = jnp.arange(s), jnp.arange(nq)
+  j, cols = jnp.arange(nq), jnp.arange(k_steps)
 
   def step(carry):
     i, st, live, count, out_tokens, out_logp, stats = carry
@@ -230,9 +230,13 @@ def _speculate(graphdef, mesh, verify_attend, check, k_steps: int, nq: int, para
     last = jnp.take_along_axis(tokens, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     st = st.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv), tokens=jnp.where(live, last, st.tokens),
                     lengths=pos + emitted, index=st.index + emitted)
-    cols = jnp.where(j[None] < emitted[:, None], count[:, None] + j[None], k_steps)  # past the end: dropped
-    out_tokens = out_tokens.at[rows[:, None], cols].set(tokens, mode="drop")
-    out_logp = out_logp.at[rows[:, None], cols].set(log_prob, mode="drop")
+    # Column c of the call's output takes emitted token c - count, each slot its own columns: a gather along the
+    # row (a scatter at per-slot columns would be all-gathered over the data shards by the partitioner).
+    at = cols[None] - count[:, None]
+    put = (at >= 0) & (at < emitted[:, None])
+    at = jnp.clip(at, 0, nq - 1)
+    out_tokens = jnp.where(put, jnp.take_along_axis(tokens, at, axis=1), out_tokens)
+    out_logp = jnp.where(put, jnp.take_along_axis(log_prob, at, axis=1), out_logp)
     drafted = j[None, :nq - 1] < n[:, None]
     accepted = drafted & (j[None, :nq - 1] < emitted[:, None] - 1)
     stats = (stats[0] + jnp.sum(live), stats[1] + jnp.sum(drafted, axis=0), stats[2] + jnp.sum(accepted, axis=0))
@@ -301,7 +305,8 @@ def build_programs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: SamplerC
 
   speculate = None
   if cfg.speculation != "off":
-    verify_attend = attention.sharded_verify_attention(mesh, model_cfg.num_kv_heads, pages_per_block=pages_per_block)
+    verify_attend = attention.sharded_verify_attention(mesh, model_cfg.num_kv_heads, impl=impl,
+                                                       pages_per_block=pages_per_block)
     check = functools.partial(verify, vocab_limit=cfg.vocab_limit)
 
     def speculate(params, state: DecodeState, budget, stop_eos, eos, grow, refill_at, drafts, draft_at, draft_len):

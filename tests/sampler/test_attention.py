@@ -158,15 +158,19 @@ def test_pallas_tpu_path_compiles_for_v5e():
 
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process on this machine may hold libtpu's lock
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+  from areal_jax.aot_check import pallas_kernels
   from areal_jax.sampler.aot import lower_sampler
 
   mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))
   cfg = ModelConfig(family="qwen2", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
                     num_kv_heads=4, head_dim=128, attention_bias=True, dtype="bfloat16", param_dtype="bfloat16")
-  sc = SamplerConfig(num_slots=8, page_size=16, num_pages=64, max_seq_len=128, attention="pallas_tpu")
+  sc = SamplerConfig(num_slots=8, page_size=16, num_pages=64, max_seq_len=128, attention="pallas_tpu",
+                     speculation="suffix")
   lowered = lower_sampler(cfg, sc, mesh, prefill_len=32)
   decode = lowered["decode"].compile()
   assert "tpu_custom_call" in lowered["decode"].as_text()  # the Pallas kernel, not the pure-JAX fallback
+  # The speculative call's verify attention: its own kernel, through Mosaic's tiling checks (interpret mode has none).
+  assert pallas_kernels(lowered["speculate"].compile()) == ("paged_verify_attention",)
   assert decode.memory_analysis() is not None
   # The pool is carried through the decode loop (8 steps) and updated in place: no copy of a layer's pages, which
   # XLA inserted (entering and leaving the loop, and per layer and step) while the cache write was a scatter.

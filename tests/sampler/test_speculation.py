@@ -2,8 +2,11 @@
 
 `sampling.verify` against `sampling.sample` and against the target distribution by a chi-square test on a small
 vocabulary (with the residual's draft mass left in, the test fails); the engine's speculative call against its plain
-decode call, greedy, with drafts right, wrong, partly right and absent; the scheduler with the suffix drafter against
-the scheduler without, greedy, with a weight swap mid-answer, and every logprob against a dense forward."""
+decode call, greedy, with drafts right, wrong, partly right and absent (also on the verify attention's Pallas TPU
+kernel, interpreted); the scheduler with the suffix drafter against the scheduler without, greedy, with a weight swap
+mid-answer, and every logprob against a dense forward."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -132,10 +135,12 @@ def _engine_answers(model, cfg: SamplerConfig, prompts, length: int, drafts_of=N
   return tokens, logps, drafted, accepted
 
 
-def test_the_speculative_call_emits_the_greedy_tokens_of_the_plain_call():
+@pytest.mark.parametrize("attention,length", [("jax", 30), ("pallas_tpu", 9)])
+def test_the_speculative_call_emits_the_greedy_tokens_of_the_plain_call(attention, length):
   """Greedy, 4 slots: drafts that are the answer's own continuation (all accepted), wrong from the first token, right
   for two tokens then wrong, and none. Tokens equal the plain call's; logprobs to float rounding (another forward
-  shape); right drafts are accepted, wrong ones not."""
+  shape); right drafts are accepted, wrong ones not. With `pallas_tpu` every speculative forward runs the verify
+  attention's Pallas TPU kernel (`verify_kernel`), interpreted on CPU: slow, so two calls (8 tokens) only."""
   model = tiny_model(TINY, seed=5)
   rng = np.random.default_rng(2)
   prompts = [rng.integers(2, 64, size=n).astype(np.int32) for n in (5, 9, 3, 12)]
@@ -152,14 +157,18 @@ def test_the_speculative_call_emits_the_greedy_tokens_of_the_plain_call():
       return right[:2] + [(t + 1) % 64 for t in right[2:]]
     return []
 
-  spec = CFG.replace(speculation="suffix", spec_tokens=3)
-  got, got_lp, drafted, accepted = _engine_answers(model, spec, prompts, 30, drafts_of)
+  spec = CFG.replace(speculation="suffix", spec_tokens=3, attention=attention)
+  interpret = contextlib.nullcontext()
+  if attention == "pallas_tpu":
+    interpret = pytest.importorskip("jax.experimental.pallas.tpu").force_tpu_interpret_mode()
+  with interpret:
+    got, got_lp, drafted, accepted = _engine_answers(model, spec, prompts, length, drafts_of)
   for s in range(4):
-    assert got[s][:30] == want[s][:30], s
-    np.testing.assert_allclose(got_lp[s][:30], want_lp[s][:30], atol=2e-5)
+    assert got[s][:length] == want[s][:length], s
+    np.testing.assert_allclose(got_lp[s][:length], want_lp[s][:length], atol=2e-5)
   # Slot 0: 3 drafts accepted per forward (fewer at the end); slot 2: 2 at its first forward, then
   # none; slot 1: none.
-  assert 20 <= accepted < drafted
+  assert (20 if length == 30 else 6) <= accepted < drafted
 
 
 SCHED_CFG = SamplerConfig(num_slots=8, page_size=4, num_pages=8 * 12 + 1, max_seq_len=44, max_prefill_tokens=64,
