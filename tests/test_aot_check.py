@@ -59,16 +59,18 @@ def test_tiny_compiles_and_fits(reports):
 def test_a_replica_s_programs_compile_on_its_share_and_list_their_collectives():
   """With mesh.sampler_replicas=2 the sampler's programs are one replica's, on 2 of the 4 chips; the compiled HLO's
   collectives are listed: the decode loop's all-reduces (whether any slot of any shard is live); in the prefill (one
-  row per data shard) only the all-reduce of the rows' last positions, no all-gather of keys or values."""
+  row per data shard) only the all-reduce of the rows' last positions, no all-gather of keys or values; in the
+  speculative loop all-reduces only (each slot's emitted tokens written on its own shard)."""
   settings = validate(load_config(os.path.join(ROOT, "configs/math.py:tiny"), **SMALL,
-                                  **{"mesh.sampler_replicas": 2}), data=False)
+                                  **{"mesh.sampler_replicas": 2, "sampler.speculation": "suffix"}), data=False)
   reports = aot_check.check(settings, sampler_topology="v5e:2x2", learner_topology=None)
   by_name = {r.program: r for r in reports}
   assert all(r.fits and r.mesh == {"data": 2, "expert": 1, "tensor": 1} for r in reports), reports
   assert all(isinstance(c, str) and " x" in c for r in reports for c in r.collectives)
   assert "collectives" in aot_check.format_table(reports)
   assert by_name["prefill"].collectives == ("all-reduce x1",) and by_name["insert"].collectives == ()
-  assert by_name["decode"].collectives and all(c.startswith("all-reduce") for c in by_name["decode"].collectives)
+  for name in ("decode", "speculate"):
+    assert by_name[name].collectives and all(c.startswith("all-reduce") for c in by_name[name].collectives), name
   with pytest.raises(ValueError, match="mesh.sampler_replicas=3"):
     aot_check.check(dataclasses.replace(settings, mesh=dataclasses.replace(settings.mesh, sampler_replicas=3)),
                     sampler_topology="v5e:2x2", learner_topology=None)
