@@ -30,6 +30,24 @@ Prints, per variant, the turns, tool calls and solved episodes, how many episode
 prefix_hits`, overall and per replica). About 2 minutes on a 2-core CPU, 1 with the policy kept:
 
     python tools/bench_agents.py --agent calculator --replicas 2 [--policy-dir /tmp/calculator_policy]
+
+`--agent calculator --speculation` instead runs the same policy's episodes with `sampler.speculation` off and
+`suffix` (`--spec-tokens` drafts, from the rollouts drawn so far: `sampler/drafts.py`) side by side, submitted as a
+run submits them: `--group` episodes of each of the `--episodes` problems at once (`--episodes` slots per replica),
+tagged, at temperature 1.0 (the run's sampling), for `--epochs` epochs (an epoch once the last one's episodes are
+done). Each round runs on fresh replicas (empty caches and draft histories); one untimed round of each variant first
+compiles what the rounds run, then `--repeats` rounds alternate, the best counting. Each replica's drafter thus
+sees what a run's would of the episodes on it: the group's finished answers and an earlier epoch's to the same
+first-turn prompt, other recent answers, and in a second turn's prompt the first turn's text (the question, the call,
+the tool's result).
+Per variant, `calculator speculation=<off|suffix>: tokens N, seconds S, tokens/s R, decode calls C, tokens per
+slot-forward F` (tokens: the episodes' answers; F: `spec_tokens / spec_forwards`, 1 without speculation) and with it
+the drafts verified and accepted, the acceptance overall and by draft position, as `bench_sampler.py --speculation`
+prints them; then the episodes (turns, tool calls, solved), the acceptance by epoch, and `calculator ratio suffix /
+off tokens/s`. Answers differ between the variants (verification draws from other keys), so each counts its own.
+About 12 minutes on a 2-core CPU shared with other jobs, 50 s of it the warm-start:
+
+    python tools/bench_agents.py --agent calculator --speculation [--group 4 --epochs 2] [--policy-dir /tmp/p]
 """
 
 from __future__ import annotations
@@ -42,6 +60,8 @@ import itertools
 import os
 import threading
 import time
+
+import numpy as np
 
 
 def parse_args():
@@ -65,10 +85,17 @@ def parse_args():
                  "decides it) and load it from here next time; empty: warm-start every run")
   p.add_argument("--page-size", type=int, default=16, help="calculator: tokens per KV page (the cache's unit)")
   p.add_argument("--seed", type=int, default=0, help="calculator: the problems' and the warm-start's seed")
+  p.add_argument("--speculation", action="store_true", help="calculator: instead, sampler.speculation off vs suffix "
+                 "on the same episodes (see the module docstring)")
+  p.add_argument("--spec-tokens", type=int, default=4, help="--speculation: sampler.spec_tokens")
+  p.add_argument("--group", type=int, default=4, help="--speculation: episodes of each problem at once (a run's group)")
+  p.add_argument("--epochs", type=int, default=2, help="--speculation: passes over the same problems")
   args = p.parse_args()
   if args.shape is None:
     args.shape = "fast" if args.agent == "calculator" else "tiny"
-  if args.agent == "calculator" and args.replicas < 2:
+  if args.speculation and args.agent != "calculator":
+    p.error("--speculation runs the calculator agent's episodes: add --agent calculator")
+  if args.agent == "calculator" and args.replicas < 2 and not args.speculation:
     p.error(f"--replicas={args.replicas}: the calculator mode compares dispatch over >= 2 replicas")
   return args
 
@@ -102,7 +129,7 @@ def main():
   if args.agent == "calculator":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.replicas}").strip()
-    return calculator_main(args)
+    return calculator_speculation_main(args) if args.speculation else calculator_main(args)
   from areal_jax import agents  # pylint: disable=g-import-not-at-top  # first: it picks the backend before JAX loads
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -275,48 +302,87 @@ def calculator_policy(args, model_cfg, problems, tok):
   return params, made
 
 
+class CalculatorTask:
+  """What the calculator's comparisons share: its `--episodes` problems, the policy warm-started on them
+  (`calculator_policy`), the sampler's settings (configs/agent.py's lengths, the prefix cache on) and one CPU device
+  per replica."""
+
+  def __init__(self, args):
+    import jax  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    from areal_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+    from areal_jax.models import create  # pylint: disable=g-import-not-at-top
+    from areal_jax.sampler.config import SamplerConfig  # pylint: disable=g-import-not-at-top
+    from areal_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
+    from areal_jax.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
+
+    self.args, self.model_cfg, self.tok = args, shape_config(args.shape), CharTokenizer()
+    self.problems = [{"uid": p.uid, "question": p.question, "reference": p.reference, "kind": p.kind,
+                      "solution": p.solution, "prompt": ""}
+                     for p in synthetic.generate(args.episodes, difficulty=1, seed=args.seed, task="products",
+                                                 distinct=True)]
+    self.params, self.made = calculator_policy(args, self.model_cfg, self.problems, self.tok)
+    pages = -(-CALC_SEQ_LEN // args.page_size)
+    self.cfg = SamplerConfig(num_slots=args.episodes, page_size=args.page_size,
+                             num_pages=2 * args.episodes * pages + 1, max_seq_len=CALC_SEQ_LEN,
+                             max_new_tokens=CALC_MAX_TOKENS, vocab_limit=self.tok.vocab_size,
+                             decode_steps=args.decode_steps, prefix_cache=True)
+    self.meshes = [make_mesh(jax.devices()[i:i + 1], {"data": 1, "tensor": 1}) for i in range(args.replicas)]
+    self.abstract_model = nnx.eval_shape(lambda: create(self.model_cfg, 0))
+
+  def rollout(self, **changes):
+    """Fresh replicas (empty caches and draft histories), the sampler's settings with `changes`."""
+    from areal_jax.distributed.replicas import LocalRollout  # pylint: disable=g-import-not-at-top
+
+    return LocalRollout(abstract_model=self.abstract_model, config=dataclasses.replace(self.cfg, **changes),
+                        meshes=self.meshes, params=self.params, version=0, eos_ids=[self.tok.eos_id],
+                        detokenize=self.tok.decode)
+
+  def runner(self, rollout, *, temperature: float):
+    """The calculator agent's `EpisodeRunner` on `rollout`, sampling at `temperature`."""
+    from areal_jax import agents  # pylint: disable=g-import-not-at-top
+    from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
+    from areal_jax.sampler.requests import SamplingParams  # pylint: disable=g-import-not-at-top
+
+    return agents.EpisodeRunner(
+        agent=Calculator(max_tokens=CALC_MAX_TOKENS).run, config=agents.AgentConfig(max_turns=4, timeout_s=600),
+        rollout=rollout, tokenizer=self.tok, sampling=SamplingParams(temperature=temperature, seed=self.args.seed),
+        limits={"max_seq_len": CALC_SEQ_LEN, "vocab_size": self.model_cfg.vocab_size}, version=lambda: 0)
+
+  def episodes(self, runner, *, group: int = 1, first_group: int = 0) -> list:
+    """`group` episodes of every problem at once (group ids from `first_group`): their `EpisodeResult`s."""
+    futures = [runner.submit(p, group_id=first_group + i, index=j, min_version=0)
+               for i, p in enumerate(self.problems) for j in range(group)]
+    return [f.result() for f in futures]
+
+
+def episodes_line(results) -> str:
+  """`N episodes: T turns, M episodes of 2 or more, C tool calls, S solved, F failed` (calls the tool ran)."""
+  from areal_jax.serve import tool_calls  # pylint: disable=g-import-not-at-top
+
+  calls = sum(len(tool_calls.parse(c.text)[1] or ()) for r in results for c in r.completions[:-1])  # run by it
+  return (f"{len(results)} episodes: {sum(r.turns for r in results)} turns, "
+          f"{sum(r.turns >= 2 for r in results)} episodes of 2 or more, {calls} tool calls, "
+          f"{sum(r.reward == 1.0 for r in results)} solved, {sum(bool(r.failure) for r in results)} failed")
+
+
 def calculator_main(args):
   """The calculator agent's episodes on `args.replicas` replicas, each episode's turns kept on one replica vs
   scattered over them: the prefix cache's hits (see the module docstring)."""
-  from areal_jax import agents  # pylint: disable=g-import-not-at-top  # first: it picks the backend before JAX loads
+  from areal_jax import agents  # pylint: disable=g-import-not-at-top,unused-import  # first: it picks the backend
   import jax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from areal_jax.agents.calculator import Calculator  # pylint: disable=g-import-not-at-top
-  from areal_jax.data import synthetic  # pylint: disable=g-import-not-at-top
-  from areal_jax.distributed.replicas import LocalRollout  # pylint: disable=g-import-not-at-top
-  from areal_jax.models import create  # pylint: disable=g-import-not-at-top
-  from areal_jax.sampler.config import SamplerConfig  # pylint: disable=g-import-not-at-top
-  from areal_jax.sampler.requests import SamplingParams  # pylint: disable=g-import-not-at-top
-  from areal_jax.serve import tool_calls  # pylint: disable=g-import-not-at-top
-  from areal_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
-  from areal_jax.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
-
-  model_cfg, tok = shape_config(args.shape), CharTokenizer()
-  problems = [{"uid": p.uid, "question": p.question, "reference": p.reference, "kind": p.kind,
-               "solution": p.solution, "prompt": ""}
-              for p in synthetic.generate(args.episodes, difficulty=1, seed=args.seed, task="products", distinct=True)]
-  params, made = calculator_policy(args, model_cfg, problems, tok)
-  pages = -(-CALC_SEQ_LEN // args.page_size)
-  cfg = SamplerConfig(num_slots=args.episodes, page_size=args.page_size, num_pages=2 * args.episodes * pages + 1,
-                      max_seq_len=CALC_SEQ_LEN, max_new_tokens=CALC_MAX_TOKENS, vocab_limit=tok.vocab_size,
-                      decode_steps=args.decode_steps, prefix_cache=True)
-  meshes = [make_mesh(jax.devices()[i:i + 1], {"data": 1, "tensor": 1}) for i in range(args.replicas)]
-  abstract_model = nnx.eval_shape(lambda: create(model_cfg, 0))
+  task = CalculatorTask(args)
 
   def run(keep_tag: bool):
     """Every episode at once on fresh replicas (empty caches): (results, where each request landed, per replica
     (tokens cached, prefilled), the rollout's sampler metrics)."""
-    rollout = LocalRollout(abstract_model=abstract_model, config=cfg, meshes=meshes, params=params, version=0,
-                           eos_ids=[tok.eos_id], detokenize=tok.decode)
+    rollout = task.rollout()
     routed = Routed(rollout, keep_tag=keep_tag)
-    runner = agents.EpisodeRunner(
-        agent=Calculator(max_tokens=CALC_MAX_TOKENS).run, config=agents.AgentConfig(max_turns=4, timeout_s=600),
-        rollout=routed, tokenizer=tok, sampling=SamplingParams(temperature=0.0, seed=args.seed),
-        limits={"max_seq_len": CALC_SEQ_LEN, "vocab_size": model_cfg.vocab_size}, version=lambda: 0)
+    runner = task.runner(routed, temperature=0.0)
     try:
-      futures = [runner.submit(p, group_id=i, index=0, min_version=0) for i, p in enumerate(problems)]
-      results = [f.result() for f in futures]
+      results = task.episodes(runner)
     finally:
       runner.stop()
       rollout.stop()  # after its last step: every counter is in
@@ -325,7 +391,7 @@ def calculator_main(args):
     return results, routed.landed, per, rollout.sampler_metrics()
 
   print(f"calculator agent: {args.episodes} episodes at once over {args.replicas} replicas, prefix cache on, page "
-        f"{args.page_size}, greedy; the policy: {made} ({jax.devices()[0].platform}, {args.shape} shape)")
+        f"{args.page_size}, greedy; the policy: {task.made} ({jax.devices()[0].platform}, {args.shape} shape)")
   drawn = {}
   for name, keep_tag in (("scattered (no episode)", False), ("kept (Request.episode)", True)):
     results, landed, per, metrics = run(keep_tag)
@@ -334,20 +400,95 @@ def calculator_main(args):
     where = {}
     for episode, replica in landed:
       where.setdefault(episode, set()).add(replica)
-    calls = sum(len(tool_calls.parse(c.text)[1] or ()) for r in results for c in r.completions[:-1])  # run by it
     failed = [r.failure for r in results if r.failure]
     print(f"  {name:24s} prefix hits {cached / max(cached + prefilled, 1):.3f} (per replica {rates}); {cached} tokens "
           f"cached, {prefilled} prefilled")
-    print(f"  {'':24s} {len(results)} episodes: {sum(r.turns for r in results)} turns, "
-          f"{sum(r.turns >= 2 for r in results)} episodes of 2 or more, {calls} tool calls, "
-          f"{sum(r.reward == 1.0 for r in results)} solved, {len(failed)} failed; "
-          f"{sum(len(w) == 1 for w in where.values())} episodes' turns all on one replica")
+    print(f"  {'':24s} {episodes_line(results)}; {sum(len(w) == 1 for w in where.values())} episodes' turns all on "
+          "one replica")
     if failed:
       print(f"  {'':24s} e.g. {failed[0]}")
     drawn[name] = [[c.tokens.tolist() for c in r.completions] for r in results]
   scattered, kept = drawn.values()
   same = sum(a == b for x, y in zip(scattered, kept) for a, b in zip(x, y))
   print(f"answers drawn alike by both: {same} of {sum(len(x) for x in kept)}")
+
+
+def spec_counts(rollout) -> tuple[dict, object, object]:
+  """The rollout's schedulers' counters summed over its replicas, and with speculation the drafts verified and
+  accepted by draft position (`spec_drafted_at`, `spec_accepted_at`; else None)."""
+  scheds = [r.sampler.scheduler for r in rollout.replicas]
+  counters = {k: sum(s.counters[k] for s in scheds) for k in scheds[0].counters}
+  if scheds[0].drafter is None:
+    return counters, None, None
+  return counters, sum(s.spec_drafted_at for s in scheds), sum(s.spec_accepted_at for s in scheds)
+
+
+def spec_figures(counters: dict, drafted_at, accepted_at) -> str:
+  """`, tokens per slot-forward F` (1.00 without speculation's counters), then with them `, drafted D, accepted A,
+  acceptance X, by position a1 .. ak` (the share of each position's drafts accepted), as bench_sampler.py
+  --speculation prints them."""
+  if "spec_forwards" not in counters:
+    return ", tokens per slot-forward 1.00"
+  at = accepted_at / np.maximum(drafted_at, 1)
+  return (f", tokens per slot-forward {counters['spec_tokens'] / max(1, counters['spec_forwards']):.2f}, drafted "
+          f"{counters['spec_drafted']}, accepted {counters['spec_accepted']}, acceptance "
+          f"{counters['spec_accepted'] / max(1, counters['spec_drafted']):.3f}, by position "
+          + " ".join(f"{a:.3f}" for a in at))
+
+
+def best_rounds(run, variants, repeats: int) -> dict:
+  """Each variant's fastest round: one untimed round of each first (it compiles what the rounds run), then `repeats`
+  rounds alternating between them. `run(v)` returns a round's figures, its seconds second."""
+  for v in variants:
+    run(v)
+  rounds = [(v, run(v)) for _ in range(repeats) for v in variants]
+  return {v: min((r for w, r in rounds if w == v), key=lambda r: r[1]) for v in variants}
+
+
+def calculator_speculation_main(args):
+  """The calculator agent's episodes with `sampler.speculation` off and `suffix` side by side (see the module
+  docstring)."""
+  from areal_jax import agents  # pylint: disable=g-import-not-at-top,unused-import  # first: it picks the backend
+  import jax  # pylint: disable=g-import-not-at-top
+
+  task, variants = CalculatorTask(args), ("off", "suffix")
+
+  def run(v: str):
+    """One round of every epoch on fresh replicas: (tokens, seconds, results, counters, drafted and accepted by
+    position, (accepted, drafted) per epoch)."""
+    rollout = task.rollout(speculation=v, spec_tokens=args.spec_tokens)
+    runner = task.runner(rollout, temperature=1.0)
+    results, by_epoch = [], []
+    try:
+      start = time.perf_counter()
+      for epoch in range(args.epochs):  # an epoch's episodes once the last one's are done
+        before = spec_counts(rollout)[0]
+        results += task.episodes(runner, group=args.group, first_group=epoch * len(task.problems))
+        after = spec_counts(rollout)[0]
+        by_epoch.append(tuple(after.get(k, 0) - before.get(k, 0) for k in ("spec_accepted", "spec_drafted")))
+      seconds = time.perf_counter() - start
+    finally:
+      runner.stop()
+      rollout.stop()  # after its last step: every counter is in
+    tokens = sum(len(c.tokens) for r in results for c in r.completions)
+    return (tokens, seconds, results, *spec_counts(rollout), by_epoch)
+
+  print(f"calculator agent, speculation off vs suffix: {args.episodes} problems x {args.group} episodes at once x "
+        f"{args.epochs} epochs over {args.replicas} replicas, prefix cache on, temperature 1.0, spec_tokens "
+        f"{args.spec_tokens}, decode_steps {args.decode_steps}, best of {args.repeats}; the policy: {task.made} "
+        f"({jax.devices()[0].platform}, {args.shape} shape)", flush=True)
+  best = best_rounds(run, variants, args.repeats)  # fresh replicas of the same settings share the programs
+  rate = {}
+  for v in variants:
+    tokens, seconds, results, counters, drafted_at, accepted_at, by_epoch = best[v]
+    rate[v] = tokens / seconds
+    print(f"calculator speculation={v}: tokens {tokens}, seconds {seconds:.2f}, tokens/s {rate[v]:.0f}, decode calls "
+          f"{counters['decode_calls']}" + spec_figures(counters, drafted_at, accepted_at))
+    print(f"calculator speculation={v}: {episodes_line(results)}")
+    if v != "off":
+      print(f"calculator speculation={v}: acceptance by epoch " + ", ".join(
+          f"{a / max(1, d):.3f} of {d}" for a, d in by_epoch))
+  print(f"calculator ratio suffix / off tokens/s: {rate['suffix'] / rate['off']:.2f}x")
 
 
 if __name__ == "__main__":

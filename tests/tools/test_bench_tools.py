@@ -1,4 +1,4 @@
-"""tools/bench_sampler.py, bench_learner.py, bench_agents.py (its calculator mode too), bench_sandbox.py,
+"""tools/bench_sampler.py, bench_learner.py, bench_agents.py (its calculator modes too), bench_sandbox.py,
 bench_lora.py, bench_prefix_cache.py and bench_delta_sync.py end to end on small workloads, peers included."""
 
 import json
@@ -73,11 +73,17 @@ def test_bench_agents_replays_the_recorded_completions():
   assert re.search(r"^agents' overhead \(client, routes and recording\): [+-]\d+\.\d% time", out, re.M), out
 
 
-def test_bench_agents_calculator_keeps_each_episode_on_one_replica(tmp_path):
+@pytest.fixture(scope="module")
+def calculator_policy_dir(tmp_path_factory):
+  """Where the calculator tests keep their warm-started policy: the first to run warm-starts it, the other loads it."""
+  return tmp_path_factory.mktemp("calculator_policy")
+
+
+def test_bench_agents_calculator_keeps_each_episode_on_one_replica(calculator_policy_dir):
   """The calculator agent on 2 replicas, its policy warm-started to call the tool: its episodes are 2 turns or more
   with tool calls in both variants, and tagged, every episode's turns land on one replica."""
   out = _run("bench_agents.py", "--agent=calculator", "--replicas=2", "--episodes=4", "--warm-steps=150",
-             f"--policy-dir={tmp_path}")
+             f"--policy-dir={calculator_policy_dir}")
   hits = re.findall(r"^  (scattered \(no episode\)|kept \(Request\.episode\))\s+prefix hits ([\d.]+) \(per replica "
                     r"([\d.]+), ([\d.]+)\); (\d+) tokens cached, (\d+) prefilled$", out, re.M)
   assert [h[0] for h in hits] == ["scattered (no episode)", "kept (Request.episode)"], out
@@ -90,7 +96,32 @@ def test_bench_agents_calculator_keeps_each_episode_on_one_replica(tmp_path):
     assert episodes == 4 and failed == 0 and multi >= 1 and calls >= 1 and turns >= episodes + multi, out
   assert counts[1][6] == 4, out  # tagged: every episode's turns on one replica
   assert re.search(r"^answers drawn alike by both: \d+ of \d+$", out, re.M), out
-  assert len(os.listdir(tmp_path)) == 1, out  # the warm-started policy, kept
+  assert len(os.listdir(calculator_policy_dir)) == 1, out  # the warm-started policy, kept
+
+
+def test_bench_agents_calculator_speculation_lines(calculator_policy_dir):
+  """The calculator's episodes with speculation off and suffix (1 replica, 2 epochs: the second re-asks the first's
+  problems): the lines parse, acceptance lies in [0, 1], a forward emits >= 1 token per slot (exactly 1 off), and
+  drafts are accepted."""
+  out = _run("bench_agents.py", "--agent=calculator", "--speculation", "--replicas=1", "--episodes=4",
+             "--warm-steps=150", "--group=2", "--epochs=2", "--repeats=1", f"--policy-dir={calculator_policy_dir}")
+  rows = {v: m for v, *m in re.findall(
+      r"^calculator speculation=(off|suffix): tokens (\d+), seconds ([\d.]+), tokens/s (\d+), decode calls (\d+), "
+      r"tokens per slot-forward ([\d.]+)(.*)$", out, re.M)}
+  assert set(rows) == {"off", "suffix"}, out
+  assert all(int(m[0]) > 0 and int(m[2]) > 0 and int(m[3]) > 0 for m in rows.values()), out
+  assert rows["off"][4:] == ["1.00", ""], out
+  assert float(rows["suffix"][4]) >= 1.0, out  # a forward emits its accepted drafts + 1
+  m = re.fullmatch(r", drafted (\d+), accepted (\d+), acceptance ([\d.]+), by position ((?:[\d.]+ ?){4})",
+                   rows["suffix"][5])
+  assert m, out
+  assert 0 < int(m[2]) <= int(m[1]) and 0 <= float(m[3]) <= 1, out  # drafts from the history were accepted
+  assert all(0 <= float(a) <= 1 for a in m[4].split()), out
+  assert len(re.findall(r"^calculator speculation=(?:off|suffix): 16 episodes: \d+ turns, .* 0 failed$", out,
+                        re.M)) == 2, out
+  assert re.search(r"^calculator speculation=suffix: acceptance by epoch [\d.]+ of \d+, [\d.]+ of \d+$", out,
+                   re.M), out
+  assert re.search(r"^calculator ratio suffix / off tokens/s: [\d.]+x$", out, re.M), out
 
 
 def test_bench_sandbox_times_both_modes():
