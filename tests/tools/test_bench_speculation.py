@@ -1,7 +1,7 @@
 """tools/bench_sampler.py --speculation end to end at a small size: speculation off vs suffix on the revisited-prompts
-workload (a briefly warm-started tiny model) and the long-tail one (random weights). Its lines parse, acceptance lies
-in [0, 1], both variants draw the same number of tokens on the long tail (EOS ignored), and on the revisited prompts
-drafts from the earlier epoch's answers are accepted."""
+workload (a briefly warm-started tiny model). Its lines parse, acceptance lies in [0, 1], and drafts from the earlier
+epoch's answers are accepted. The long-tail workload prints the same lines through the same code; it is left out to
+save its compiles (exact budgets and EOS with drafts: tests/sampler/test_speculation.py)."""
 
 import os
 import re
@@ -24,13 +24,13 @@ _SPEC = re.compile(r"^, slot-forwards (\d+) \(drafted share ([\d.]+)\), drafted 
 
 def test_bench_speculation_lines_and_acceptance(tmp_path):
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_sampler.py"), "--speculation",
-                        "--prompts=4", "--group=4", "--epochs=2", "--slots=8", "--warm_steps=40",
-                        f"--warm_cache={tmp_path}", "--requests=12", "--mean-len=8", "--repeats=1"],
+                        "--spec_workload=revisit", "--prompts=4", "--group=4", "--epochs=2", "--slots=8", "--warm_steps=40",
+                        f"--warm_cache={tmp_path}", "--repeats=1"],
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-3000:]
   out = out.stdout
   rows = {(w, v): m for w, v, *m in _LINE.findall(out)}
-  assert set(rows) == {(w, v) for w in ("revisit", "longtail") for v in ("off", "suffix")}, out
+  assert set(rows) == {("revisit", "off"), ("revisit", "suffix")}, out
   spec = {}
   for (w, v), (tokens, seconds, rate, _, host, drafter, wait, per_forward, rest) in rows.items():
     assert int(tokens) > 0 and int(rate) > 0, out
@@ -48,7 +48,6 @@ def test_bench_speculation_lines_and_acceptance(tmp_path):
     assert len(leading) == 4 and share >= leading[0] and leading == sorted(leading, reverse=True), out
     assert float(per_forward) == pytest.approx(1 + sum(leading), abs=0.01), out  # a forward emits 1 + L tokens
     spec[w] = accepted
-  assert rows["longtail", "off"][0] == rows["longtail", "suffix"][0], out  # EOS ignored: the same lengths
   assert spec["revisit"] > 0, out  # the earlier epoch's answers draft the later one's
   assert re.search(r"^revisit speculation=suffix: acceptance by epoch [\d.]+ of \d+, [\d.]+ of \d+$", out, re.M), out
-  assert len(re.findall(r"^(revisit|longtail) ratio suffix / off tokens/s: [\d.]+x$", out, re.M)) == 2, out
+  assert re.search(r"^revisit ratio suffix / off tokens/s: [\d.]+x$", out, re.M), out
