@@ -45,7 +45,8 @@ slot-forward F` (tokens: the episodes' answers; F: `spec_tokens / spec_forwards`
 the drafts verified and accepted, the acceptance overall and by draft position, as `bench_sampler.py --speculation`
 prints them; then the episodes (turns, tool calls, solved), the acceptance by epoch, and `calculator ratio suffix /
 off tokens/s`. Answers differ between the variants (verification draws from other keys), so each counts its own.
-About 12 minutes on a 2-core CPU shared with other jobs, 50 s of it the warm-start:
+11-13 minutes on a 2-core CPU shared with other jobs (load 4-7), 1-2 of them the warm-start (`--policy-dir` keeps
+it):
 
     python tools/bench_agents.py --agent calculator --speculation [--group 4 --epochs 2] [--policy-dir /tmp/p]
 """
