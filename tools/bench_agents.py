@@ -42,8 +42,9 @@ first-turn prompt, other recent answers, and in a second turn's prompt the first
 the tool's result).
 Per variant, `calculator speculation=<off|suffix>: tokens N, seconds S, tokens/s R, decode calls C, tokens per
 slot-forward F` (tokens: the episodes' answers; F: `spec_tokens / spec_forwards`, 1 without speculation) and with it
-the drafts verified and accepted, the acceptance overall and by draft position, as `bench_sampler.py --speculation`
-prints them; then the episodes (turns, tool calls, solved), the acceptance by epoch, and `calculator ratio suffix /
+the slot-forwards and the share that carried a draft, the drafts verified and accepted, the acceptance overall and by
+draft position, and accepted per slot-forward by position, as `bench_sampler.py --speculation` prints them (its
+`spec_figures`); then the episodes (turns, tool calls, solved), the acceptance by epoch, and `calculator ratio suffix /
 off tokens/s`. Answers differ between the variants (verification draws from other keys), so each counts its own.
 11-13 minutes on a 2-core CPU shared with other jobs (load 4-7), 1-2 of them the warm-start (`--policy-dir` keeps
 it):
@@ -424,33 +425,12 @@ def spec_counts(rollout) -> tuple[dict, object, object]:
   return counters, sum(s.spec_drafted_at for s in scheds), sum(s.spec_accepted_at for s in scheds)
 
 
-def spec_figures(counters: dict, drafted_at, accepted_at) -> str:
-  """`, tokens per slot-forward F` (1.00 without speculation's counters), then with them `, drafted D, accepted A,
-  acceptance X, by position a1 .. ak` (the share of each position's drafts accepted), as bench_sampler.py
-  --speculation prints them."""
-  if "spec_forwards" not in counters:
-    return ", tokens per slot-forward 1.00"
-  at = accepted_at / np.maximum(drafted_at, 1)
-  return (f", tokens per slot-forward {counters['spec_tokens'] / max(1, counters['spec_forwards']):.2f}, drafted "
-          f"{counters['spec_drafted']}, accepted {counters['spec_accepted']}, acceptance "
-          f"{counters['spec_accepted'] / max(1, counters['spec_drafted']):.3f}, by position "
-          + " ".join(f"{a:.3f}" for a in at))
-
-
-def best_rounds(run, variants, repeats: int) -> dict:
-  """Each variant's fastest round: one untimed round of each first (it compiles what the rounds run), then `repeats`
-  rounds alternating between them. `run(v)` returns a round's figures, its seconds second."""
-  for v in variants:
-    run(v)
-  rounds = [(v, run(v)) for _ in range(repeats) for v in variants]
-  return {v: min((r for w, r in rounds if w == v), key=lambda r: r[1]) for v in variants}
-
-
 def calculator_speculation_main(args):
   """The calculator agent's episodes with `sampler.speculation` off and `suffix` side by side (see the module
   docstring)."""
   from areal_jax import agents  # pylint: disable=g-import-not-at-top,unused-import  # first: it picks the backend
   import jax  # pylint: disable=g-import-not-at-top
+  from bench_sampler import best_rounds, by_epoch_line, spec_figures  # pylint: disable=g-import-not-at-top  # tools/
 
   task, variants = CalculatorTask(args), ("off", "suffix")
 
@@ -487,8 +467,7 @@ def calculator_speculation_main(args):
           f"{counters['decode_calls']}" + spec_figures(counters, drafted_at, accepted_at))
     print(f"calculator speculation={v}: {episodes_line(results)}")
     if v != "off":
-      print(f"calculator speculation={v}: acceptance by epoch " + ", ".join(
-          f"{a / max(1, d):.3f} of {d}" for a, d in by_epoch))
+      print(by_epoch_line("calculator", v, by_epoch))
   print(f"calculator ratio suffix / off tokens/s: {rate['suffix'] / rate['off']:.2f}x")
 
 

@@ -433,6 +433,40 @@ def spec_policy(args, data, records, tok):
                  f"{time.perf_counter() - start:.0f} s)" + (f", kept in {where}" if where else ""))
 
 
+def spec_figures(counters: dict, drafted_at, accepted_at) -> str:
+  """A variant's speculation figures from a scheduler's counters (summed over replicas): `, tokens per slot-forward
+  1.00` without speculation; with it `, tokens per slot-forward F, slot-forwards N (drafted share d), drafted D,
+  accepted A, acceptance X, by position a1 .. ak, accepted per slot-forward by position p1 .. pk` (see the module
+  docstring). bench_agents.py prints the same."""
+  import numpy as np
+
+  if "spec_forwards" not in counters:
+    return ", tokens per slot-forward 1.00"
+  at = accepted_at / np.maximum(drafted_at, 1)
+  forwards = max(1, counters["spec_forwards"])
+  return (f", tokens per slot-forward {counters['spec_tokens'] / forwards:.2f}, slot-forwards "
+          f"{counters['spec_forwards']} (drafted share {drafted_at[0] / forwards:.3f}), drafted "
+          f"{counters['spec_drafted']}, accepted {counters['spec_accepted']}, acceptance "
+          f"{counters['spec_accepted'] / max(1, counters['spec_drafted']):.3f}, by position "
+          + " ".join(f"{a:.3f}" for a in at) + ", accepted per slot-forward by position "
+          + " ".join(f"{a / forwards:.3f}" for a in accepted_at))
+
+
+def by_epoch_line(name: str, variant: str, by_epoch) -> str:
+  """`<name> speculation=<variant>: acceptance by epoch a of d, ...` from (accepted, drafted) per epoch."""
+  return f"{name} speculation={variant}: acceptance by epoch " + ", ".join(
+      f"{a / max(1, d):.3f} of {d}" for a, d in by_epoch)
+
+
+def best_rounds(run, variants, repeats: int) -> dict:
+  """Each variant's fastest round: one untimed round of each first (it compiles what the rounds run), then `repeats`
+  rounds alternating between them. `run(v)` returns a round's figures, its seconds second."""
+  for v in variants:
+    run(v)
+  rounds = [(v, run(v)) for _ in range(repeats) for v in variants]
+  return {v: min((r for w, r in rounds if w == v), key=lambda r: r[1]) for v in variants}
+
+
 def speculation_main(args) -> None:
   """Speculation off vs `suffix` on the revisited-prompts workload (warm-started tiny model, its own prompts) and the
   long-tail one (random weights): see the module docstring."""
@@ -482,14 +516,7 @@ def speculation_main(args) -> None:
       jax.block_until_ready(sched.state)
       return tokens, time.perf_counter() - t, sched, by_epoch
 
-    for v in variants:
-      run(v)  # compiles what the rounds run (the same requests draw the same tokens: the same shapes)
-    best = {}
-    for _ in range(args.repeats):
-      for v in variants:
-        r = run(v)
-        if v not in best or r[1] < best[v][1]:
-          best[v] = r
+    best = best_rounds(run, variants, args.repeats)  # the same requests draw the same tokens: the same shapes
     rate = {}
     for v in variants:
       tokens, seconds, sched, by_epoch = best[v]
@@ -498,20 +525,10 @@ def speculation_main(args) -> None:
       line = (f"{name} speculation={v}: tokens {tokens}, seconds {seconds:.2f}, tokens/s {rate[v]:.0f}, decode calls "
               f"{sched.counters['decode_calls']}, host s {seconds - part['device_wait']:.2f} (drafter "
               f"{part['drafts']:.2f}), device wait s {part['device_wait']:.2f}")
-      if v == "off":
-        print(line + ", tokens per slot-forward 1.00", flush=True)
-        continue
-      c = sched.counters
-      at = sched.spec_accepted_at / np.maximum(sched.spec_drafted_at, 1)
-      forwards = max(1, c["spec_forwards"])
-      print(line + f", tokens per slot-forward {c['spec_tokens'] / forwards:.2f}, slot-forwards {c['spec_forwards']} "
-            f"(drafted share {sched.spec_drafted_at[0] / forwards:.3f}), drafted {c['spec_drafted']}, accepted "
-            f"{c['spec_accepted']}, acceptance {c['spec_accepted'] / max(1, c['spec_drafted']):.3f}, by position "
-            + " ".join(f"{a:.3f}" for a in at) + ", accepted per slot-forward by position "
-            + " ".join(f"{a / forwards:.3f}" for a in sched.spec_accepted_at), flush=True)
+      print(line + spec_figures(sched.counters, getattr(sched, "spec_drafted_at", None),
+                                getattr(sched, "spec_accepted_at", None)), flush=True)
       if len(by_epoch) > 1:
-        print(f"{name} speculation={v}: acceptance by epoch " + ", ".join(
-            f"{a / max(1, d):.3f} of {d}" for a, d in by_epoch), flush=True)
+        print(by_epoch_line(name, v, by_epoch), flush=True)
     print(f"{name} ratio suffix / off tokens/s: {rate['suffix'] / rate['off']:.2f}x", flush=True)
 
   print(f"decode_steps {k}, spec_tokens {args.spec_tokens}, {args.slots} slots, temperature 1.0; "

@@ -112,11 +112,12 @@ def test_bench_agents_calculator_speculation_lines(calculator_policy_dir):
   assert all(int(m[0]) > 0 and int(m[2]) > 0 and int(m[3]) > 0 for m in rows.values()), out
   assert rows["off"][4:] == ["1.00", ""], out
   assert float(rows["suffix"][4]) >= 1.0, out  # a forward emits its accepted drafts + 1
-  m = re.fullmatch(r", drafted (\d+), accepted (\d+), acceptance ([\d.]+), by position ((?:[\d.]+ ?){4})",
+  m = re.fullmatch(r", slot-forwards (\d+) \(drafted share ([\d.]+)\), drafted (\d+), accepted (\d+), acceptance "
+                   r"([\d.]+), by position ((?:[\d.]+ ?){4}), accepted per slot-forward by position ((?:[\d.]+ ?){4})",
                    rows["suffix"][5])
   assert m, out
-  assert 0 < int(m[2]) <= int(m[1]) and 0 <= float(m[3]) <= 1, out  # drafts from the history were accepted
-  assert all(0 <= float(a) <= 1 for a in m[4].split()), out
+  assert 0 < int(m[4]) <= int(m[3]) and 0 <= float(m[5]) <= 1, out  # drafts from the history were accepted
+  assert 0 < float(m[2]) <= 1 and all(0 <= float(a) <= 1 for a in m[6].split() + m[7].split()), out
   assert len(re.findall(r"^calculator speculation=(?:off|suffix): 16 episodes: \d+ turns, .* 0 failed$", out,
                         re.M)) == 2, out
   assert re.search(r"^calculator speculation=suffix: acceptance by epoch [\d.]+ of \d+, [\d.]+ of \d+$", out,
