@@ -153,6 +153,19 @@ def test_bench_prefix_cache_draws_the_same_answers_with_fewer_tokens_prefilled()
   assert "ratio off / on (best rounds)" in out, out
 
 
+def test_bench_prefix_cache_replicas_keeps_episodes_where_their_pages_are():
+  """--replicas: both variants' lines parse, per replica; kept on its replica, each episode's second turn finds at
+  least the full page of its first turn's prompt (16 + 4 tokens) in the cache."""
+  out = _run("bench_prefix_cache.py", "--replicas=2", "--episodes=4", "--turns=2", "--system=16", "--question=4",
+             "--answer=12", "--tool=4")
+  rows = {m[0]: (float(m[1]), int(m[2]), int(m[3])) for m in re.findall(
+      r"^  (scattered \(no episode\)|kept \(Request\.episode\))\s+prefix hits ([\d.]+) \(per replica [\d.]+, [\d.]+\); "
+      r"(\d+) tokens cached, (\d+) prefilled; [\d.]+ s$", out, re.M)}
+  assert set(rows) == {"scattered (no episode)", "kept (Request.episode)"}, out
+  hits, cached, prefilled = rows["kept (Request.episode)"]
+  assert cached >= 4 * 16 and hits == pytest.approx(cached / (cached + prefilled), abs=1e-3), out
+
+
 def test_bench_delta_sync_pulls_whole_and_delta_copies_that_match(tmp_path):
   """The tiny preset in one version after another, pulled by a second process whole and as a delta; the tool fails
   unless both rebuild the published fingerprint. A float32 copy under Adam changes nearly everywhere: its delta goes
