@@ -97,10 +97,12 @@ class SamplerHub:
     # For samplers that join: the latest published copy of each part (version, staged): the whole model, and under
     # LoRA the latest adapters (the learner's own arrays cannot be kept: its train step donates them).
     self._kept: dict[str, tuple[int, object]] = {}
-    self._publish_s = 0.0  # the latest publish: staged and offered
+    # The latest offer's `sync/publish_seconds` (staged and offered), `sync/bytes` (what a pull of it moves: its
+    # delta's, where one was sent) and `sync/changed_fraction` (the delta's share of changed elements); the metrics
+    # report a copy taken on the learner's thread once that offer is complete (`_reported`).
+    self._offered: dict[str, float] = {}
+    self._reported: dict[str, float] = {}
     self._learner_s = 0.0  # the latest publish: what the learner waited for (all of it, without `overlap`)
-    self._changed: float | None = None  # the latest delta's share of changed elements
-    self._nbytes: int | None = None  # what a pull of the latest version moves (its delta's, where one was sent)
     self._retired = dict.fromkeys(CUMULATIVE, 0.0)  # the counters of samplers that left
     self._none_since: float | None = None  # since when no sampler has been live
     self._none_s = 0.0  # seconds without a live sampler before that
@@ -138,6 +140,7 @@ class SamplerHub:
     `overlap` this returns once the copy is dispatched, after the previous version was offered."""
     start = time.perf_counter()
     self._wait_published()
+    self._reported = dict(self._offered)  # under `overlap`, the version before's (this one is not offered yet)
     part = "adapters" if self.version >= 0 and "adapters" in self.publisher.parts else "all"
     staged = self.publisher.stage(params, part, block=not self.overlap)
     faults.reach("weight_update")
@@ -148,6 +151,7 @@ class SamplerHub:
       self._publishing.start()
     else:
       self._finish_publish(staged, version, part, start)
+      self._reported = dict(self._offered)
     self._learner_s = time.perf_counter() - start
 
   def _wait_published(self) -> None:
@@ -193,10 +197,11 @@ class SamplerHub:
     return self._call(self._sampler_metrics)
 
   def sync_metrics(self) -> dict[str, float]:
-    """Of the latest publish: `sync/publish_seconds` (staged and offered), `sync/learner_seconds` (what the learner
-    waited for), `sync/bytes` (what a pull of it moves: its delta's where samplers were sent one) and under `delta`
-    `sync/changed_fraction`; `sync/seconds` (slowest pull) and `sync/mb_per_s` (mean) of the live samplers' latest
-    pulls, and the same per sampler."""
+    """Of the latest publish: `sync/learner_seconds` (what the learner waited for). Of the latest offer complete when
+    it was published (that version's own without `overlap`; with it, the version before's, as the new one may still be
+    in flight): `sync/publish_seconds` (staged and offered), `sync/bytes` (what a pull of it moves: its delta's where
+    samplers were sent one) and under `delta` `sync/changed_fraction`. `sync/seconds` (slowest pull) and
+    `sync/mb_per_s` (mean) of the live samplers' latest pulls, and the same per sampler."""
     return self._call(self._sync_metrics)
 
   def stop(self, timeout_s: float = 120.0) -> None:
@@ -317,17 +322,17 @@ class SamplerHub:
         for pid, s in small.items():
           self._send_weights(pid, s, version, uuids[pid], fp, part, delta=delta)
       live = {pid: s for pid, s in live.items() if pid not in small}
-      self._changed = change.changed_fraction
-      self._nbytes = change.nbytes if small else self.publisher.nbytes(part)
+      offered = {"sync/changed_fraction": change.changed_fraction,
+                 "sync/bytes": float(change.nbytes if small else self.publisher.nbytes(part))}
     else:
-      self._nbytes = self.publisher.nbytes(part)
+      offered = {"sync/bytes": float(self.publisher.nbytes(part))}
     if live or delta is None:
       uuids, fp = self.publisher.offer(staged, version, list(live))
       for pid, s in live.items():
         self._send_weights(pid, s, version, uuids[pid], fp, part)
     self.version = version
     self._kept[part] = (version, staged)
-    self._publish_s = time.perf_counter() - start
+    self._offered = {"sync/publish_seconds": time.perf_counter() - start, **offered}
 
   def _offer_kept(self, pid: int, s: RemoteSampler, part: str) -> int:
     """Offers sampler `s` the kept copy of `part` (whole); returns its version."""
@@ -467,10 +472,8 @@ class SamplerHub:
 
   def _sync_metrics(self) -> dict[str, float]:
     pulls = {s.key: s.pull for s in self._live.values() if s.pull is not None}
-    out = {"sync/publish_seconds": self._publish_s, "sync/learner_seconds": self._learner_s,
-           "sync/bytes": float(self.publisher.nbytes() if self._nbytes is None else self._nbytes)}
-    if self._changed is not None:
-      out["sync/changed_fraction"] = self._changed
+    out = {"sync/publish_seconds": 0.0, "sync/bytes": float(self.publisher.nbytes()), **self._reported,
+           "sync/learner_seconds": self._learner_s}
     if not pulls:
       return out
     out |= {"sync/seconds": max(p.seconds for p in pulls.values()),

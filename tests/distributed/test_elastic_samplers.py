@@ -97,7 +97,9 @@ def test_samplers_leave_and_join_a_running_job(tmp_path):
 
   text = log.text()
   assert dropped_after <= HEARTBEAT_S + 3, f"a SIGSTOPped sampler was dropped after {dropped_after:.1f} s"
-  assert joined_at >= step_before  # the version current when it joined
+  # The version current when it joined: at least the one before the latest row's (sync.overlap offers a version
+  # while the learner trains on, so its row may be written before it is offered).
+  assert joined_at >= step_before - 1
   answers = int(re.search(r"sampler 2: stopping after (\d+) answers", open(tmp_path / "extra.log").read()).group(1))
   assert answers > 0
   assert text.count("learner 0 is process 0") == 1 and "resumed" not in text  # the learner never restarted
