@@ -26,6 +26,7 @@ from areal_jax.distributed import weight_transfer
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Transformer
 from areal_jax.sampler.config import SamplerConfig
+from areal_jax.sampler.drafts import SuffixDrafter
 from areal_jax.sampler.sampler import Sampler
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, SamplingParams
@@ -75,6 +76,9 @@ class Evaluator:
                                    max_new_tokens=sampler_cfg.max_new_tokens, seed=seed)
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     self.engine = Engine(model=abstract, config=sampler_cfg, mesh=mesh)
+    # With speculation, one drafter for every evaluation: the same held-out prompts come back, and the last
+    # evaluation's answers draft this one's (the policy has moved little since).
+    self.drafter = SuffixDrafter(max_draft=sampler_cfg.draft_width) if sampler_cfg.speculation == "suffix" else None
 
   def __call__(self, params, *, version: int = 0, records: Sequence[PromptRecord] | None = None,
                num_samples: int | None = None, temperature: float | None = None,
@@ -89,7 +93,8 @@ class Evaluator:
     sampling = dataclasses.replace(self.sampling, **{k: v for k, v in (("temperature", temperature), ("top_p", top_p))
                                                      if v is not None})
     params = weight_transfer.transfer(params, self.engine.param_shardings, dtype=self.engine.param_dtype)
-    sampler = Sampler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids, warmup=False)
+    sampler = Sampler(engine=self.engine, params=params, version=version, eos_ids=self.eos_ids, warmup=False,
+                      drafter=self.drafter)
     faults.reach("evaluation")
     finished = sampler.run([Request(group_id=i, prompt_ids=r.prompt_ids, num_answers=num_samples, sampling=sampling)
                            for i, r in enumerate(records)])

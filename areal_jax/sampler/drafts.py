@@ -408,6 +408,12 @@ class SuffixDrafter:
         self._global.add(text)
     self._evict()
 
+  def abandon(self) -> None:
+    """Drops every running answer (kept histories stay): for a new owner of a drafter whose last owner may have
+    stopped mid-answer."""
+    for key in list(self._answers):
+      self.finish(key, keep=False)
+
   def sizes(self) -> dict[str, int]:
     """What is held: running answers; prompts, answers and tokens in per-prompt histories; answers in the global
     index; states in all automata (memory is about proportional to them)."""

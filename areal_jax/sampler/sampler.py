@@ -99,11 +99,12 @@ class Sampler:
 
   def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids: Iterable[int] = (),
                detokenize: Callable[[Seq[int]], str] | None = None, max_queue: int | None = None,
-               gather: bool = False, warmup: bool | None = None, idle_wait_s: float = 0.005, name: str = "sampler"):
+               gather: bool = False, warmup: bool | None = None, idle_wait_s: float = 0.005, name: str = "sampler",
+               drafter=None):
     if max_queue is not None and max_queue < 1:
       raise ValueError(f"max_queue={max_queue}: must be >= 1")
     self.engine = engine
-    self.scheduler = Scheduler(engine=engine, params=params, version=version, eos_ids=eos_ids)
+    self.scheduler = Scheduler(engine=engine, params=params, version=version, eos_ids=eos_ids, drafter=drafter)
     self.detokenize, self.max_queue, self.gather = detokenize, max_queue, gather
     self.idle_wait_s, self.name = idle_wait_s, name
     self.error: BaseException | None = None

@@ -80,7 +80,7 @@ class _Call:
 class Scheduler:
   """Single-threaded except `update_params`, which may be called from any thread."""
 
-  def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids=()):
+  def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids=(), drafter: SuffixDrafter | None = None):
     self.engine = engine
     self.params, self.version = params, version
     self.eos_ids = frozenset(int(e) for e in eos_ids)
@@ -94,9 +94,13 @@ class Scheduler:
     # With `sampler.speculation`: drafts from the rollouts drawn so far (`drafts.SuffixDrafter`), keyed by the serial
     # of the slot's answer; per slot, the tokens of its answer the drafter holds. Counters: slots' forwards over drafts,
     # tokens they emitted, drafts verified and accepted (also per draft position, `spec_drafted_at`/`_accepted_at`).
+    # A `drafter` given keeps its histories from an earlier scheduler (an evaluation's, of the same prompts).
     self.drafter = None
+    if drafter is not None and engine.cfg.speculation != "suffix":
+      raise ValueError(f"a drafter given with sampler.speculation={engine.cfg.speculation!r}")
     if engine.cfg.speculation == "suffix":
-      self.drafter = SuffixDrafter(max_draft=engine.cfg.draft_width)
+      self.drafter = drafter or SuffixDrafter(max_draft=engine.cfg.draft_width)
+      self.drafter.abandon()
       self.counters.update(dict.fromkeys(("spec_forwards", "spec_tokens", "spec_drafted", "spec_accepted"), 0))
       self.spec_drafted_at = np.zeros(engine.cfg.spec_tokens, np.int64)
       self.spec_accepted_at = np.zeros(engine.cfg.spec_tokens, np.int64)

@@ -232,6 +232,62 @@ def test_suffix_drafts_change_no_greedy_answer_and_logprobs_are_the_dense_forwar
   assert sched.spec_accepted_at.sum() == sched.counters["spec_accepted"]
 
 
+def test_a_drafter_handed_to_a_new_scheduler_drafts_from_the_last_one_s_answers():
+  """As the evaluation does between evaluations: a second scheduler given the first's drafter drafts the same
+  prompts' greedy answers from the first's finished ones, from its first call on, and its answers are the first's.
+  An answer the drafter still holds from a scheduler that stopped mid-answer is abandoned, not kept."""
+  from areal_jax.sampler.drafts import SuffixDrafter  # pylint: disable=g-import-not-at-top
+
+  model = tiny_model(TINY, seed=20)
+  cfg = SCHED_CFG.replace(speculation="suffix", spec_tokens=3)
+  engine = Engine(model=model, config=cfg)
+  params = engine.load_params(model)
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(2, 64, size=n).astype(np.int32) for n in (5, 9)]
+  sp = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
+  drafter = SuffixDrafter(max_draft=cfg.draft_width)
+  answers = []
+  for _ in range(2):
+    sched = Scheduler(engine=engine, params=params, eos_ids=(1,), drafter=drafter)
+    for g, p in enumerate(prompts):
+      sched.submit(Request(group_id=g, prompt_ids=p, num_answers=1, sampling=sp))
+    done = {}
+    while not sched.idle:
+      done.update({s.request.group_id: list(s.tokens) for s in sched.step()})
+    answers.append((done, dict(sched.counters)))
+    drafter.start(1, prompts[0][:3])  # as if an answer were running when its scheduler stopped (the next's serial 1)
+  (first, c1), (second, c2) = answers
+  assert first == second and len(first) == 2
+  assert c2["spec_accepted"] == c2["spec_drafted"] > c1["spec_drafted"] and c2["spec_accepted"] > 0
+  with pytest.raises(ValueError, match="speculation='off'"):
+    Scheduler(engine=Engine(model=model, config=SCHED_CFG), params=params, drafter=drafter)
+
+
+def test_the_evaluation_drafts_from_the_last_evaluation_s_answers():
+  """`Evaluator` keeps one drafter across its calls: the second evaluation of the same held-out prompts (greedy, the
+  same weights) drafts from the first's answers and gives the same answers."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from areal_jax.data.records import PromptRecord  # pylint: disable=g-import-not-at-top
+  from areal_jax.rl.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
+  from areal_jax.sharding import make_mesh  # pylint: disable=g-import-not-at-top
+
+  model = tiny_model(TINY, seed=20)
+  rng = np.random.default_rng(6)
+  records = [PromptRecord(uid=str(i), prompt="", prompt_ids=rng.integers(2, 64, size=n).astype(np.int32),
+                          reference="") for i, n in enumerate((5, 9, 6))]
+  evaluator = Evaluator(model_cfg=TINY, records=records, mesh=make_mesh(jax.devices()[:2], {"data": -1, "tensor": 1}),
+                        sampler_cfg=SCHED_CFG.replace(speculation="suffix", spec_tokens=3, max_new_tokens=20),
+                        eos_ids=(1,), detokenize=lambda ids: " ".join(map(str, ids)),
+                        score=lambda items: [0.0] * len(items))
+  params = nnx.state(model, nnx.Param)
+  first = evaluator(params)
+  from_prompts = evaluator.drafter.stats["prompt"]
+  second = evaluator(params)
+  np.testing.assert_array_equal(first.lengths, second.lengths)
+  assert evaluator.drafter.sizes()["prompts"] == 3 and evaluator.drafter.stats["prompt"] > from_prompts
+
+
 def test_sampled_answers_with_suffix_drafts_follow_the_model_s_distribution():
   """Temperature 0.7 over 3 drawable ids (`vocab_limit`), answers of 4 tokens: 3,000 answers to one prompt, drafted
   from the earlier ones, against the exact distribution of the 81 sequences by the dense forward (chi-square); the
