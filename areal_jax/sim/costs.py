@@ -365,17 +365,29 @@ class CostModel:
     """One evaluation as `Evaluator` runs it: one data-parallel engine over the leader host's learner chips
     (`chips_per_host` of them at most, one data shard each), its prompts prefilled a slot's worth at a time, then continuous batching at
     full occupancy: answers x length / live decode steps, each at `live` answers holding the prompt and half an
-    answer of context, plus the scheduler's host work per call (`decode_call`)."""
+    answer of context, plus the scheduler's host work per call (`decode_call`). With `acceptance` (speculation,
+    which the evaluation's engine runs too, drafting from the last evaluation's answers) a call's k tokens take the
+    expected forwards of the slowest live slot, each over spec_tokens + 1 positions, the drafter's host work beside
+    them; the same acceptance as the rollouts' (not measured for the evaluation)."""
     chips = min(self.learner_chips, self.device.chips_per_host)
     engine = dataclasses.replace(self, sampler_chips=chips, sampler_shards=max(1, int(chips)), engines=1,
                                  colocated=False)
     shards, n, length = engine.sampler_shards, self.eval_answers, max(1.0, self.eval_len)
     live = min(n, self.eval_slots)
     per_shard = np.full(shards, live / shards)
-    step = engine.decode_step(per_shard, per_shard * (self.eval_prompt + length / 2))
+    context = per_shard * (self.eval_prompt + length / 2)
     k = self.eval_decode_steps
     calls = n * length / live / k
-    decode = calls * engine.decode_call(k * step, self.eval_slots, overlap=self.eval_overlap)
+    if self.acceptance is None:
+      device = k * engine.decode_step(per_shard, context)
+      drafting = 0.0
+    else:  # the evaluation speculates too: a call takes as many forwards as the slowest of its live slots
+      at_most = self.acceptance.forwards_cdf(k)[k]  # P(a slot's k tokens take <= f forwards)
+      forwards = float(np.sum(1.0 - at_most[:k] ** live))
+      positions = self.acceptance.spec_tokens + 1
+      device = forwards * (float(engine.forward_s(per_shard, context, positions).max()) + self.eff.decode_step_s)
+      drafting = float(live)
+    decode = calls * engine.decode_call(device, self.eval_slots, overlap=self.eval_overlap, drafting=drafting)
     prefill = -(-n // live) * engine.prefill(live, max(1, self.eval_prompt))
     return decode + prefill
 

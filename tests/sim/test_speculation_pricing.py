@@ -123,3 +123,19 @@ def test_a_plan_with_speculation_runs_to_the_end_and_decodes_faster():
     assert f["tokens_per_s"] > 0 and f["step_s"] > 0
     assert f["sampler_busy"] < s["sampler_busy"]
   assert "speculation" in plan.format_speculation(fast) and "-> " in plan.format_speculation(fast)
+
+
+def test_the_evaluation_is_priced_with_the_acceptance_too():
+  """`CostModel.evaluation` with speculation: where memory decides, every draft accepted takes a call's 8 tokens in 2
+  forwards (5 and 3) instead of 8, none accepted costs what plain decode does; the prompts' prefill is the same."""
+  def costs(accept: str | None) -> CostModel:
+    return CostModel(model=TINY, device=MEMORY_BOUND, sampler_chips=1, learner_chips=1, eff=FORWARDS_ONLY,
+                     acceptance=None if accept is None else Acceptance.parse(accept, 4),
+                     eval_answers=64, eval_every=1, eval_len=400.0, eval_prompt=16, eval_slots=64,
+                     eval_decode_steps=8)
+
+  plain = costs(None).evaluation()
+  prefill = costs(None).prefill(64, 16)  # one batch of the 64 prompts on the one chip (its weights read once)
+  assert 0 < prefill < plain
+  assert costs("0").evaluation() == pytest.approx(plain, rel=1e-9)
+  assert costs("1").evaluation() == pytest.approx(prefill + (plain - prefill) * 2 / 8, rel=1e-9)
