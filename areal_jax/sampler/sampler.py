@@ -30,7 +30,9 @@ Options, each for whoever needs it:
 - `on_tokens(i, Tokens)` (`submit_many`): request i's new tokens after each decode call (streaming), on the loop's
   thread, returning quickly;
 - `max_queue`: `submit_many` raises `QueueFull` once that many requests wait beyond the decode slots free now;
-- `warmup` (default `sampler.warmup`): compile every program before the first request.
+- `warmup` (default `sampler.warmup`): compile every program before the first request;
+- `drafter` (with `sampler.speculation="suffix"`): a `SuffixDrafter` kept from an earlier sampler, whose finished
+  answers draft this one's (the evaluation's, between evaluations of the same prompts).
 
 A request whose future is cancelled before it reaches the scheduler is dropped; once it runs it runs to the end (the
 scheduler has no abort), its answers unread. An exception in the loop fails every open future; `check()` re-raises
@@ -49,6 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence as Seq
 
 from areal_jax import faults
+from areal_jax.sampler.drafts import SuffixDrafter
 from areal_jax.sampler.engine import Engine
 from areal_jax.sampler.requests import Request, Sequence
 from areal_jax.sampler.scheduler import Scheduler
@@ -100,7 +103,7 @@ class Sampler:
   def __init__(self, *, engine: Engine, params, version: int = 0, eos_ids: Iterable[int] = (),
                detokenize: Callable[[Seq[int]], str] | None = None, max_queue: int | None = None,
                gather: bool = False, warmup: bool | None = None, idle_wait_s: float = 0.005, name: str = "sampler",
-               drafter=None):
+               drafter: SuffixDrafter | None = None):
     if max_queue is not None and max_queue < 1:
       raise ValueError(f"max_queue={max_queue}: must be >= 1")
     self.engine = engine
