@@ -257,11 +257,11 @@ def _records(data: bytes) -> list[bytes]:
 def truncate_events(logdir: epath.Path, step: int) -> None:
   """Drops the TensorBoard events of steps after `step` from every event file in `logdir` (TensorBoard would plot a
   redone step twice); a file left with no scalars is removed. Each file is replaced whole."""
+  if not logdir.exists():
+    return  # before importing tensorboardX, which imports torch where it is installed (seconds at every start)
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   from tensorboardX.record_writer import masked_crc32c  # pylint: disable=g-import-not-at-top
 
-  if not logdir.exists():
-    return
   for path in logdir.iterdir():
     if not path.name.startswith("events"):
       continue
