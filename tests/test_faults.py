@@ -113,13 +113,7 @@ def test_bad_rows_reward_storm_nan_and_a_lost_eval_file(tmp_path, data):
     os.rename(d / "eval.moved", d / "eval.jsonl")
   assert rc != 0 and f"data.eval_path: data file '{d}/eval.jsonl' does not exist" in log, log[-3000:]
   assert {name: open(os.path.join(workdir, name)).read() for name in logs} == logs
-  assert _restorable(workdir) == [2, 4]
-
-  # With the file back, the run resumes from step 4 and finishes.
-  rc, log = _job(workdir, *flags, "--config.total_steps=6")
-  assert rc == 0 and "at step 4" in log, log[-3000:]
-  assert [m["step"] for m in _lines(os.path.join(workdir, "metrics.jsonl"))] == [0, 1, 2, 3, 4, 5, 6]
-  assert _restorable(workdir) == [2, 4, 6]
+  assert _restorable(workdir) == [2, 4]  # what a restart resumes from (resuming: tests/tools/test_chaos.py)
 
 
 def _can_mount_tmpfs(tmp_path):

@@ -57,7 +57,7 @@ def test_a_whole_run_from_a_hf_directory_back_to_one(tmp_path):
   config = load_config(FAST, total_steps=2, **{
       "model.init_from": ckpt, "model.tokenizer": ckpt, "data.source": "files", "data.path": data["train"],
       "data.eval_path": data["eval"], "data.prompt_template": "chat", "data.max_prompt_len": 48,
-      "warmstart.on_init_from": True, "warmstart.steps": 150, "warmstart.cache_dir": ""})
+      "warmstart.on_init_from": True, "warmstart.steps": 60, "warmstart.cache_dir": ""})
   rows = trainer.run(config, str(workdir))
   assert [r["step"] for r in rows] == [0, 1, 2]
   metrics = read_metrics(str(workdir))
