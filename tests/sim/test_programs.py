@@ -10,7 +10,6 @@ from areal_jax.sim import programs  # noqa: E402
 SMALL = {"model.num_layers": 1, "learner.max_tokens_per_mb": 128}
 
 
-@pytest.mark.release  # AOT compiles for a TPU topology: the full suite runs it, CI's command does not
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_learner_passes_count_the_proximal_pass_and_rematerialisation(remat):
   """A forward and backward is at least 3 forward passes' FLOPs and the proximal pass at least one (attention over
