@@ -37,9 +37,6 @@ assert jax.device_count() == 8, jax.devices()
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: whole runs, subprocess jobs and benchmarks (`-m 'not slow'` is the fast "
                           "tier)")
-  config.addinivalue_line("markers", "release: the benchmarks' runs and printed lines, the device check's dry run and "
-                          "the AOT compiles for TPU topologies; the full suite runs them, CI's command (the README's, "
-                          "`-m 'not release'`) does not")
 
 
 def pytest_collection_modifyitems(items):

@@ -17,8 +17,7 @@ pytest.importorskip("libtpu")
 from areal_jax import aot_check  # noqa: E402
 from areal_jax.config import load_config, validate  # noqa: E402
 
-# TPU topologies compiled with libtpu: the full suite runs them, CI's command (`-m "not release"`) does not.
-pytestmark = [pytest.mark.slow, pytest.mark.release]
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny preset cut to one layer and one bucket of 128 tokens: the same programs, compiled in seconds.

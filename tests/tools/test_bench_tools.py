@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-# The benchmarks' printed lines: the full suite runs them, CI's command (`-m "not release"`) does not.
-pytestmark = [pytest.mark.slow, pytest.mark.release]
+pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the full suite only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

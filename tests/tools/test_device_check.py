@@ -15,7 +15,6 @@ pytestmark = pytest.mark.slow  # whole runs, subprocess jobs or benchmarks: the 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.release  # the full suite runs it, CI's command does not
 def test_device_check_dry_run(tmp_path):
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_check.py"), "--dry_run",
                         f"--out={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=ROOT)
