@@ -23,7 +23,6 @@ def _tool():  # once: the tool defines its absl flags at import
   return module
 
 
-@pytest.mark.release  # the full suite runs it, CI's command does not
 def test_bench_async_compares_sync_and_async_runs(tmp_path):
   bench = _tool()
   config = load_config(os.path.join(ROOT, "configs", "math.py:fast"))
